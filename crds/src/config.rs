@@ -1,0 +1,246 @@
+//! The config hash: what the operator publishes for each drop and every sidecar reads.
+//!
+//! It is a Redis hash at [`crate::DropKeys::config`]. Values are decimal strings; an
+//! optional value that is not set is the empty string. The gate's Lua scripts read
+//! `mode`, `perUserLimit`, `startsAt`, `endsAt`, `holdSeconds` and `expireAt` from it
+//! directly, inside the same atomic step that admits, so a mode change or a new
+//! per-user limit takes effect at once in every sidecar, whatever it has cached.
+
+use std::collections::HashMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Version of this format, written as the `format` field.
+pub const FORMAT: &str = "1";
+
+/// How the sidecars answer for a drop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Redis's atomic Lua gate admits.
+    Gate,
+    /// The SQL ledger's own gate admits (kill switch, or HA missing under policy Open).
+    FailOpen,
+    /// Nothing is admitted: HA is required, missing, and the policy is Closed.
+    Closed,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Gate => "gate",
+            Mode::FailOpen => "fail-open",
+            Mode::Closed => "closed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gate" => Some(Mode::Gate),
+            "fail-open" => Some(Mode::FailOpen),
+            "closed" => Some(Mode::Closed),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a sidecar does when it cannot reach Redis at all.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum FailurePolicy {
+    /// Go on selling through the SQL ledger's gate.
+    #[default]
+    Open,
+    /// Answer `unavailable`: no sale rather than a sale that is not gated by Redis.
+    Closed,
+}
+
+impl FailurePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailurePolicy::Open => "Open",
+            FailurePolicy::Closed => "Closed",
+        }
+    }
+}
+
+/// One drop's published configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DropConfig {
+    pub sku: String,
+    /// The limit that `remaining` currently reflects: a restock moves `remaining` by
+    /// the difference between a new limit and this one, so it must be stored.
+    pub limit: i64,
+    pub per_user_limit: i64,
+    /// Sale window in ms since the epoch, `[starts_at, ends_at)`.
+    pub starts_at_ms: Option<i64>,
+    pub ends_at_ms: Option<i64>,
+    pub hold_seconds: i64,
+    /// Throttle permits per sidecar.
+    pub permits: u32,
+    pub acquire_timeout_ms: u64,
+    pub mode: Mode,
+    pub failure_policy: FailurePolicy,
+    /// `metadata.generation` of the InventoryDrop this was published from.
+    pub generation: i64,
+    /// When the drop's keys expire (ms since the epoch): past `endsAt`, so that
+    /// late confirms and refunds still find their reservations.
+    pub expire_at_ms: Option<i64>,
+}
+
+/// A config hash that cannot be read: published by an incompatible operator, or
+/// edited by hand.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("config hash has no field `{0}`")]
+    Missing(&'static str),
+    #[error("config hash field `{field}` has an invalid value {value:?}")]
+    Invalid { field: &'static str, value: String },
+}
+
+impl DropConfig {
+    /// The hash's fields, in the order they are written.
+    pub fn to_fields(&self) -> Vec<(&'static str, String)> {
+        let opt = |v: Option<i64>| v.map(|v| v.to_string()).unwrap_or_default();
+        vec![
+            ("format", FORMAT.to_string()),
+            ("sku", self.sku.clone()),
+            ("limit", self.limit.to_string()),
+            ("perUserLimit", self.per_user_limit.to_string()),
+            ("startsAt", opt(self.starts_at_ms)),
+            ("endsAt", opt(self.ends_at_ms)),
+            ("holdSeconds", self.hold_seconds.to_string()),
+            ("permits", self.permits.to_string()),
+            ("acquireTimeoutMs", self.acquire_timeout_ms.to_string()),
+            ("mode", self.mode.as_str().to_string()),
+            ("failurePolicy", self.failure_policy.as_str().to_string()),
+            ("generation", self.generation.to_string()),
+            ("expireAt", opt(self.expire_at_ms)),
+        ]
+    }
+
+    /// Reads a config hash as returned by HGETALL. An empty map means the drop is not
+    /// published: that is `Ok(None)`, not an error.
+    pub fn from_fields(fields: &HashMap<String, String>) -> Result<Option<Self>, ConfigError> {
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let get = |field: &'static str| {
+            fields
+                .get(field)
+                .map(String::as_str)
+                .ok_or(ConfigError::Missing(field))
+        };
+        let invalid = |field: &'static str, value: &str| ConfigError::Invalid {
+            field,
+            value: value.to_string(),
+        };
+        let int = |field: &'static str| -> Result<i64, ConfigError> {
+            let v = get(field)?;
+            v.parse().map_err(|_| invalid(field, v))
+        };
+        let opt_int = |field: &'static str| -> Result<Option<i64>, ConfigError> {
+            match fields.get(field).map(String::as_str) {
+                None | Some("") => Ok(None),
+                Some(v) => v.parse().map(Some).map_err(|_| invalid(field, v)),
+            }
+        };
+        let format = get("format")?;
+        if format != FORMAT {
+            return Err(invalid("format", format));
+        }
+        let mode = get("mode")?;
+        let policy = get("failurePolicy")?;
+        let permits = int("permits")?;
+        let acquire_timeout_ms = int("acquireTimeoutMs")?;
+        Ok(Some(DropConfig {
+            sku: get("sku")?.to_string(),
+            limit: int("limit")?,
+            per_user_limit: int("perUserLimit")?,
+            starts_at_ms: opt_int("startsAt")?,
+            ends_at_ms: opt_int("endsAt")?,
+            hold_seconds: int("holdSeconds")?,
+            permits: u32::try_from(permits)
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| invalid("permits", &permits.to_string()))?,
+            acquire_timeout_ms: u64::try_from(acquire_timeout_ms)
+                .map_err(|_| invalid("acquireTimeoutMs", &acquire_timeout_ms.to_string()))?,
+            mode: Mode::parse(mode).ok_or_else(|| invalid("mode", mode))?,
+            failure_policy: match policy {
+                "Open" => FailurePolicy::Open,
+                "Closed" => FailurePolicy::Closed,
+                other => return Err(invalid("failurePolicy", other)),
+            },
+            generation: int("generation")?,
+            expire_at_ms: opt_int("expireAt")?,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> DropConfig {
+        DropConfig {
+            sku: "SNKR-0412".into(),
+            limit: 100,
+            per_user_limit: 1,
+            starts_at_ms: Some(1_764_583_200_000),
+            ends_at_ms: None,
+            hold_seconds: 600,
+            permits: 64,
+            acquire_timeout_ms: 50,
+            mode: Mode::FailOpen,
+            failure_policy: FailurePolicy::Closed,
+            generation: 3,
+            expire_at_ms: None,
+        }
+    }
+
+    fn as_map(cfg: &DropConfig) -> HashMap<String, String> {
+        cfg.to_fields()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_through_the_hash() {
+        let cfg = sample();
+        assert_eq!(DropConfig::from_fields(&as_map(&cfg)), Ok(Some(cfg)));
+    }
+
+    #[test]
+    fn an_empty_hash_is_an_unpublished_drop() {
+        assert_eq!(DropConfig::from_fields(&HashMap::new()), Ok(None));
+    }
+
+    #[test]
+    fn damaged_fields_are_named() {
+        let mut map = as_map(&sample());
+        map.insert("mode".into(), "fast".into());
+        assert_eq!(
+            DropConfig::from_fields(&map),
+            Err(ConfigError::Invalid {
+                field: "mode",
+                value: "fast".into()
+            })
+        );
+        map.remove("limit");
+        assert_eq!(
+            DropConfig::from_fields(&map),
+            Err(ConfigError::Missing("limit"))
+        );
+        let mut map = as_map(&sample());
+        map.insert("permits".into(), "0".into());
+        assert!(DropConfig::from_fields(&map).is_err());
+    }
+}

@@ -1,0 +1,119 @@
+//! Redis key names. Nothing else in dropgate formats a key.
+//!
+//! All keys of a drop share the hash tag `{<namespace>/<name>}`: Redis Cluster hashes
+//! only what is inside the braces, so the gate's Lua scripts, which touch several keys
+//! of one drop atomically, never cross a slot.
+
+/// Key names of one drop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DropKeys {
+    /// `dropgate:{namespace/name}`, the common prefix including the hash tag.
+    prefix: String,
+}
+
+impl DropKeys {
+    /// Keys of the drop `name` in `namespace`. Both are Kubernetes object names
+    /// (validated by [`is_object_name`]), so they cannot contain `{`, `}` or `:`.
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            prefix: format!("dropgate:{{{namespace}/{name}}}"),
+        }
+    }
+
+    /// Hash: the drop's published configuration (see [`crate::config`]).
+    pub fn config(&self) -> String {
+        format!("{}:config", self.prefix)
+    }
+
+    /// Integer: units the gate may still admit. Negative after a cut below what is
+    /// held, so that returned units pay the deficit back before anything is re-sold.
+    pub fn remaining(&self) -> String {
+        format!("{}:remaining", self.prefix)
+    }
+
+    /// Integer: units held by active or confirmed reservations (status `reserved`).
+    pub fn held(&self) -> String {
+        format!("{}:held", self.prefix)
+    }
+
+    /// Hash: user -> units that user holds, for the per-user limit.
+    pub fn buyers(&self) -> String {
+        format!("{}:buyers", self.prefix)
+    }
+
+    /// Sorted set: idempotency keys of active reservations scored by their deadline
+    /// (ms since the epoch), so the sweeper finds due holds without scanning.
+    pub fn holds(&self) -> String {
+        format!("{}:holds", self.prefix)
+    }
+
+    /// Hash: the reservation marker of one idempotency key (user, quantity, state,
+    /// deadline). It outlives the hold so that a late retry is still recognised.
+    pub fn reservation(&self, key: &str) -> String {
+        format!("{}:res:{key}", self.prefix)
+    }
+
+    /// Glob matching every reservation marker of the drop (cleanup only).
+    pub fn reservation_pattern(&self) -> String {
+        format!("{}:res:*", self.prefix)
+    }
+
+    /// Stream: the outbox's events for this drop; consumers read it.
+    pub fn events(&self) -> String {
+        format!("{}:events", self.prefix)
+    }
+
+    /// Every fixed key of the drop, config first: deleting in this order stops
+    /// sidecars from admitting before the stock disappears.
+    pub fn fixed(&self) -> [String; 6] {
+        [
+            self.config(),
+            self.remaining(),
+            self.held(),
+            self.buyers(),
+            self.holds(),
+            self.events(),
+        ]
+    }
+}
+
+/// Whether `s` is a valid Kubernetes object name (RFC 1123 subdomain): what a drop's
+/// name and namespace must be, and what keeps key names unambiguous.
+pub fn is_object_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_of_a_drop_shares_one_hash_tag() {
+        let keys = DropKeys::new("shop", "sneaker-0412");
+        let mut all = keys.fixed().to_vec();
+        all.push(keys.reservation("order-1"));
+        for key in all {
+            assert!(key.starts_with("dropgate:{shop/sneaker-0412}:"), "{key}");
+        }
+        assert_eq!(keys.events(), "dropgate:{shop/sneaker-0412}:events");
+    }
+
+    #[test]
+    fn object_names_follow_rfc_1123() {
+        for ok in ["a", "sneaker-0412", "x.y-z", "0"] {
+            assert!(is_object_name(ok), "{ok}");
+        }
+        for bad in ["", "A", "a_b", "-a", "a-", "a..b", "a}b", "a/b", &"a".repeat(254)] {
+            assert!(!is_object_name(bad), "{bad}");
+        }
+    }
+}

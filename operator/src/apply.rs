@@ -1,0 +1,46 @@
+//! `dropgate-operator apply -f drop.yaml`: the controller's reconcile, run once
+//! against Redis without Kubernetes.
+
+use dropgate_api::InventoryDrop;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::reconcile::{self, Reconciled};
+use crate::{Error, Result, store};
+
+/// Reads one InventoryDrop manifest. Type errors name their path
+/// (`spec.limitedQuantity: invalid type: ...`).
+pub fn parse_manifest(text: &str) -> Result<InventoryDrop> {
+    let value: serde_norway::Value =
+        serde_norway::from_str(text).map_err(|e| Error::InvalidManifest(e.to_string()))?;
+    let field = |name: &str| value.get(name).and_then(|v| v.as_str()).unwrap_or("");
+    let (api_version, kind) = (field("apiVersion"), field("kind"));
+    if api_version != "dropgate.io/v1alpha1" || kind != "InventoryDrop" {
+        return Err(Error::InvalidManifest(format!(
+            "expected apiVersion dropgate.io/v1alpha1 and kind InventoryDrop, found {api_version:?} {kind:?}"
+        )));
+    }
+    let drop: InventoryDrop =
+        serde_norway::from_str(text).map_err(|e| Error::InvalidManifest(e.to_string()))?;
+    reconcile::validate(&drop)?;
+    Ok(drop)
+}
+
+/// Reconciles `manifest` into Redis. `redis_url` overrides `spec.redis.url`.
+///
+/// Returns the reconciled status even when the drop is not Ready (HA required and
+/// missing): the resulting mode is published first, then the caller reports the
+/// failure.
+pub async fn apply(manifest: &str, redis_url: Option<&str>) -> Result<Reconciled> {
+    let drop = parse_manifest(manifest)?;
+    let url = match (redis_url, &drop.spec.redis.url) {
+        (Some(url), _) => url.to_string(),
+        (None, Some(url)) => url.clone(),
+        (None, None) if drop.spec.redis.secret_ref.is_some() => {
+            return Err(Error::SecretRefOutsideCluster);
+        }
+        (None, None) => return Err(Error::NoRedisUrl),
+    };
+    let mut conn = store::connect(&url).await?;
+    let report = reconcile::replication_report(&mut conn).await?;
+    reconcile::reconcile(&drop, &mut conn, report, None, Timestamp::now()).await
+}

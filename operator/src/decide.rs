@@ -1,0 +1,335 @@
+//! The reconciler's judgement, as plain functions of the spec and what was observed.
+
+use dropgate_api::drop::GateSpec;
+use dropgate_api::{DropConfig, FailurePolicy, InventoryDrop, InventoryDropStatus, Mode, Phase};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::ha::HaReport;
+use crate::store::{Seeded, Stock};
+
+/// How long a drop's keys outlive `endsAt`: long enough for late confirms, refunds
+/// and the outbox's consumers.
+const KEY_GRACE_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// The mode rule of DESIGN.md: the kill switch wins; then, where HA is required and
+/// missing, the failure policy decides.
+pub fn mode(gate: &GateSpec, require_ha: bool, highly_available: bool) -> Mode {
+    if !gate.enabled {
+        Mode::FailOpen
+    } else if require_ha && !highly_available {
+        match gate.failure_policy {
+            FailurePolicy::Open => Mode::FailOpen,
+            FailurePolicy::Closed => Mode::Closed,
+        }
+    } else {
+        Mode::Gate
+    }
+}
+
+/// The config hash to publish for `drop` in `mode`.
+pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
+    let spec = &drop.spec;
+    let ms = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_millisecond());
+    let ends_at_ms = ms(&spec.ends_at);
+    DropConfig {
+        sku: spec.sku.clone(),
+        limit: spec.limited_quantity,
+        per_user_limit: spec.per_user_limit,
+        starts_at_ms: ms(&spec.starts_at),
+        ends_at_ms,
+        hold_seconds: spec.hold_seconds,
+        permits: u32::try_from(spec.throttle.permits).unwrap_or(1),
+        acquire_timeout_ms: u64::try_from(spec.throttle.acquire_timeout_ms).unwrap_or(0),
+        mode,
+        failure_policy: spec.gate.failure_policy,
+        generation: drop.metadata.generation.unwrap_or(0),
+        expire_at_ms: ends_at_ms.map(|end| end + spec.hold_seconds * 1000 + KEY_GRACE_MS),
+    }
+}
+
+/// Everything one reconcile learned, the input of [`status`].
+#[derive(Clone, Debug)]
+pub struct Observed {
+    pub mode: Mode,
+    pub ha: HaReport,
+    pub seeded: Seeded,
+    pub stock: Stock,
+    pub now: Timestamp,
+}
+
+/// Whether the drop reached the state its spec asks for. A deliberate kill switch is
+/// a reached state; HA that is required and missing is not.
+pub fn ready(drop: &InventoryDrop, ha: &HaReport) -> bool {
+    !drop.spec.redis.require_high_availability || ha.is_highly_available()
+}
+
+pub fn phase(drop: &InventoryDrop, observed: &Observed) -> Phase {
+    let now = observed.now;
+    let before = |t: &Option<Time>| t.as_ref().is_some_and(|t| now < t.0);
+    let reached = |t: &Option<Time>| t.as_ref().is_some_and(|t| now >= t.0);
+    if reached(&drop.spec.ends_at) {
+        Phase::Ended
+    } else if !ready(drop, &observed.ha) && observed.mode == Mode::Closed {
+        Phase::Error
+    } else if observed.mode == Mode::FailOpen {
+        Phase::FailOpen
+    } else if before(&drop.spec.starts_at) {
+        Phase::Pending
+    } else if observed.stock.remaining <= 0 {
+        Phase::SoldOut
+    } else {
+        Phase::Active
+    }
+}
+
+/// The status to write, with conditions whose `lastTransitionTime` moves only when
+/// their status changes (Kubernetes API conventions).
+pub fn status(
+    drop: &InventoryDrop,
+    observed: &Observed,
+    previous: Option<&InventoryDropStatus>,
+) -> InventoryDropStatus {
+    let generation = drop.metadata.generation;
+    let spec = &drop.spec;
+    let ha = &observed.ha;
+    let stock = observed.stock;
+    let is_ready = ready(drop, ha);
+    let previous_conditions = previous.map(|s| s.conditions.as_slice()).unwrap_or(&[]);
+    let cond = |type_: &str, status: bool, reason: &str, message: String| {
+        condition(previous_conditions, observed.now, generation, type_, status, reason, message)
+    };
+
+    let seeded_message = if stock.remaining < 0 {
+        format!(
+            "limit {} is below the {} units already held: the gate admits nothing until {} returned units pay back the deficit",
+            spec.limited_quantity, stock.held, -stock.remaining
+        )
+    } else if observed.seeded.created {
+        format!("stock seeded with {} units", spec.limited_quantity)
+    } else if observed.seeded.moved != 0 {
+        format!(
+            "restocked by {:+} to limit {}",
+            observed.seeded.moved, spec.limited_quantity
+        )
+    } else {
+        format!("stock in place for limit {}", spec.limited_quantity)
+    };
+    let seeded_reason = if stock.remaining < 0 { "LimitBelowHeld" } else { "Seeded" };
+
+    let ha_message = if spec.redis.require_high_availability {
+        ha.message.clone()
+    } else {
+        format!("{} (not required)", ha.message)
+    };
+
+    let (fail_open_reason, fail_open_message) = match observed.mode {
+        Mode::Gate => ("GateEnabled", "the Redis gate admits".to_string()),
+        Mode::FailOpen if !spec.gate.enabled => (
+            "KillSwitch",
+            "gate.enabled is false: sidecars sell through the SQL ledger's gate".to_string(),
+        ),
+        Mode::FailOpen => (
+            "HighAvailabilityMissing",
+            "high availability is required and missing; failurePolicy Open: sidecars sell through the SQL ledger's gate".to_string(),
+        ),
+        Mode::Closed => (
+            "HighAvailabilityMissing",
+            "high availability is required and missing; failurePolicy Closed: nothing is sold".to_string(),
+        ),
+    };
+
+    let (ready_reason, ready_message) = if is_ready {
+        (
+            "Reconciled",
+            format!("mode {}, {} units remaining", observed.mode, stock.remaining.max(0)),
+        )
+    } else {
+        ("HighAvailabilityMissing", ha.message.clone())
+    };
+
+    InventoryDropStatus {
+        observed_generation: generation,
+        phase: phase(drop, observed),
+        mode: Some(observed.mode),
+        remaining: Some(stock.remaining.max(0)),
+        reserved: Some(stock.held.max(0)),
+        tier: Some(ha.tier),
+        fail_open: observed.mode == Mode::FailOpen,
+        conditions: vec![
+            cond("Seeded", true, seeded_reason, seeded_message),
+            cond("HighlyAvailable", ha.is_highly_available(), ha.reason, ha_message),
+            cond(
+                "FailOpen",
+                observed.mode == Mode::FailOpen,
+                fail_open_reason,
+                fail_open_message,
+            ),
+            cond("Ready", is_ready, ready_reason, ready_message),
+        ],
+    }
+}
+
+/// A condition that keeps the previous `lastTransitionTime` when its status did not
+/// change.
+fn condition(
+    previous: &[Condition],
+    now: Timestamp,
+    generation: Option<i64>,
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: String,
+) -> Condition {
+    let status = if status { "True" } else { "False" }.to_string();
+    let last_transition_time = previous
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or(Time(now));
+    Condition {
+        type_: type_.to_string(),
+        status,
+        reason: reason.to_string(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dropgate_api::{InventoryDropSpec, Tier};
+
+    fn drop(yaml_spec: &str) -> InventoryDrop {
+        let spec: InventoryDropSpec = serde_norway::from_str(yaml_spec).expect("spec parses");
+        let mut drop = InventoryDrop::new("d", spec);
+        drop.metadata.namespace = Some("shop".into());
+        drop.metadata.generation = Some(2);
+        drop
+    }
+
+    fn report(tier: Tier) -> HaReport {
+        HaReport {
+            tier,
+            reason: "Test",
+            message: format!("tier {tier:?}"),
+        }
+    }
+
+    fn observed(mode: Mode, tier: Tier, remaining: i64, held: i64) -> Observed {
+        Observed {
+            mode,
+            ha: report(tier),
+            seeded: Seeded {
+                created: false,
+                moved: 0,
+                previous_mode: Some(mode),
+                remaining,
+            },
+            stock: Stock { remaining, held },
+            now: "2026-12-01T11:00:00Z".parse().expect("timestamp"),
+        }
+    }
+
+    #[test]
+    fn mode_follows_the_design_table() {
+        let gate = |enabled, failure_policy| GateSpec {
+            enabled,
+            failure_policy,
+        };
+        use FailurePolicy::{Closed, Open};
+        // (enabled, policy, require HA, HA present) -> mode
+        let table = [
+            (true, Open, false, false, Mode::Gate),
+            (true, Open, true, true, Mode::Gate),
+            (true, Open, true, false, Mode::FailOpen),
+            (true, Closed, true, false, Mode::Closed),
+            (true, Closed, false, false, Mode::Gate),
+            (false, Open, false, true, Mode::FailOpen),
+            (false, Closed, true, false, Mode::FailOpen),
+            (false, Closed, true, true, Mode::FailOpen),
+        ];
+        for (enabled, policy, require, ha, want) in table {
+            assert_eq!(
+                mode(&gate(enabled, policy), require, ha),
+                want,
+                "enabled={enabled} policy={policy:?} require={require} ha={ha}"
+            );
+        }
+    }
+
+    #[test]
+    fn config_carries_the_window_and_keys_outlive_it() {
+        let d = drop(
+            "{sku: X, limitedQuantity: 100, holdSeconds: 60, startsAt: '2026-12-01T10:00:00Z', endsAt: '2026-12-01T12:00:00Z', redis: {}}",
+        );
+        let cfg = config(&d, Mode::Gate);
+        let start: Timestamp = "2026-12-01T10:00:00Z".parse().expect("ts");
+        let end: Timestamp = "2026-12-01T12:00:00Z".parse().expect("ts");
+        assert_eq!(cfg.starts_at_ms, Some(start.as_millisecond()));
+        assert_eq!(cfg.ends_at_ms, Some(end.as_millisecond()));
+        assert!(cfg.expire_at_ms.expect("expiry set") > end.as_millisecond() + 60_000);
+        assert_eq!(cfg.generation, 2);
+        assert_eq!(config(&drop("{sku: X, limitedQuantity: 1, redis: {}}"), Mode::Gate).expire_at_ms, None);
+    }
+
+    #[test]
+    fn phase_table() {
+        let plain = drop("{sku: X, limitedQuantity: 10, redis: {}}");
+        let ha_closed = drop(
+            "{sku: X, limitedQuantity: 10, redis: {requireHighAvailability: true}, gate: {failurePolicy: Closed}}",
+        );
+        let later = drop("{sku: X, limitedQuantity: 10, startsAt: '2026-12-02T00:00:00Z', redis: {}}");
+        let over = drop("{sku: X, limitedQuantity: 10, endsAt: '2026-12-01T10:00:00Z', redis: {}}");
+        let cases = [
+            (&plain, observed(Mode::Gate, Tier::Standalone, 5, 5), Phase::Active),
+            (&plain, observed(Mode::Gate, Tier::Standalone, 0, 10), Phase::SoldOut),
+            (&plain, observed(Mode::Gate, Tier::Standalone, -3, 13), Phase::SoldOut),
+            (&plain, observed(Mode::FailOpen, Tier::Standalone, 5, 5), Phase::FailOpen),
+            (&ha_closed, observed(Mode::Closed, Tier::Standalone, 10, 0), Phase::Error),
+            (&later, observed(Mode::Gate, Tier::Standalone, 10, 0), Phase::Pending),
+            (&over, observed(Mode::Gate, Tier::Standalone, 10, 0), Phase::Ended),
+        ];
+        for (d, obs, want) in cases {
+            assert_eq!(phase(d, &obs), want, "{:?}", d.spec);
+        }
+    }
+
+    #[test]
+    fn status_reports_clamped_stock_and_every_condition() {
+        let d = drop("{sku: X, limitedQuantity: 10, redis: {requireHighAvailability: true}}");
+        let obs = observed(Mode::FailOpen, Tier::Standalone, -2, 12);
+        let s = status(&d, &obs, None);
+        assert_eq!(s.remaining, Some(0));
+        assert_eq!(s.reserved, Some(12));
+        assert!(s.fail_open);
+        assert_eq!(s.observed_generation, Some(2));
+        let get = |t: &str| s.conditions.iter().find(|c| c.type_ == t).expect(t).clone();
+        assert_eq!(get("Seeded").reason, "LimitBelowHeld");
+        assert!(get("Seeded").message.contains("2 returned units"));
+        assert_eq!(get("HighlyAvailable").status, "False");
+        assert_eq!(get("FailOpen").status, "True");
+        assert_eq!(get("FailOpen").reason, "HighAvailabilityMissing");
+        assert_eq!(get("Ready").status, "False");
+        assert_eq!(get("Ready").reason, "HighAvailabilityMissing");
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_the_status_changes() {
+        let d = drop("{sku: X, limitedQuantity: 10, redis: {}}");
+        let first = status(&d, &observed(Mode::Gate, Tier::Standalone, 10, 0), None);
+        let mut later_obs = observed(Mode::FailOpen, Tier::Standalone, 9, 1);
+        later_obs.now = "2026-12-01T11:30:00Z".parse().expect("ts");
+        let second = status(&d, &later_obs, Some(&first));
+        let time = |s: &InventoryDropStatus, t: &str| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == t)
+                .map(|c| c.last_transition_time.clone())
+        };
+        assert_eq!(time(&first, "Ready"), time(&second, "Ready"));
+        assert_ne!(time(&first, "FailOpen"), time(&second, "FailOpen"));
+    }
+}

@@ -1,0 +1,95 @@
+//! High-availability verification of a drop's Redis.
+
+use dropgate_api::Tier;
+use redis::aio::ConnectionManager;
+
+use crate::Result;
+
+/// What a check found, with a sentence for the HighlyAvailable condition.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HaReport {
+    pub tier: Tier,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl HaReport {
+    pub fn is_highly_available(&self) -> bool {
+        self.tier.is_highly_available()
+    }
+}
+
+/// Reads `INFO replication` on the drop's Redis.
+pub async fn replication(conn: &mut ConnectionManager) -> Result<HaReport> {
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(conn)
+        .await?;
+    Ok(from_replication_info(&info))
+}
+
+/// Judges an `INFO replication` reply: a master with at least one replica in state
+/// `online` is replicated. A replica that is still syncing would lose the writes of a
+/// failover, so it does not count.
+pub fn from_replication_info(info: &str) -> HaReport {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':'))
+    };
+    let role = field("role").unwrap_or("unknown");
+    if role != "master" {
+        return HaReport {
+            tier: Tier::Unknown,
+            reason: "NotAMaster",
+            message: format!("Redis reports role {role:?}: point the drop at the master"),
+        };
+    }
+    let connected = field("connected_slaves").and_then(|n| n.parse::<u32>().ok());
+    let online = info
+        .lines()
+        .filter(|line| {
+            let line = line.trim();
+            line.starts_with("slave")
+                && line.contains(':')
+                && line.split(',').any(|kv| kv == "state=online")
+        })
+        .count();
+    if online > 0 {
+        HaReport {
+            tier: Tier::Replicated,
+            reason: "Replicated",
+            message: format!("master with {online} online replica(s)"),
+        }
+    } else {
+        HaReport {
+            tier: Tier::Standalone,
+            reason: "NoOnlineReplica",
+            message: format!(
+                "master with no online replica ({} connected)",
+                connected.unwrap_or(0)
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn judges_info_replication() {
+        let standalone = "# Replication\r\nrole:master\r\nconnected_slaves:0\r\nmaster_repl_offset:0\r\n";
+        assert_eq!(from_replication_info(standalone).tier, Tier::Standalone);
+
+        let replicated = "role:master\r\nconnected_slaves:1\r\nslave0:ip=127.0.0.1,port=6380,state=online,offset=42,lag=0\r\n";
+        let report = from_replication_info(replicated);
+        assert_eq!(report.tier, Tier::Replicated);
+        assert!(report.is_highly_available());
+
+        let syncing = "role:master\r\nconnected_slaves:1\r\nslave0:ip=127.0.0.1,port=6380,state=wait_bgsave,offset=0,lag=0\r\n";
+        assert_eq!(from_replication_info(syncing).tier, Tier::Standalone);
+
+        let replica = "role:slave\r\nmaster_host:10.0.0.1\r\n";
+        assert_eq!(from_replication_info(replica).tier, Tier::Unknown);
+    }
+}

@@ -1,0 +1,36 @@
+-- Publishes a drop's config and seeds or restocks its stock, in one atomic step.
+--
+-- KEYS[1] config hash, KEYS[2] remaining
+-- ARGV[1] the new limit
+-- ARGV[2] when the keys expire (ms since the epoch), or '' to keep them
+-- ARGV[3..] the config hash's field/value pairs (limit among them)
+--
+-- Fresh stock is SET NX, so stock in use is never overwritten. When the config hash
+-- already holds a limit, remaining moves by the difference to the new one: a repeat
+-- of the same limit moves nothing. A cut below what is held makes remaining
+-- negative on purpose: the gate then admits nothing, and returned units pay the
+-- deficit back before anything is sold again.
+--
+-- Returns {created (0/1), moved, previous mode or '', remaining after}.
+local new_limit = tonumber(ARGV[1])
+local old_limit = redis.call('HGET', KEYS[1], 'limit')
+local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
+local created = 0
+local moved = 0
+if redis.call('SET', KEYS[2], new_limit, 'NX') then
+  created = 1
+elseif old_limit then
+  moved = new_limit - tonumber(old_limit)
+  if moved ~= 0 then
+    redis.call('INCRBY', KEYS[2], moved)
+  end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+for _, key in ipairs(KEYS) do
+  if ARGV[2] ~= '' then
+    redis.call('PEXPIREAT', key, ARGV[2])
+  else
+    redis.call('PERSIST', key)
+  end
+end
+return {created, moved, old_mode, tonumber(redis.call('GET', KEYS[2]))}

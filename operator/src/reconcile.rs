@@ -1,0 +1,108 @@
+//! One reconcile of one drop against its Redis: verify HA, decide the mode, publish
+//! and seed, read the stock back, and judge the status. The controller and `apply`
+//! both run exactly this.
+
+use dropgate_api::{DropKeys, InventoryDrop, InventoryDropStatus, Mode};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use redis::aio::ConnectionManager;
+
+use crate::decide::{self, Observed};
+use crate::ha::{self, HaReport};
+use crate::{Error, Result, store};
+
+/// The result of one reconcile.
+#[derive(Debug)]
+pub struct Reconciled {
+    pub status: InventoryDropStatus,
+    /// The mode published before, when the drop was published; a change emits an Event.
+    pub previous_mode: Option<Mode>,
+    /// Why the drop is not Ready, when it is not.
+    pub not_ready: Option<Error>,
+}
+
+impl Reconciled {
+    pub fn mode(&self) -> Option<Mode> {
+        self.status.mode
+    }
+
+    pub fn mode_changed(&self) -> bool {
+        self.previous_mode != self.status.mode
+    }
+}
+
+/// Key names of `drop`, from its namespace (`default` when a manifest names none)
+/// and name.
+pub fn keys_of(drop: &InventoryDrop) -> DropKeys {
+    let namespace = drop.namespace().unwrap_or_else(|| "default".to_string());
+    DropKeys::new(&namespace, &drop.name_any())
+}
+
+/// Checks what Kubernetes would have checked before the object reached us.
+pub fn validate(drop: &InventoryDrop) -> Result<()> {
+    let name = drop.name_any();
+    let namespace = drop.namespace().unwrap_or_else(|| "default".to_string());
+    for (field, value) in [("metadata.name", &name), ("metadata.namespace", &namespace)] {
+        if !dropgate_api::keys::is_object_name(value) {
+            return Err(Error::InvalidManifest(format!(
+                "{field} {value:?} is not a valid Kubernetes object name"
+            )));
+        }
+    }
+    drop.spec.validate()?;
+    Ok(())
+}
+
+/// Reconciles `drop` into the Redis behind `conn`. `ha_check` is the verification to
+/// run (INFO replication, or the Memorystore API); `previous` is the status last
+/// written, so that condition transition times carry over.
+pub async fn reconcile(
+    drop: &InventoryDrop,
+    conn: &mut ConnectionManager,
+    ha_report: HaReport,
+    previous: Option<&InventoryDropStatus>,
+    now: Timestamp,
+) -> Result<Reconciled> {
+    validate(drop)?;
+    let keys = keys_of(drop);
+    let spec = &drop.spec;
+    let mode = decide::mode(
+        &spec.gate,
+        spec.redis.require_high_availability,
+        ha_report.is_highly_available(),
+    );
+    let config = decide::config(drop, mode);
+    let seeded = store::seed(conn, &keys, &config).await?;
+    let stock = store::stock(conn, &keys).await?;
+    tracing::info!(
+        namespace = drop.namespace().as_deref().unwrap_or("default"),
+        drop = %drop.name_any(),
+        %mode,
+        tier = ?ha_report.tier,
+        created = seeded.created,
+        moved = seeded.moved,
+        remaining = stock.remaining,
+        held = stock.held,
+        "reconciled"
+    );
+    let previous_mode = seeded.previous_mode;
+    let observed = Observed {
+        mode,
+        ha: ha_report,
+        seeded,
+        stock,
+        now,
+    };
+    let not_ready = (!decide::ready(drop, &observed.ha))
+        .then(|| Error::HighAvailabilityMissing(observed.ha.message.clone()));
+    Ok(Reconciled {
+        status: decide::status(drop, &observed, previous),
+        previous_mode,
+        not_ready,
+    })
+}
+
+/// The HA verification for a drop without a Memorystore instance.
+pub async fn replication_report(conn: &mut ConnectionManager) -> Result<HaReport> {
+    ha::replication(conn).await
+}

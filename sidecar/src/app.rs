@@ -1,0 +1,105 @@
+//! What every request handler shares, and the answers about a drop itself.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dropgate_api::FailurePolicy;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use warp::http::StatusCode;
+
+use crate::answer::Answer;
+use crate::drops::{Drop, Drops, LookupError};
+use crate::ledger::Ledger;
+use crate::metrics::Metrics;
+use crate::settings::Settings;
+use crate::{Error, input};
+
+#[derive(Debug)]
+pub struct App {
+    pub drops: Drops,
+    /// One multiplexed connection for every request. It reconnects by itself, so a
+    /// Redis restart needs no sidecar restart; while Redis is down, commands fail
+    /// within the timeouts below instead of queueing.
+    pub redis: ConnectionManager,
+    pub ledger: Ledger,
+    pub metrics: Metrics,
+}
+
+impl App {
+    pub async fn new(settings: &Settings) -> Result<Self, Error> {
+        let client = redis::Client::open(settings.redis_url.as_str())?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(500)))
+            .set_response_timeout(Some(Duration::from_secs(2)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(200));
+        // Lazy: the sidecar starts (and answers `unavailable`) while Redis is down.
+        let redis = ConnectionManager::new_lazy_with_config(client, config)?;
+        Ok(Self {
+            drops: Drops::new(&settings.namespace),
+            redis,
+            ledger: Ledger::open(&settings.database_url).await?,
+            metrics: Metrics::new(),
+        })
+    }
+
+    /// The drop named by a path segment, or the answer that ends the request.
+    pub async fn find_drop(&self, raw_name: &str) -> Result<Arc<Drop>, Answer> {
+        let name = input::path_id("drop", raw_name).map_err(|e| Answer::invalid(e.0))?;
+        if !dropgate_api::keys::is_object_name(&name) {
+            return Err(self.unknown_drop(&name));
+        }
+        let mut conn = self.redis.clone();
+        match self.drops.get(&mut conn, &name).await {
+            Ok(Some(drop)) => Ok(drop),
+            Ok(None) => Err(self.unknown_drop(&name)),
+            Err(LookupError::Unavailable(e)) => Err(Answer::unavailable(format!(
+                "Redis is unreachable and this sidecar has not seen drop {name} before: {e}"
+            ))),
+            Err(e @ LookupError::Damaged(_)) => Err(Answer::unavailable(format!(
+                "drop {name} cannot be served: {e}"
+            ))),
+        }
+    }
+
+    pub fn unknown_drop(&self, name: &str) -> Answer {
+        Answer::refusal(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!(
+                "no drop named {name} in namespace {}",
+                self.drops.namespace()
+            ),
+        )
+    }
+
+    /// The answer when Redis failed under a request, by the drop's failure policy.
+    pub fn redis_down(&self, drop: &Drop, error: &redis::RedisError) -> Answer {
+        let policy = drop.config().failure_policy;
+        tracing::warn!(drop = %drop.name, %error, "Redis failed");
+        match policy {
+            FailurePolicy::Closed => Answer::unavailable(format!(
+                "Redis is unreachable and drop {} has failurePolicy Closed: nothing is sold until it is back",
+                drop.name
+            )),
+            FailurePolicy::Open => Answer::unavailable(format!(
+                "Redis is unreachable and this sidecar has no fallback gate for drop {}",
+                drop.name
+            )),
+        }
+    }
+
+    /// The answer for a drop the operator took off the Redis gate.
+    pub fn not_gated(&self, drop: &Drop, mode: &str) -> Answer {
+        match mode {
+            "closed" => Answer::unavailable(format!(
+                "drop {} is closed: its Redis is not highly available and the failure policy is Closed",
+                drop.name
+            )),
+            _ => Answer::unavailable(format!(
+                "drop {} is in {mode} mode and this sidecar has no fallback gate",
+                drop.name
+            )),
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! The drops this sidecar serves, learned from the config hashes in Redis.
+//!
+//! A drop is read on its first request and kept; a background task re-reads every
+//! known drop, so a mode or throttle change reaches the sidecar within one refresh
+//! and a deleted drop disappears. The last config read is kept while Redis is down:
+//! an outage never turns a known drop into `not_found`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use dropgate_api::{ConfigError, DropConfig, DropKeys};
+use redis::AsyncCommands;
+use redis::aio::ConnectionManager;
+
+use crate::throttle::Throttle;
+
+/// One known drop.
+#[derive(Debug)]
+pub struct Drop {
+    pub name: String,
+    pub keys: DropKeys,
+    config: RwLock<DropConfig>,
+    pub throttle: Throttle,
+}
+
+impl Drop {
+    fn new(namespace: &str, name: &str, config: DropConfig) -> Self {
+        Self {
+            name: name.to_string(),
+            keys: DropKeys::new(namespace, name),
+            throttle: Throttle::new(config.permits),
+            config: RwLock::new(config),
+        }
+    }
+
+    /// The config as last read.
+    pub fn config(&self) -> DropConfig {
+        self.config.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn update(&self, config: DropConfig) {
+        self.throttle.resize(config.permits);
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = config;
+    }
+}
+
+/// Why a drop could not be looked up.
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("Redis is unreachable and this sidecar has not seen the drop before: {0}")]
+    Unavailable(#[from] redis::RedisError),
+    #[error("the drop's config hash is unreadable: {0}")]
+    Damaged(#[from] ConfigError),
+}
+
+#[derive(Debug)]
+pub struct Drops {
+    namespace: String,
+    known: RwLock<HashMap<String, Arc<Drop>>>,
+}
+
+impl Drops {
+    pub fn new(namespace: &str) -> Self {
+        Self {
+            namespace: namespace.to_string(),
+            known: RwLock::new(HashMap::new()),
+        }
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The drop `name`: from memory when known, else read from Redis. `Ok(None)` when
+    /// no config is published for it.
+    pub async fn get(
+        &self,
+        conn: &mut ConnectionManager,
+        name: &str,
+    ) -> Result<Option<Arc<Drop>>, LookupError> {
+        if let Some(known) = self.read().get(name) {
+            return Ok(Some(known.clone()));
+        }
+        self.refresh(conn, name).await
+    }
+
+    /// Re-reads `name` from Redis. On a Redis error a known drop is kept as it was.
+    pub async fn refresh(
+        &self,
+        conn: &mut ConnectionManager,
+        name: &str,
+    ) -> Result<Option<Arc<Drop>>, LookupError> {
+        let keys = DropKeys::new(&self.namespace, name);
+        let fields: HashMap<String, String> = match conn.hgetall(keys.config()).await {
+            Ok(fields) => fields,
+            Err(e) => {
+                return match self.read().get(name) {
+                    Some(known) => Ok(Some(known.clone())),
+                    None => Err(e.into()),
+                };
+            }
+        };
+        let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
+        match DropConfig::from_fields(&fields)? {
+            None => {
+                known.remove(name);
+                Ok(None)
+            }
+            Some(config) => {
+                if let Some(existing) = known.get(name) {
+                    existing.update(config);
+                    return Ok(Some(existing.clone()));
+                }
+                let added = Arc::new(Drop::new(&self.namespace, name, config));
+                known.insert(name.to_string(), added.clone());
+                Ok(Some(added))
+            }
+        }
+    }
+
+    /// Every known drop.
+    pub fn all(&self) -> Vec<Arc<Drop>> {
+        self.read().values().cloned().collect()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<Drop>>> {
+        self.known.read().unwrap_or_else(|e| e.into_inner())
+    }
+}

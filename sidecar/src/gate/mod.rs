@@ -1,0 +1,149 @@
+//! The Redis gate: one atomic Lua script per operation, run by SHA.
+//!
+//! redis-rs's [`Script`] sends EVALSHA and, on NOSCRIPT (a restarted or failed-over
+//! Redis that lost its script cache), loads the script and retries, so the scripts
+//! survive a Redis restart without a sidecar restart.
+//!
+//! `prelude.lua` holds what several scripts share (the key layout, Redis's clock,
+//! returning units, expiring a due hold); it is concatenated in front of each script
+//! at compile time, so each script stays one atomic EVALSHA.
+
+use std::sync::LazyLock;
+
+use dropgate_api::DropKeys;
+use redis::aio::ConnectionManager;
+use redis::{RedisResult, Script};
+
+macro_rules! gate_script {
+    ($file:literal) => {
+        LazyLock::new(|| Script::new(concat!(include_str!("prelude.lua"), include_str!($file))))
+    };
+}
+
+static RESERVE: LazyLock<Script> = gate_script!("reserve.lua");
+static CONFIRM: LazyLock<Script> = gate_script!("confirm.lua");
+static CANCEL: LazyLock<Script> = gate_script!("cancel.lua");
+static LOOKUP: LazyLock<Script> = gate_script!("lookup.lua");
+static EXPIRE: LazyLock<Script> = gate_script!("expire.lua");
+static UNDO: LazyLock<Script> = gate_script!("undo.lua");
+
+/// What a gate script answered. `outcome` is the script's word (`admitted`,
+/// `sold_out`, `confirmed`, ...); the reservation's fields are set where it exists.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GateReply {
+    pub outcome: String,
+    pub user: Option<String>,
+    pub quantity: Option<i64>,
+    /// The reservation's state, or the drop's mode when `outcome` is `mode`.
+    pub state: Option<String>,
+    /// The hold's deadline, or the window edge for `not_open` / `ended`, or the
+    /// per-user limit for `per_user_limit_exceeded` (ms since the epoch / count).
+    pub when: Option<i64>,
+    /// `remaining` after the step, unclamped.
+    pub remaining: Option<i64>,
+}
+
+impl GateReply {
+    fn from_parts(parts: Vec<String>) -> RedisResult<Self> {
+        let [outcome, user, quantity, state, when, remaining]: [String; 6] =
+            parts.try_into().map_err(|got: Vec<String>| {
+                redis::RedisError::from((
+                    redis::ErrorKind::Parse,
+                    "gate script answered with the wrong arity",
+                    format!("{got:?}"),
+                ))
+            })?;
+        let text = |s: String| (!s.is_empty()).then_some(s);
+        let int = |s: &str| s.parse::<f64>().ok().map(|n| n as i64);
+        Ok(Self {
+            outcome,
+            user: text(user),
+            quantity: int(&quantity),
+            state: text(state),
+            when: int(&when),
+            remaining: int(&remaining),
+        })
+    }
+}
+
+async fn run(
+    script: &Script,
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+    args: &[&str],
+) -> RedisResult<GateReply> {
+    let mut invocation = script.key(keys.config());
+    invocation
+        .key(keys.remaining())
+        .key(keys.held())
+        .key(keys.buyers())
+        .key(keys.holds())
+        .key(keys.reservation(key))
+        .arg(key);
+    for arg in args {
+        invocation.arg(*arg);
+    }
+    GateReply::from_parts(invocation.invoke_async(conn).await?)
+}
+
+/// Admits `quantity` units for `user` under idempotency key `key`, or says why not.
+/// `attempt` identifies this admission for [`undo`].
+pub async fn reserve(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+    user: &str,
+    quantity: i64,
+    attempt: &str,
+) -> RedisResult<GateReply> {
+    let quantity = quantity.to_string();
+    run(&RESERVE, conn, keys, key, &[user, &quantity, attempt]).await
+}
+
+pub async fn confirm(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+    run(&CONFIRM, conn, keys, key, &[]).await
+}
+
+pub async fn cancel(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+    run(&CANCEL, conn, keys, key, &[]).await
+}
+
+pub async fn lookup(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+    run(&LOOKUP, conn, keys, key, &[]).await
+}
+
+/// Expires the hold of `key` if its deadline has passed (the sweeper's step).
+pub async fn expire(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+    run(&EXPIRE, conn, keys, key, &[]).await
+}
+
+/// Takes back the admission `attempt` of `key` as if it never happened; answers
+/// `undone`, or `kept` with the reservation when it was confirmed, cancelled or
+/// re-admitted meanwhile.
+pub async fn undo(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+    attempt: &str,
+) -> RedisResult<GateReply> {
+    run(&UNDO, conn, keys, key, &[attempt]).await
+}
+
+/// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.
+pub async fn due_holds(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    now_ms: i64,
+    limit: isize,
+) -> RedisResult<Vec<String>> {
+    redis::cmd("ZRANGEBYSCORE")
+        .arg(keys.holds())
+        .arg("-inf")
+        .arg(now_ms)
+        .arg("LIMIT")
+        .arg(0)
+        .arg(limit)
+        .query_async(conn)
+        .await
+}

@@ -1,0 +1,12 @@
+-- undo (the throttle): takes back an admission as if it never happened — stock,
+-- buyer count, the marker itself — so a retry of the same key can be admitted.
+-- ARGV[2] is the attempt id written by reserve: only that admission is undone, and
+-- only while it is still active (a concurrent confirm or cancel wins).
+local m = redis.call('HMGET', K.marker, 'attempt', 'state', 'user', 'quantity')
+if m[1] ~= ARGV[2] or m[2] ~= 'active' then
+  return answer('kept')
+end
+redis.call('ZREM', K.holds, KEY)
+give_back(m[3], tonumber(m[4]))
+redis.call('DEL', K.marker)
+return {'undone', '', '', '', '', tostring(remaining())}

@@ -1,0 +1,60 @@
+//! The dropgate sidecar: reserve / confirm / cancel on localhost, gated by Redis.
+//!
+//! # Layout
+//!
+//! - [`server`]: `run(listener, settings, shutdown)`, the entry point; serves the
+//!   routes and runs the background work until shutdown, then drains.
+//! - [`routes`]: the HTTP API, one module per route group (reservations, drops,
+//!   health). Handlers parse input, call the gate, and answer.
+//! - [`input`]: request bodies and path segments, checked field by field; every
+//!   refusal names its field and nothing reaches Redis before it passed.
+//! - [`gate`]: the atomic Lua scripts (`gate/*.lua`, one per operation, run by SHA)
+//!   and the thin Rust calls around them.
+//! - [`drops`]: the drops this sidecar serves, read from the operator's config
+//!   hashes and kept through Redis outages.
+//! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
+//! - [`maintenance`]: background config refresh and the hold sweeper.
+//! - [`answer`]: the JSON answer type (`outcome`, `message`, headers).
+//! - [`ledger`]: the SQL ledger behind `--database-url`.
+//! - [`metrics`]: Prometheus metrics for `/metrics`.
+//! - [`settings`]: the command line.
+
+pub mod answer;
+pub mod app;
+pub mod drops;
+pub mod gate;
+pub mod input;
+pub mod ledger;
+pub mod maintenance;
+pub mod metrics;
+pub mod routes;
+pub mod server;
+pub mod settings;
+pub mod throttle;
+
+pub use server::run;
+pub use settings::Settings;
+
+/// Why the sidecar could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Settings(String),
+    #[error("Redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error(transparent)]
+    Ledger(#[from] ledger::LedgerError),
+    #[error("listener: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Logs go to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}

@@ -1,0 +1,51 @@
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use dropgate_sidecar::Settings;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    dropgate_sidecar::init_tracing();
+    let settings = Settings::parse();
+    // rediss:// needs a process-wide rustls crypto provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let listener = match tokio::net::TcpListener::bind(settings.listen).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("error: cannot listen on {}: {e}", settings.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    match dropgate_sidecar::run(listener, settings, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// SIGTERM (Kubernetes stopping the pod) or Ctrl-C.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

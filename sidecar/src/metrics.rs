@@ -1,0 +1,92 @@
+//! Prometheus metrics served at `/metrics`.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Answered {
+    pub route: &'static str,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Route {
+    pub route: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DropLabel {
+    pub drop: String,
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Answers by route and outcome: admitted vs sold_out vs throttled is the sale.
+    pub answers: Family<Answered, Counter>,
+    /// Time to answer, by route: the sidecar promises about a millisecond.
+    pub latency: Family<Route, Histogram>,
+    /// Throttle permits held for unconfirmed reservations, by drop.
+    pub permits_in_use: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
+    /// Holds the sweeper expired.
+    pub expired: Counter<u64, AtomicU64>,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("dropgate_sidecar");
+        let answers = Family::<Answered, Counter>::default();
+        let latency = Family::<Route, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
+        });
+        let permits_in_use = Family::default();
+        let expired = Counter::default();
+        registry.register("answers", "Answers by route and outcome", answers.clone());
+        registry.register(
+            "request_duration_seconds",
+            "Time to answer, by route",
+            latency.clone(),
+        );
+        registry.register(
+            "throttle_permits_in_use",
+            "Permits held for unconfirmed reservations",
+            permits_in_use.clone(),
+        );
+        registry.register("expired_holds", "Holds expired by the sweeper", expired.clone());
+        Self {
+            registry,
+            answers,
+            latency,
+            permits_in_use,
+            expired,
+        }
+    }
+
+    pub fn observe(&self, route: &'static str, outcome: &str, seconds: f64) {
+        self.answers
+            .get_or_create(&Answered {
+                route,
+                outcome: outcome.to_string(),
+            })
+            .inc();
+        self.latency.get_or_create(&Route { route }).observe(seconds);
+    }
+
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,40 @@
+//! `GET /v1/drops/{drop}`: what a shop's page shows before the sale.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use redis::AsyncCommands;
+use warp::http::StatusCode;
+use warp::reply::Response;
+
+use super::finish;
+use crate::answer::{Answer, rfc3339};
+use crate::app::App;
+
+pub async fn show(drop: String, app: Arc<App>) -> Response {
+    let started = Instant::now();
+    let answer = describe(&app, &drop).await.unwrap_or_else(|refusal| refusal);
+    finish(&app, "drop", started, answer)
+}
+
+async fn describe(app: &App, raw_drop: &str) -> Result<Answer, Answer> {
+    let drop = app.find_drop(raw_drop).await?;
+    let mut conn = app.redis.clone();
+    let remaining: Option<i64> = conn
+        .get(drop.keys.remaining())
+        .await
+        .map_err(|e| app.redis_down(&drop, &e))?;
+    let config = drop.config();
+    let time = |ms: Option<i64>| ms.map_or(serde_json::Value::Null, rfc3339);
+    Ok(Answer::new(StatusCode::OK, "found")
+        .with("drop", drop.name.as_str())
+        .with("namespace", app.drops.namespace())
+        .with("sku", config.sku)
+        .with("limit", config.limit)
+        .with("remaining", remaining.unwrap_or(0).max(0))
+        .with("mode", config.mode.as_str())
+        .with("perUserLimit", config.per_user_limit)
+        .with("holdSeconds", config.hold_seconds)
+        .with("startsAt", time(config.starts_at_ms))
+        .with("endsAt", time(config.ends_at_ms)))
+}

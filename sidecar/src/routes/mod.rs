@@ -1,0 +1,105 @@
+//! The HTTP API: one module per route group, all answering [`Answer`]s.
+
+mod drops;
+mod health;
+mod reservations;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use warp::filters::BoxedFilter;
+use warp::http::StatusCode;
+use warp::reply::Response;
+use warp::{Filter, Rejection};
+
+use crate::answer::Answer;
+use crate::app::App;
+
+/// Largest request body accepted: the bodies are a few short fields.
+const MAX_BODY_BYTES: u64 = 16 * 1024;
+
+/// Every route of the API.
+pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
+    let app = warp::any().map(move || app.clone());
+    let body = warp::body::content_length_limit(MAX_BODY_BYTES).and(warp::body::bytes());
+
+    let reserve = warp::path!("v1" / "drops" / String / "reservations")
+        .and(warp::post())
+        .and(app.clone())
+        .and(body)
+        .then(reservations::reserve);
+    let confirm = warp::path!("v1" / "drops" / String / "reservations" / String / "confirm")
+        .and(warp::post())
+        .and(app.clone())
+        .then(reservations::confirm);
+    let cancel = warp::path!("v1" / "drops" / String / "reservations" / String / "cancel")
+        .and(warp::post())
+        .and(app.clone())
+        .then(reservations::cancel);
+    let lookup = warp::path!("v1" / "drops" / String / "reservations" / String)
+        .and(warp::get())
+        .and(app.clone())
+        .then(reservations::lookup);
+    let drop = warp::path!("v1" / "drops" / String)
+        .and(warp::get())
+        .and(app.clone())
+        .then(drops::show);
+    let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
+    let readyz = warp::path!("readyz")
+        .and(warp::get())
+        .and(app.clone())
+        .then(health::ready);
+    let metrics = warp::path!("metrics")
+        .and(warp::get())
+        .and(app)
+        .then(health::metrics);
+
+    reserve
+        .or(confirm)
+        .unify()
+        .or(cancel)
+        .unify()
+        .or(lookup)
+        .unify()
+        .or(drop)
+        .unify()
+        .or(healthz)
+        .unify()
+        .or(readyz)
+        .unify()
+        .or(metrics)
+        .unify()
+        .recover(rejected)
+        .unify()
+        .boxed()
+}
+
+/// Counts and times an answer, then sends it.
+fn finish(app: &App, route: &'static str, started: Instant, answer: Answer) -> Response {
+    app.metrics
+        .observe(route, answer.outcome(), started.elapsed().as_secs_f64());
+    answer.into_response()
+}
+
+/// What warp refused before any handler ran, as JSON answers like the rest.
+async fn rejected(rejection: Rejection) -> Result<Response, Infallible> {
+    let answer = if rejection.is_not_found() {
+        Answer::refusal(StatusCode::NOT_FOUND, "not_found", "no such route")
+    } else if rejection.find::<warp::reject::MethodNotAllowed>().is_some() {
+        Answer::refusal(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid",
+            "this method is not allowed on this route",
+        )
+    } else if rejection.find::<warp::reject::PayloadTooLarge>().is_some() {
+        Answer::refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid",
+            format!("the body must be at most {MAX_BODY_BYTES} bytes"),
+        )
+    } else {
+        Answer::invalid(format!("the request was refused: {rejection:?}"))
+    };
+    Ok(answer.into_response())
+}

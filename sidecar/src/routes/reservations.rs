@@ -1,0 +1,217 @@
+//! `POST /v1/drops/{drop}/reservations` and the reservation's confirm, cancel and
+//! look-up.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use warp::http::StatusCode;
+use warp::reply::Response;
+
+use super::finish;
+use crate::answer::{Answer, rfc3339};
+use crate::app::App;
+use crate::drops::Drop;
+use crate::gate::{self, GateReply};
+use crate::input::{self, Reserve};
+
+/// Seconds a throttled buyer is told to wait: permits free up as others confirm.
+const RETRY_AFTER_SECONDS: u64 = 1;
+
+pub async fn reserve(drop: String, app: Arc<App>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let answer = admit(&app, &drop, &body).await.unwrap_or_else(|refusal| refusal);
+    finish(&app, "reserve", started, answer)
+}
+
+pub async fn confirm(drop: String, key: String, app: Arc<App>) -> Response {
+    let started = Instant::now();
+    let answer = settle(&app, &drop, &key, Settle::Confirm)
+        .await
+        .unwrap_or_else(|refusal| refusal);
+    finish(&app, "confirm", started, answer)
+}
+
+pub async fn cancel(drop: String, key: String, app: Arc<App>) -> Response {
+    let started = Instant::now();
+    let answer = settle(&app, &drop, &key, Settle::Cancel)
+        .await
+        .unwrap_or_else(|refusal| refusal);
+    finish(&app, "cancel", started, answer)
+}
+
+pub async fn lookup(drop: String, key: String, app: Arc<App>) -> Response {
+    let started = Instant::now();
+    let answer = settle(&app, &drop, &key, Settle::Lookup)
+        .await
+        .unwrap_or_else(|refusal| refusal);
+    finish(&app, "lookup", started, answer)
+}
+
+async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer> {
+    let request = Reserve::parse(body).map_err(|e| Answer::invalid(e.0))?;
+    let drop = app.find_drop(raw_drop).await?;
+    let mut conn = app.redis.clone();
+    let attempt = format!("{:016x}", rand::random::<u64>());
+    let reply = gate::reserve(
+        &mut conn,
+        &drop.keys,
+        &request.key,
+        &request.user,
+        request.quantity,
+        &attempt,
+    )
+    .await
+    .map_err(|e| app.redis_down(&drop, &e))?;
+    let name = &drop.name;
+    let conflict = |outcome: &str, message: String| {
+        Answer::refusal(StatusCode::CONFLICT, outcome, message)
+    };
+    match reply.outcome.as_str() {
+        "admitted" => {}
+        "already_reserved" => {
+            return Ok(reservation(StatusCode::OK, "already_reserved", &drop, &request.key, &reply));
+        }
+        "sold_out" => {
+            return Err(conflict(
+                "sold_out",
+                format!(
+                    "drop {name} is sold out: {} left, {} asked for",
+                    clamp(reply.remaining),
+                    request.quantity
+                ),
+            )
+            .with("remaining", clamp(reply.remaining)));
+        }
+        "per_user_limit_exceeded" => {
+            return Err(conflict(
+                "per_user_limit_exceeded",
+                format!(
+                    "user {} already holds {} of the {} units one user may hold in drop {name}",
+                    request.user,
+                    reply.quantity.unwrap_or(0),
+                    reply.when.unwrap_or(0)
+                ),
+            ));
+        }
+        "idempotency_key_reused" => {
+            return Err(Answer::refusal(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                format!(
+                    "key {} was already used in drop {name} for a different user or quantity",
+                    request.key
+                ),
+            ));
+        }
+        "not_open" => {
+            return Err(Answer::refusal(
+                StatusCode::FORBIDDEN,
+                "not_open",
+                format!("drop {name} is not open yet"),
+            )
+            .with("startsAt", reply.when.map_or(serde_json::Value::Null, rfc3339)));
+        }
+        "ended" => {
+            return Err(Answer::refusal(
+                StatusCode::FORBIDDEN,
+                "ended",
+                format!("drop {name} has ended"),
+            )
+            .with("endsAt", reply.when.map_or(serde_json::Value::Null, rfc3339)));
+        }
+        "not_found" => return Err(app.unknown_drop(name)),
+        "mode" => return Err(app.not_gated(&drop, reply.state.as_deref().unwrap_or(""))),
+        other => return Err(Answer::unavailable(format!("the gate answered {other:?}"))),
+    }
+
+    let config = drop.config();
+    let wait = Duration::from_millis(config.acquire_timeout_ms);
+    if let Some(permit) = drop.throttle.acquire(wait).await {
+        drop.throttle.hold(&request.key, permit, reply.when.unwrap_or(0));
+        return Ok(reservation(StatusCode::CREATED, "admitted", &drop, &request.key, &reply));
+    }
+    match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
+        Ok(undone) if undone.outcome == "undone" => Err(Answer::refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "throttled",
+            format!(
+                "all {} reservation permits of this sidecar are in use; nothing was reserved: retry the same key after {RETRY_AFTER_SECONDS}s",
+                config.permits
+            ),
+        )
+        .retry_after(RETRY_AFTER_SECONDS)),
+        // Confirmed or cancelled through a concurrent retry of the same key: it stands.
+        Ok(kept) => Ok(reservation(StatusCode::OK, "already_reserved", &drop, &request.key, &kept)),
+        Err(e) => Err(Answer::unavailable(format!(
+            "no throttle permit was free and Redis failed while undoing the admission ({e}); retry the same key"
+        ))),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Settle {
+    Confirm,
+    Cancel,
+    Lookup,
+}
+
+async fn settle(app: &App, raw_drop: &str, raw_key: &str, op: Settle) -> Result<Answer, Answer> {
+    let key = input::path_id("key", raw_key).map_err(|e| Answer::invalid(e.0))?;
+    let drop = app.find_drop(raw_drop).await?;
+    let mut conn = app.redis.clone();
+    let reply = match op {
+        Settle::Confirm => gate::confirm(&mut conn, &drop.keys, &key).await,
+        Settle::Cancel => gate::cancel(&mut conn, &drop.keys, &key).await,
+        Settle::Lookup => gate::lookup(&mut conn, &drop.keys, &key).await,
+    }
+    .map_err(|e| app.redis_down(&drop, &e))?;
+
+    let name = &drop.name;
+    if matches!(reply.outcome.as_str(), "confirmed" | "cancelled" | "expired")
+        && !matches!(op, Settle::Lookup)
+    {
+        drop.throttle.release(&key);
+    }
+    let refused = |status, message: String| {
+        Err(reservation(status, &reply.outcome, &drop, &key, &reply).with("message", message))
+    };
+    match (op, reply.outcome.as_str()) {
+        (_, "not_found") => Err(Answer::refusal(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no reservation with key {key} in drop {name}"),
+        )),
+        (_, "expired") => refused(
+            StatusCode::CONFLICT,
+            format!("reservation {key} expired and its units went back to stock"),
+        ),
+        (Settle::Confirm, "cancelled") => refused(
+            StatusCode::CONFLICT,
+            format!("reservation {key} was cancelled and cannot be confirmed"),
+        ),
+        (Settle::Lookup, "found") => Ok(reservation(StatusCode::OK, "found", &drop, &key, &reply)),
+        (_, "confirmed" | "already_confirmed" | "cancelled" | "already_cancelled") => {
+            Ok(reservation(StatusCode::OK, &reply.outcome, &drop, &key, &reply))
+        }
+        (_, other) => Err(Answer::unavailable(format!("the gate answered {other:?}"))),
+    }
+}
+
+/// An answer that shows the reservation.
+fn reservation(status: StatusCode, outcome: &str, drop: &Drop, key: &str, reply: &GateReply) -> Answer {
+    Answer::new(status, outcome)
+        .with("drop", drop.name.as_str())
+        .with("key", key)
+        .with("user", reply.user.as_deref().unwrap_or(""))
+        .with("quantity", reply.quantity.unwrap_or(0))
+        .with("state", reply.state.as_deref().unwrap_or(""))
+        .with("expiresAt", reply.when.map_or(serde_json::Value::Null, rfc3339))
+        .with("remaining", clamp(reply.remaining))
+        .with("path", "gate")
+}
+
+/// `remaining` as reported: never below 0, even while a cut is being paid back.
+fn clamp(remaining: Option<i64>) -> i64 {
+    remaining.unwrap_or(0).max(0)
+}

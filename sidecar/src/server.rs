@@ -1,0 +1,46 @@
+//! Serving the API until shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::app::App;
+use crate::settings::Settings;
+use crate::{Error, maintenance, routes};
+
+/// Serves the API on `listener` until `shutdown` completes, then lets in-flight
+/// requests finish and stops the background work. Tests pass a listener bound to
+/// port 0.
+pub async fn run(
+    listener: TcpListener,
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    settings.validate().map_err(Error::Settings)?;
+    let app = Arc::new(App::new(&settings).await?);
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        namespace = %settings.namespace,
+        redis = %dropgate_api::redact_url(&settings.redis_url),
+        "serving"
+    );
+    let (stop, stopped) = watch::channel(false);
+    let background = tokio::spawn(maintenance::run(
+        app.clone(),
+        Duration::from_millis(settings.refresh_ms),
+        Duration::from_millis(settings.sweep_ms),
+        stopped,
+    ));
+    warp::serve(routes::all(app))
+        .incoming(listener)
+        .graceful(shutdown)
+        .run()
+        .await;
+    let _ = stop.send(true);
+    let _ = background.await;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! The sidecar's command line; every flag also reads a `DROPGATE_*` variable.
+
+use std::net::SocketAddr;
+
+use clap::Parser;
+
+/// The dropgate sidecar: reserve / confirm / cancel on localhost, gated by Redis.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "dropgate-sidecar", version, about)]
+pub struct Settings {
+    /// Where to serve the HTTP API. Loopback by default: the API has no
+    /// authentication, and only the shop's own containers should reach it.
+    #[arg(long, env = "DROPGATE_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// The Redis holding the drops (redis:// or rediss://, credentials in the URL).
+    #[arg(long, env = "DROPGATE_REDIS_URL")]
+    pub redis_url: String,
+    /// The Kubernetes namespace whose drops this sidecar serves.
+    #[arg(long, env = "DROPGATE_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// The SQL ledger. SQLite is per pod (so is its fallback path): use PostgreSQL
+    /// for more than one replica.
+    #[arg(long, env = "DROPGATE_DATABASE_URL", default_value = "sqlite://dropgate-ledger.db")]
+    pub database_url: String,
+    /// How often known drops' configs are re-read from Redis.
+    #[arg(long, env = "DROPGATE_REFRESH_MS", default_value_t = 500)]
+    pub refresh_ms: u64,
+    /// How often due holds are expired.
+    #[arg(long, env = "DROPGATE_SWEEP_MS", default_value_t = 250)]
+    pub sweep_ms: u64,
+}
+
+impl Settings {
+    /// Checks what clap's types cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if !dropgate_api::keys::is_object_name(&self.namespace) {
+            return Err(format!(
+                "--namespace {:?} is not a valid Kubernetes namespace name",
+                self.namespace
+            ));
+        }
+        redis::Client::open(self.redis_url.as_str())
+            .map_err(|e| format!("--redis-url is not a Redis URL: {e}"))?;
+        if self.refresh_ms == 0 || self.sweep_ms == 0 {
+            return Err("--refresh-ms and --sweep-ms must be positive".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,81 @@
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// A pooled HTTP/1 client for talking to the sidecar in tests and load runs.
+#[derive(Clone)]
+pub struct HttpClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+}
+
+/// One answer: status, headers and the body parsed as JSON (`Null` when it is not).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: serde_json::Value,
+    pub text: String,
+}
+
+impl Reply {
+    /// The `outcome` word of a dropgate answer.
+    pub fn outcome(&self) -> &str {
+        self.body["outcome"].as_str().unwrap_or("")
+    }
+}
+
+impl HttpClient {
+    /// `base` is `http://127.0.0.1:PORT`.
+    pub fn new(base: impl Into<String>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Self {
+            client,
+            base: base.into(),
+        }
+    }
+
+    pub async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&str>,
+    ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(format!("{}{}", self.base, path));
+        if body.is_some() {
+            builder = builder.header("content-type", "application/json");
+        }
+        let request = builder.body(Full::new(Bytes::from(body.unwrap_or("").to_string())))?;
+        let response = self.client.request(request).await?;
+        let (parts, incoming) = response.into_parts();
+        let bytes = incoming.collect().await?.to_bytes();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        Ok(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+            text,
+        })
+    }
+
+    pub async fn get(&self, path: &str) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        self.request(Method::GET, path, None).await
+    }
+
+    pub async fn post(
+        &self,
+        path: &str,
+        body: &str,
+    ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        self.request(Method::POST, path, Some(body)).await
+    }
+}

@@ -1,0 +1,31 @@
+//! Test harness shared by the crates' integration tests, the flash sale and e2e:
+//! real servers on free loopback ports, and a small HTTP client.
+//!
+//! Every server runs in a temporary directory and is killed when its handle drops,
+//! so a failed test leaves nothing behind.
+
+mod http_client;
+mod postgres;
+mod redis_server;
+
+pub use http_client::{HttpClient, Reply};
+pub use postgres::PostgresServer;
+pub use redis_server::RedisServer;
+
+use std::net::TcpListener;
+
+/// A loopback port that was free a moment ago. The OS hands out ephemeral ports
+/// round-robin, so the race with another process is rare; servers that lose it fail
+/// to start and the callers retry with a new port.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Looks for an executable on PATH and in the given fallback directories.
+pub(crate) fn find_binary(name: &str, fallbacks: &[&str]) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .chain(fallbacks.iter().map(|dir| std::path::Path::new(dir).join(name)))
+        .find(|candidate| candidate.is_file())
+}

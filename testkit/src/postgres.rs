@@ -1,0 +1,103 @@
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use crate::{find_binary, free_port};
+
+/// A throwaway PostgreSQL cluster on a free loopback port, stopped and deleted on drop.
+pub struct PostgresServer {
+    port: u16,
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+}
+
+const PG_DIRS: &[&str] = &[
+    "/usr/lib/postgresql/17/bin",
+    "/usr/lib/postgresql/16/bin",
+    "/usr/lib/postgresql/15/bin",
+];
+
+impl PostgresServer {
+    /// `initdb` + `pg_ctl start` as the current user. PostgreSQL refuses to run as
+    /// root, so under root the cluster is owned by and run as `postgres`.
+    pub fn start() -> std::io::Result<Self> {
+        let initdb = find_binary("initdb", PG_DIRS).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "initdb not found: run scripts/setup (apt-get install postgresql)",
+            )
+        })?;
+        let bin = initdb.parent().map(PathBuf::from).unwrap_or_default();
+        let dir = tempfile::Builder::new().prefix("dropgate-pg").tempdir()?;
+        let data = dir.path().join("data");
+        let as_root = is_root();
+        if as_root {
+            run(Command::new("chown").args(["-R", "postgres:postgres"]).arg(dir.path()))?;
+        }
+        let mut init = pg_command(&bin.join("initdb"), as_root);
+        init.args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"]).arg(&data);
+        run(&mut init)?;
+        let mut last = None;
+        for _ in 0..5 {
+            let port = free_port()?;
+            let opts = format!(
+                "-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={} -c fsync=off -c max_connections=200",
+                dir.path().display()
+            );
+            let mut start = pg_command(&bin.join("pg_ctl"), as_root);
+            start.args(["-w", "-t", "30", "-D"]).arg(&data).args(["-o", &opts, "-l"]).arg(dir.path().join("log")).arg("start");
+            match run(&mut start) {
+                Ok(()) => return Ok(Self { port, dir, bin }),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("PostgreSQL did not start")))
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        let mut stop = pg_command(&self.bin.join("pg_ctl"), is_root());
+        stop.args(["-m", "immediate", "-D"]).arg(self.dir.path().join("data")).arg("stop");
+        let _ = run(&mut stop);
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn pg_command(program: &std::path::Path, as_root: bool) -> Command {
+    if as_root {
+        let mut cmd = Command::new("runuser");
+        cmd.args(["-u", "postgres", "--"]).arg(program);
+        cmd
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(cmd: &mut Command) -> std::io::Result<()> {
+    let out = cmd.stdin(Stdio::null()).output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "{:?} failed: {}{}",
+            cmd,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )))
+    }
+}
