@@ -9,6 +9,8 @@ use crate::MAX_QUANTITY;
 use crate::config::{FailurePolicy, Mode};
 
 /// A limited-quantity sale: `limitedQuantity` units of `sku`, never one more.
+// clippy reads the repeated `type_ = "integer"` of two printcolumns as a duplicate.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "dropgate.io",
@@ -21,7 +23,11 @@ use crate::config::{FailurePolicy, Mode};
     printcolumn(name = "LIMIT", type_ = "integer", json_path = ".spec.limitedQuantity"),
     printcolumn(name = "REMAINING", type_ = "integer", json_path = ".status.remaining"),
     printcolumn(name = "MODE", type_ = "string", json_path = ".status.mode"),
-    printcolumn(name = "AGE", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "AGE",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct InventoryDropSpec {
@@ -311,7 +317,10 @@ spec:
         );
         let mut drop = parse(MINIMAL).expect("parses");
         drop.spec.per_user_limit = 0;
-        assert_eq!(drop.spec.validate().map_err(|e| e.field), Err("perUserLimit"));
+        assert_eq!(
+            drop.spec.validate().map_err(|e| e.field),
+            Err("perUserLimit")
+        );
         let mut drop = parse(MINIMAL).expect("parses");
         drop.spec.sku = " ".into();
         assert_eq!(drop.spec.validate().map_err(|e| e.field), Err("sku"));

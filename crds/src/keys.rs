@@ -112,7 +112,17 @@ mod tests {
         for ok in ["a", "sneaker-0412", "x.y-z", "0"] {
             assert!(is_object_name(ok), "{ok}");
         }
-        for bad in ["", "A", "a_b", "-a", "a-", "a..b", "a}b", "a/b", &"a".repeat(254)] {
+        for bad in [
+            "",
+            "A",
+            "a_b",
+            "-a",
+            "a-",
+            "a..b",
+            "a}b",
+            "a/b",
+            &"a".repeat(254),
+        ] {
             assert!(!is_object_name(bad), "{bad}");
         }
     }

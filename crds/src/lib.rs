@@ -52,6 +52,9 @@ mod tests {
             super::redact_url("postgres://app:pw@db/shop"),
             "postgres://app:***@db/shop"
         );
-        assert_eq!(super::redact_url("redis://redis:6379"), "redis://redis:6379");
+        assert_eq!(
+            super::redact_url("redis://redis:6379"),
+            "redis://redis:6379"
+        );
     }
 }

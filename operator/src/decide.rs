@@ -97,7 +97,15 @@ pub fn status(
     let is_ready = ready(drop, ha);
     let previous_conditions = previous.map(|s| s.conditions.as_slice()).unwrap_or(&[]);
     let cond = |type_: &str, status: bool, reason: &str, message: String| {
-        condition(previous_conditions, observed.now, generation, type_, status, reason, message)
+        condition(
+            previous_conditions,
+            observed.now,
+            generation,
+            type_,
+            status,
+            reason,
+            message,
+        )
     };
 
     let seeded_message = if stock.remaining < 0 {
@@ -115,7 +123,11 @@ pub fn status(
     } else {
         format!("stock in place for limit {}", spec.limited_quantity)
     };
-    let seeded_reason = if stock.remaining < 0 { "LimitBelowHeld" } else { "Seeded" };
+    let seeded_reason = if stock.remaining < 0 {
+        "LimitBelowHeld"
+    } else {
+        "Seeded"
+    };
 
     let ha_message = if spec.redis.require_high_availability {
         ha.message.clone()
@@ -142,7 +154,11 @@ pub fn status(
     let (ready_reason, ready_message) = if is_ready {
         (
             "Reconciled",
-            format!("mode {}, {} units remaining", observed.mode, stock.remaining.max(0)),
+            format!(
+                "mode {}, {} units remaining",
+                observed.mode,
+                stock.remaining.max(0)
+            ),
         )
     } else {
         ("HighAvailabilityMissing", ha.message.clone())
@@ -158,7 +174,12 @@ pub fn status(
         fail_open: observed.mode == Mode::FailOpen,
         conditions: vec![
             cond("Seeded", true, seeded_reason, seeded_message),
-            cond("HighlyAvailable", ha.is_highly_available(), ha.reason, ha_message),
+            cond(
+                "HighlyAvailable",
+                ha.is_highly_available(),
+                ha.reason,
+                ha_message,
+            ),
             cond(
                 "FailOpen",
                 observed.mode == Mode::FailOpen,
@@ -272,7 +293,10 @@ mod tests {
         assert_eq!(cfg.ends_at_ms, Some(end.as_millisecond()));
         assert!(cfg.expire_at_ms.expect("expiry set") > end.as_millisecond() + 60_000);
         assert_eq!(cfg.generation, 2);
-        assert_eq!(config(&drop("{sku: X, limitedQuantity: 1, redis: {}}"), Mode::Gate).expire_at_ms, None);
+        assert_eq!(
+            config(&drop("{sku: X, limitedQuantity: 1, redis: {}}"), Mode::Gate).expire_at_ms,
+            None
+        );
     }
 
     #[test]
@@ -281,16 +305,45 @@ mod tests {
         let ha_closed = drop(
             "{sku: X, limitedQuantity: 10, redis: {requireHighAvailability: true}, gate: {failurePolicy: Closed}}",
         );
-        let later = drop("{sku: X, limitedQuantity: 10, startsAt: '2026-12-02T00:00:00Z', redis: {}}");
+        let later =
+            drop("{sku: X, limitedQuantity: 10, startsAt: '2026-12-02T00:00:00Z', redis: {}}");
         let over = drop("{sku: X, limitedQuantity: 10, endsAt: '2026-12-01T10:00:00Z', redis: {}}");
         let cases = [
-            (&plain, observed(Mode::Gate, Tier::Standalone, 5, 5), Phase::Active),
-            (&plain, observed(Mode::Gate, Tier::Standalone, 0, 10), Phase::SoldOut),
-            (&plain, observed(Mode::Gate, Tier::Standalone, -3, 13), Phase::SoldOut),
-            (&plain, observed(Mode::FailOpen, Tier::Standalone, 5, 5), Phase::FailOpen),
-            (&ha_closed, observed(Mode::Closed, Tier::Standalone, 10, 0), Phase::Error),
-            (&later, observed(Mode::Gate, Tier::Standalone, 10, 0), Phase::Pending),
-            (&over, observed(Mode::Gate, Tier::Standalone, 10, 0), Phase::Ended),
+            (
+                &plain,
+                observed(Mode::Gate, Tier::Standalone, 5, 5),
+                Phase::Active,
+            ),
+            (
+                &plain,
+                observed(Mode::Gate, Tier::Standalone, 0, 10),
+                Phase::SoldOut,
+            ),
+            (
+                &plain,
+                observed(Mode::Gate, Tier::Standalone, -3, 13),
+                Phase::SoldOut,
+            ),
+            (
+                &plain,
+                observed(Mode::FailOpen, Tier::Standalone, 5, 5),
+                Phase::FailOpen,
+            ),
+            (
+                &ha_closed,
+                observed(Mode::Closed, Tier::Standalone, 10, 0),
+                Phase::Error,
+            ),
+            (
+                &later,
+                observed(Mode::Gate, Tier::Standalone, 10, 0),
+                Phase::Pending,
+            ),
+            (
+                &over,
+                observed(Mode::Gate, Tier::Standalone, 10, 0),
+                Phase::Ended,
+            ),
         ];
         for (d, obs, want) in cases {
             assert_eq!(phase(d, &obs), want, "{:?}", d.spec);

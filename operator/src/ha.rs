@@ -78,7 +78,8 @@ mod tests {
 
     #[test]
     fn judges_info_replication() {
-        let standalone = "# Replication\r\nrole:master\r\nconnected_slaves:0\r\nmaster_repl_offset:0\r\n";
+        let standalone =
+            "# Replication\r\nrole:master\r\nconnected_slaves:0\r\nmaster_repl_offset:0\r\n";
         assert_eq!(from_replication_info(standalone).tier, Tier::Standalone);
 
         let replicated = "role:master\r\nconnected_slaves:1\r\nslave0:ip=127.0.0.1,port=6380,state=online,offset=42,lag=0\r\n";

@@ -19,9 +19,9 @@ pub mod ha;
 pub mod reconcile;
 pub mod store;
 
-pub use dropgate_api::redact_url;
 use dropgate_api::ConfigError;
 use dropgate_api::drop::SpecError;
+pub use dropgate_api::redact_url;
 
 /// Failures of a reconcile, one variant per thing a user can act on.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +64,6 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
 
 /// The InventoryDrop CRD as YAML, as `crdgen` prints it and `crds/` commits it.
 pub fn crd_yaml() -> std::result::Result<String, serde_norway::Error> {

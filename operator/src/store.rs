@@ -50,7 +50,12 @@ pub async fn seed(
     let mut invocation = SEED.key(keys.config());
     invocation.key(keys.remaining());
     invocation.arg(config.limit);
-    invocation.arg(config.expire_at_ms.map(|t| t.to_string()).unwrap_or_default());
+    invocation.arg(
+        config
+            .expire_at_ms
+            .map(|t| t.to_string())
+            .unwrap_or_default(),
+    );
     for (field, value) in config.to_fields() {
         invocation.arg(field).arg(value);
     }
@@ -86,7 +91,10 @@ pub async fn stock(conn: &mut ConnectionManager, keys: &DropKeys) -> Result<Stoc
 }
 
 /// The config the sidecars currently read for this drop, if any.
-pub async fn published(conn: &mut ConnectionManager, keys: &DropKeys) -> Result<Option<DropConfig>> {
+pub async fn published(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+) -> Result<Option<DropConfig>> {
     let fields: std::collections::HashMap<String, String> = conn.hgetall(keys.config()).await?;
     Ok(DropConfig::from_fields(&fields)?)
 }

@@ -35,7 +35,10 @@ impl Drop {
 
     /// The config as last read.
     pub fn config(&self) -> DropConfig {
-        self.config.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.config
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn update(&self, config: DropConfig) {

@@ -162,23 +162,71 @@ mod tests {
         let table: Vec<(String, &str)> = vec![
             ("{".into(), "not valid JSON"),
             ("[1]".into(), "JSON object"),
-            (r#"{"key":"k","user":"u","quantity":1,"extra":1}"#.into(), "`extra`"),
-            (r#"{"key":"k","user":"u"}"#.into(), "missing field `quantity`"),
+            (
+                r#"{"key":"k","user":"u","quantity":1,"extra":1}"#.into(),
+                "`extra`",
+            ),
+            (
+                r#"{"key":"k","user":"u"}"#.into(),
+                "missing field `quantity`",
+            ),
             (r#"{"user":"u","quantity":1}"#.into(), "missing field `key`"),
-            (r#"{"key":"k","user":"u","quantity":true}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":1.0}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":1.5}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":"1"}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":0}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":-1}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":2147483648}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":1e3}"#.into(), "`quantity`"),
-            (r#"{"key":"k","user":"u","quantity":null}"#.into(), "`quantity`"),
-            (r#"{"key":"","user":"u","quantity":1}"#.into(), "`key` must not be empty"),
-            (r#"{"key":"k","user":"","quantity":1}"#.into(), "`user` must not be empty"),
-            (r#"{"key":7,"user":"u","quantity":1}"#.into(), "`key` must be a string"),
-            (format!(r#"{{"key":"{long}","user":"u","quantity":1}}"#), "`key` must be at most 256"),
-            (format!(r#"{{"key":"k","user":"{long}","quantity":1}}"#), "`user` must be at most 256"),
+            (
+                r#"{"key":"k","user":"u","quantity":true}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":1.0}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":1.5}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":"1"}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":0}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":-1}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":2147483648}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":1e3}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":null}"#.into(),
+                "`quantity`",
+            ),
+            (
+                r#"{"key":"","user":"u","quantity":1}"#.into(),
+                "`key` must not be empty",
+            ),
+            (
+                r#"{"key":"k","user":"","quantity":1}"#.into(),
+                "`user` must not be empty",
+            ),
+            (
+                r#"{"key":7,"user":"u","quantity":1}"#.into(),
+                "`key` must be a string",
+            ),
+            (
+                format!(r#"{{"key":"{long}","user":"u","quantity":1}}"#),
+                "`key` must be at most 256",
+            ),
+            (
+                format!(r#"{{"key":"k","user":"{long}","quantity":1}}"#),
+                "`user` must be at most 256",
+            ),
         ];
         for (body, want) in table {
             let got = refusal(&body);

@@ -13,7 +13,12 @@ use crate::metrics::DropLabel;
 const SWEEP_BATCH: isize = 256;
 
 /// Runs until `stop` turns true.
-pub async fn run(app: Arc<App>, refresh: Duration, sweep: Duration, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    app: Arc<App>,
+    refresh: Duration,
+    sweep: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut refresh_tick = tokio::time::interval(refresh);
     let mut sweep_tick = tokio::time::interval(sweep);
     for tick in [&mut refresh_tick, &mut sweep_tick] {

@@ -58,7 +58,11 @@ impl Metrics {
             "Permits held for unconfirmed reservations",
             permits_in_use.clone(),
         );
-        registry.register("expired_holds", "Holds expired by the sweeper", expired.clone());
+        registry.register(
+            "expired_holds",
+            "Holds expired by the sweeper",
+            expired.clone(),
+        );
         Self {
             registry,
             answers,
@@ -75,7 +79,9 @@ impl Metrics {
                 outcome: outcome.to_string(),
             })
             .inc();
-        self.latency.get_or_create(&Route { route }).observe(seconds);
+        self.latency
+            .get_or_create(&Route { route })
+            .observe(seconds);
     }
 
     pub fn encode(&self) -> Result<String, std::fmt::Error> {

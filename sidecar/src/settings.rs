@@ -20,7 +20,11 @@ pub struct Settings {
     pub namespace: String,
     /// The SQL ledger. SQLite is per pod (so is its fallback path): use PostgreSQL
     /// for more than one replica.
-    #[arg(long, env = "DROPGATE_DATABASE_URL", default_value = "sqlite://dropgate-ledger.db")]
+    #[arg(
+        long,
+        env = "DROPGATE_DATABASE_URL",
+        default_value = "sqlite://dropgate-ledger.db"
+    )]
     pub database_url: String,
     /// How often known drops' configs are re-read from Redis.
     #[arg(long, env = "DROPGATE_REFRESH_MS", default_value_t = 500)]

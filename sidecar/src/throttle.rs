@@ -38,7 +38,12 @@ impl Throttle {
 
     /// Waits at most `timeout` for a permit.
     pub async fn acquire(&self, timeout: Duration) -> Option<OwnedSemaphorePermit> {
-        let semaphore = self.semaphore.read().unwrap_or_else(|e| e.into_inner()).1.clone();
+        let semaphore = self
+            .semaphore
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .clone();
         if let Ok(permit) = semaphore.clone().try_acquire_owned() {
             return Some(permit);
         }
@@ -51,7 +56,8 @@ impl Throttle {
     /// Keeps `permit` for the reservation `key` until [`Throttle::release`] or its
     /// deadline.
     pub fn hold(&self, key: &str, permit: OwnedSemaphorePermit, deadline_ms: i64) {
-        self.lock_held().insert(key.to_string(), (permit, deadline_ms));
+        self.lock_held()
+            .insert(key.to_string(), (permit, deadline_ms));
     }
 
     /// Gives back the permit of `key`, if this sidecar holds one.
@@ -84,12 +90,18 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_held_permit_is_freed_by_release_or_deadline() {
         let throttle = Throttle::new(1);
-        let permit = throttle.acquire(Duration::ZERO).await.expect("one permit free");
+        let permit = throttle
+            .acquire(Duration::ZERO)
+            .await
+            .expect("one permit free");
         throttle.hold("a", permit, 1_000);
         assert!(throttle.acquire(Duration::from_millis(50)).await.is_none());
         assert_eq!(throttle.release_due(999), 0);
         assert_eq!(throttle.release_due(1_000), 1);
-        let permit = throttle.acquire(Duration::ZERO).await.expect("freed by deadline");
+        let permit = throttle
+            .acquire(Duration::ZERO)
+            .await
+            .expect("freed by deadline");
         throttle.hold("b", permit, 5_000);
         throttle.release("b");
         assert!(throttle.acquire(Duration::ZERO).await.is_some());

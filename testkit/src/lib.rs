@@ -26,6 +26,10 @@ pub(crate) fn find_binary(name: &str, fallbacks: &[&str]) -> Option<std::path::P
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .map(|dir| dir.join(name))
-        .chain(fallbacks.iter().map(|dir| std::path::Path::new(dir).join(name)))
+        .chain(
+            fallbacks
+                .iter()
+                .map(|dir| std::path::Path::new(dir).join(name)),
+        )
         .find(|candidate| candidate.is_file())
 }

@@ -31,10 +31,13 @@ impl PostgresServer {
         let data = dir.path().join("data");
         let as_root = is_root();
         if as_root {
-            run(Command::new("chown").args(["-R", "postgres:postgres"]).arg(dir.path()))?;
+            run(Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir.path()))?;
         }
         let mut init = pg_command(&bin.join("initdb"), as_root);
-        init.args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"]).arg(&data);
+        init.args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(&data);
         run(&mut init)?;
         let mut last = None;
         for _ in 0..5 {
@@ -44,7 +47,12 @@ impl PostgresServer {
                 dir.path().display()
             );
             let mut start = pg_command(&bin.join("pg_ctl"), as_root);
-            start.args(["-w", "-t", "30", "-D"]).arg(&data).args(["-o", &opts, "-l"]).arg(dir.path().join("log")).arg("start");
+            start
+                .args(["-w", "-t", "30", "-D"])
+                .arg(&data)
+                .args(["-o", &opts, "-l"])
+                .arg(dir.path().join("log"))
+                .arg("start");
             match run(&mut start) {
                 Ok(()) => return Ok(Self { port, dir, bin }),
                 Err(e) => last = Some(e),
@@ -65,7 +73,9 @@ impl PostgresServer {
 impl Drop for PostgresServer {
     fn drop(&mut self) {
         let mut stop = pg_command(&self.bin.join("pg_ctl"), is_root());
-        stop.args(["-m", "immediate", "-D"]).arg(self.dir.path().join("data")).arg("stop");
+        stop.args(["-m", "immediate", "-D"])
+            .arg(self.dir.path().join("data"))
+            .arg("stop");
         let _ = run(&mut stop);
     }
 }

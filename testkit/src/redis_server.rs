@@ -25,12 +25,13 @@ impl RedisServer {
     }
 
     fn start_with(extra: &[&str]) -> std::io::Result<Self> {
-        let binary = find_binary("redis-server", &["/usr/bin", "/usr/local/bin"]).ok_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "redis-server not found: run scripts/setup (apt-get install redis-server)",
-            )
-        })?;
+        let binary =
+            find_binary("redis-server", &["/usr/bin", "/usr/local/bin"]).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "redis-server not found: run scripts/setup (apt-get install redis-server)",
+                )
+            })?;
         let mut last_error = None;
         for _ in 0..5 {
             let mut server = Self {
@@ -81,7 +82,9 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Err(std::io::Error::other("redis-server did not answer PING within 10s"))
+        Err(std::io::Error::other(
+            "redis-server did not answer PING within 10s",
+        ))
     }
 
     pub fn port(&self) -> u16 {

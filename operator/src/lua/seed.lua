@@ -26,11 +26,19 @@ elseif old_limit then
   end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+-- A sale that ended long ago keeps its keys an hour past each reconcile (a
+-- PEXPIREAT in the past would delete them at once): while the InventoryDrop exists
+-- its keys do, and the finalizer removes them with it.
+local expire_at = nil
+if ARGV[2] ~= '' then
+  local t = redis.call('TIME')
+  expire_at = math.max(tonumber(ARGV[2]), tonumber(t[1]) * 1000 + 3600 * 1000)
+end
 for _, key in ipairs(KEYS) do
-  if ARGV[2] ~= '' then
-    redis.call('PEXPIREAT', key, ARGV[2])
+  if expire_at then
+    redis.call('PEXPIREAT', key, expire_at)
   else
     redis.call('PERSIST', key)
   end
 end
-return {created, moved, old_mode, tonumber(redis.call('GET', KEYS[2]))}
+return {created, moved, old_mode, tonumber(redis.call('GET', KEYS[2]) or '0')}

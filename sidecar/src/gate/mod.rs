@@ -101,20 +101,36 @@ pub async fn reserve(
     run(&RESERVE, conn, keys, key, &[user, &quantity, attempt]).await
 }
 
-pub async fn confirm(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+pub async fn confirm(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+) -> RedisResult<GateReply> {
     run(&CONFIRM, conn, keys, key, &[]).await
 }
 
-pub async fn cancel(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+pub async fn cancel(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+) -> RedisResult<GateReply> {
     run(&CANCEL, conn, keys, key, &[]).await
 }
 
-pub async fn lookup(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+pub async fn lookup(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+) -> RedisResult<GateReply> {
     run(&LOOKUP, conn, keys, key, &[]).await
 }
 
 /// Expires the hold of `key` if its deadline has passed (the sweeper's step).
-pub async fn expire(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<GateReply> {
+pub async fn expire(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+) -> RedisResult<GateReply> {
     run(&EXPIRE, conn, keys, key, &[]).await
 }
 

@@ -13,7 +13,9 @@ use crate::app::App;
 
 pub async fn show(drop: String, app: Arc<App>) -> Response {
     let started = Instant::now();
-    let answer = describe(&app, &drop).await.unwrap_or_else(|refusal| refusal);
+    let answer = describe(&app, &drop)
+        .await
+        .unwrap_or_else(|refusal| refusal);
     finish(&app, "drop", started, answer)
 }
 

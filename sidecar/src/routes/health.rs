@@ -27,7 +27,9 @@ pub async fn metrics(app: Arc<App>) -> Response {
             let mut response = warp::reply::Reply::into_response(text);
             response.headers_mut().insert(
                 "content-type",
-                HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
             );
             response
         }

@@ -8,6 +8,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
+use futures::StreamExt;
 use warp::filters::BoxedFilter;
 use warp::http::StatusCode;
 use warp::reply::Response;
@@ -17,12 +19,12 @@ use crate::answer::Answer;
 use crate::app::App;
 
 /// Largest request body accepted: the bodies are a few short fields.
-const MAX_BODY_BYTES: u64 = 16 * 1024;
+const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// Every route of the API.
 pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
     let app = warp::any().map(move || app.clone());
-    let body = warp::body::content_length_limit(MAX_BODY_BYTES).and(warp::body::bytes());
+    let body = warp::body::stream().then(read_body);
 
     let reserve = warp::path!("v1" / "drops" / String / "reservations")
         .and(warp::post())
@@ -75,6 +77,35 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .boxed()
 }
 
+/// The request body, at most [`MAX_BODY_BYTES`]. Read as a stream so that an empty
+/// body, a chunked one and an oversized one all get a JSON answer from the handler.
+async fn read_body<S, B>(stream: S) -> Result<Bytes, Answer>
+where
+    S: futures::Stream<Item = Result<B, warp::Error>>,
+    B: warp::Buf,
+{
+    let mut body = Vec::new();
+    let mut stream = std::pin::pin!(stream);
+    while let Some(chunk) = stream.next().await {
+        let mut chunk =
+            chunk.map_err(|e| Answer::invalid(format!("the body could not be read: {e}")))?;
+        if body.len() + chunk.remaining() > MAX_BODY_BYTES {
+            return Err(Answer::refusal(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid",
+                format!("the body must be at most {MAX_BODY_BYTES} bytes"),
+            ));
+        }
+        while chunk.has_remaining() {
+            let part = chunk.chunk();
+            body.extend_from_slice(part);
+            let n = part.len();
+            chunk.advance(n);
+        }
+    }
+    Ok(Bytes::from(body))
+}
+
 /// Counts and times an answer, then sends it.
 fn finish(app: &App, route: &'static str, started: Instant, answer: Answer) -> Response {
     app.metrics
@@ -91,12 +122,6 @@ async fn rejected(rejection: Rejection) -> Result<Response, Infallible> {
             StatusCode::METHOD_NOT_ALLOWED,
             "invalid",
             "this method is not allowed on this route",
-        )
-    } else if rejection.find::<warp::reject::PayloadTooLarge>().is_some() {
-        Answer::refusal(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid",
-            format!("the body must be at most {MAX_BODY_BYTES} bytes"),
         )
     } else {
         Answer::invalid(format!("the request was refused: {rejection:?}"))

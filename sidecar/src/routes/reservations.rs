@@ -18,9 +18,13 @@ use crate::input::{self, Reserve};
 /// Seconds a throttled buyer is told to wait: permits free up as others confirm.
 const RETRY_AFTER_SECONDS: u64 = 1;
 
-pub async fn reserve(drop: String, app: Arc<App>, body: Bytes) -> Response {
+pub async fn reserve(drop: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
     let started = Instant::now();
-    let answer = admit(&app, &drop, &body).await.unwrap_or_else(|refusal| refusal);
+    let answer = match body {
+        Ok(body) => admit(&app, &drop, &body).await,
+        Err(refusal) => Err(refusal),
+    }
+    .unwrap_or_else(|refusal| refusal);
     finish(&app, "reserve", started, answer)
 }
 
@@ -64,13 +68,18 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
     .await
     .map_err(|e| app.redis_down(&drop, &e))?;
     let name = &drop.name;
-    let conflict = |outcome: &str, message: String| {
-        Answer::refusal(StatusCode::CONFLICT, outcome, message)
-    };
+    let conflict =
+        |outcome: &str, message: String| Answer::refusal(StatusCode::CONFLICT, outcome, message);
     match reply.outcome.as_str() {
         "admitted" => {}
         "already_reserved" => {
-            return Ok(reservation(StatusCode::OK, "already_reserved", &drop, &request.key, &reply));
+            return Ok(reservation(
+                StatusCode::OK,
+                "already_reserved",
+                &drop,
+                &request.key,
+                &reply,
+            ));
         }
         "sold_out" => {
             return Err(conflict(
@@ -110,7 +119,10 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
                 "not_open",
                 format!("drop {name} is not open yet"),
             )
-            .with("startsAt", reply.when.map_or(serde_json::Value::Null, rfc3339)));
+            .with(
+                "startsAt",
+                reply.when.map_or(serde_json::Value::Null, rfc3339),
+            ));
         }
         "ended" => {
             return Err(Answer::refusal(
@@ -118,7 +130,10 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
                 "ended",
                 format!("drop {name} has ended"),
             )
-            .with("endsAt", reply.when.map_or(serde_json::Value::Null, rfc3339)));
+            .with(
+                "endsAt",
+                reply.when.map_or(serde_json::Value::Null, rfc3339),
+            ));
         }
         "not_found" => return Err(app.unknown_drop(name)),
         "mode" => return Err(app.not_gated(&drop, reply.state.as_deref().unwrap_or(""))),
@@ -128,8 +143,15 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
     let config = drop.config();
     let wait = Duration::from_millis(config.acquire_timeout_ms);
     if let Some(permit) = drop.throttle.acquire(wait).await {
-        drop.throttle.hold(&request.key, permit, reply.when.unwrap_or(0));
-        return Ok(reservation(StatusCode::CREATED, "admitted", &drop, &request.key, &reply));
+        drop.throttle
+            .hold(&request.key, permit, reply.when.unwrap_or(0));
+        return Ok(reservation(
+            StatusCode::CREATED,
+            "admitted",
+            &drop,
+            &request.key,
+            &reply,
+        ));
     }
     match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
         Ok(undone) if undone.outcome == "undone" => Err(Answer::refusal(
@@ -168,8 +190,10 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, op: Settle) -> Result<
     .map_err(|e| app.redis_down(&drop, &e))?;
 
     let name = &drop.name;
-    if matches!(reply.outcome.as_str(), "confirmed" | "cancelled" | "expired")
-        && !matches!(op, Settle::Lookup)
+    if matches!(
+        reply.outcome.as_str(),
+        "confirmed" | "cancelled" | "expired"
+    ) && !matches!(op, Settle::Lookup)
     {
         drop.throttle.release(&key);
     }
@@ -191,22 +215,31 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, op: Settle) -> Result<
             format!("reservation {key} was cancelled and cannot be confirmed"),
         ),
         (Settle::Lookup, "found") => Ok(reservation(StatusCode::OK, "found", &drop, &key, &reply)),
-        (_, "confirmed" | "already_confirmed" | "cancelled" | "already_cancelled") => {
-            Ok(reservation(StatusCode::OK, &reply.outcome, &drop, &key, &reply))
-        }
+        (_, "confirmed" | "already_confirmed" | "cancelled" | "already_cancelled") => Ok(
+            reservation(StatusCode::OK, &reply.outcome, &drop, &key, &reply),
+        ),
         (_, other) => Err(Answer::unavailable(format!("the gate answered {other:?}"))),
     }
 }
 
 /// An answer that shows the reservation.
-fn reservation(status: StatusCode, outcome: &str, drop: &Drop, key: &str, reply: &GateReply) -> Answer {
+fn reservation(
+    status: StatusCode,
+    outcome: &str,
+    drop: &Drop,
+    key: &str,
+    reply: &GateReply,
+) -> Answer {
     Answer::new(status, outcome)
         .with("drop", drop.name.as_str())
         .with("key", key)
         .with("user", reply.user.as_deref().unwrap_or(""))
         .with("quantity", reply.quantity.unwrap_or(0))
         .with("state", reply.state.as_deref().unwrap_or(""))
-        .with("expiresAt", reply.when.map_or(serde_json::Value::Null, rfc3339))
+        .with(
+            "expiresAt",
+            reply.when.map_or(serde_json::Value::Null, rfc3339),
+        )
         .with("remaining", clamp(reply.remaining))
         .with("path", "gate")
 }

@@ -1,0 +1,389 @@
+//! The local flash sale: a real redis-server, `dropgate-operator apply`, a real
+//! sidecar, and thousands of concurrent buyers who retry, duplicate and cancel the
+//! way real clients do. It prints what happened and fails if anything was oversold.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dropgate_api::InventoryDrop;
+use dropgate_testkit::{HttpClient, RedisServer, Reply};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::Semaphore;
+
+use crate::processes::{SidecarProcess, apply};
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The InventoryDrop to sell (examples/drop.yaml).
+    pub manifest: PathBuf,
+    pub buyers: usize,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Per cent of buyers whose reserve is sent twice at once (a client retry
+    /// racing its own original).
+    pub duplicate_percent: u32,
+    /// Per cent of admitted buyers who cancel instead of confirming.
+    pub cancel_percent: u32,
+    /// Per cent of cancels delivered twice.
+    pub duplicate_cancel_percent: u32,
+    /// Throttled buyers retry the same key this many times.
+    pub throttle_retries: u32,
+    pub seed: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            manifest: PathBuf::from("examples/drop.yaml"),
+            buyers: 5000,
+            concurrency: 1000,
+            duplicate_percent: 10,
+            cancel_percent: 10,
+            duplicate_cancel_percent: 50,
+            throttle_retries: 3,
+            seed: 412,
+        }
+    }
+}
+
+/// What one buyer went through.
+#[derive(Default)]
+struct Buyer {
+    admitted: u64,
+    confirmed: u64,
+    cancelled: u64,
+    sold_out: u64,
+    throttled: u64,
+    retries_absorbed: u64,
+    duplicate_cancels_absorbed: u64,
+    unexpected: Vec<String>,
+    reserve_latencies: Vec<Duration>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub buyers: usize,
+    pub limit: i64,
+    pub admitted: u64,
+    pub confirmed: u64,
+    pub cancelled: u64,
+    pub sold_out: u64,
+    pub throttled: u64,
+    pub retries_absorbed: u64,
+    pub duplicate_cancels_absorbed: u64,
+    pub unexpected: Vec<String>,
+    pub remaining: i64,
+    pub held: i64,
+    pub oversold: i64,
+    pub requests: u64,
+    pub elapsed: Duration,
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+}
+
+impl Summary {
+    /// DESIGN.md's invariants, checked on the quiet system.
+    pub fn violations(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.oversold != 0 {
+            out.push(format!("oversold by {}", self.oversold));
+        }
+        if self.remaining + self.held != self.limit {
+            out.push(format!(
+                "remaining {} + held {} != limit {}",
+                self.remaining, self.held, self.limit
+            ));
+        }
+        if self.held != self.confirmed as i64 {
+            out.push(format!(
+                "held {} != confirmed {}",
+                self.held, self.confirmed
+            ));
+        }
+        if !self.unexpected.is_empty() {
+            out.push(format!(
+                "{} unexpected answers, first: {}",
+                self.unexpected.len(),
+                self.unexpected[0]
+            ));
+        }
+        out
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        writeln!(
+            f,
+            "flash sale: {} buyers for {} units",
+            self.buyers, self.limit
+        )?;
+        writeln!(f, "  admitted                   {:>8}", self.admitted)?;
+        writeln!(f, "    confirmed                {:>8}", self.confirmed)?;
+        writeln!(f, "    cancelled (returned)     {:>8}", self.cancelled)?;
+        writeln!(f, "  sold out                   {:>8}", self.sold_out)?;
+        writeln!(f, "  throttled (then retried)   {:>8}", self.throttled)?;
+        writeln!(
+            f,
+            "  retries absorbed           {:>8}",
+            self.retries_absorbed
+        )?;
+        writeln!(
+            f,
+            "  duplicate cancels absorbed {:>8}",
+            self.duplicate_cancels_absorbed
+        )?;
+        writeln!(f, "  remaining                  {:>8}", self.remaining)?;
+        writeln!(f, "  held (confirmed)           {:>8}", self.held)?;
+        writeln!(f, "  oversold                   {:>8}", self.oversold)?;
+        writeln!(
+            f,
+            "  unexpected answers         {:>8}",
+            self.unexpected.len()
+        )?;
+        writeln!(
+            f,
+            "  reserve latency  p50 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
+            ms(self.p50),
+            ms(self.p99),
+            ms(self.max)
+        )?;
+        write!(
+            f,
+            "  {} requests in {:.2} s ({:.0} req/s)",
+            self.requests,
+            self.elapsed.as_secs_f64(),
+            self.requests as f64 / self.elapsed.as_secs_f64().max(1e-9)
+        )
+    }
+}
+
+/// Runs the sale end to end with the binaries next to the running executable.
+pub async fn run(options: &Options) -> Result<Summary, String> {
+    let text = std::fs::read_to_string(&options.manifest)
+        .map_err(|e| format!("cannot read {}: {e}", options.manifest.display()))?;
+    let drop: InventoryDrop = serde_norway::from_str(&text)
+        .map_err(|e| format!("{}: {e}", options.manifest.display()))?;
+    let name = drop.metadata.name.clone().unwrap_or_default();
+    let namespace = drop
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let limit = drop.spec.limited_quantity;
+
+    let redis = RedisServer::start().map_err(|e| format!("redis-server: {e}"))?;
+    apply(&options.manifest, &redis.url())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start(&redis.url(), &namespace, &ledger).await?;
+    let http = HttpClient::new(sidecar.base.clone());
+
+    let gate = Arc::new(Semaphore::new(options.concurrency));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..options.buyers)
+        .map(|i| {
+            let (http, gate, options, name) =
+                (http.clone(), gate.clone(), options.clone(), name.clone());
+            tokio::spawn(async move { buy(&http, &gate, &options, &name, i).await })
+        })
+        .collect();
+    let mut buyers = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        buyers.push(task.await.map_err(|e| format!("a buyer panicked: {e}"))?);
+    }
+    let elapsed = started.elapsed();
+
+    let drop_path = format!("/v1/drops/{name}");
+    let shown = http.get(&drop_path).await.map_err(|e| e.to_string())?;
+    let mut conn = redis.connection().map_err(|e| e.to_string())?;
+    let keys = dropgate_api::DropKeys::new(&namespace, &name);
+    let (remaining, held): (Option<i64>, Option<i64>) = redis::pipe()
+        .get(keys.remaining())
+        .get(keys.held())
+        .query(&mut conn)
+        .map_err(|e| e.to_string())?;
+    let status = sidecar.terminate()?;
+    if !status.success() {
+        return Err(format!("the sidecar exited with {status} on SIGTERM"));
+    }
+
+    let mut latencies: Vec<Duration> = Vec::new();
+    let mut summary = Summary {
+        buyers: options.buyers,
+        limit,
+        admitted: 0,
+        confirmed: 0,
+        cancelled: 0,
+        sold_out: 0,
+        throttled: 0,
+        retries_absorbed: 0,
+        duplicate_cancels_absorbed: 0,
+        unexpected: Vec::new(),
+        remaining: remaining.unwrap_or(0),
+        held: held.unwrap_or(0),
+        oversold: 0,
+        requests: 0,
+        elapsed,
+        p50: Duration::ZERO,
+        p99: Duration::ZERO,
+        max: Duration::ZERO,
+    };
+    for buyer in buyers {
+        summary.admitted += buyer.admitted;
+        summary.confirmed += buyer.confirmed;
+        summary.cancelled += buyer.cancelled;
+        summary.sold_out += buyer.sold_out;
+        summary.throttled += buyer.throttled;
+        summary.retries_absorbed += buyer.retries_absorbed;
+        summary.duplicate_cancels_absorbed += buyer.duplicate_cancels_absorbed;
+        summary.unexpected.extend(buyer.unexpected);
+        latencies.extend(buyer.reserve_latencies);
+    }
+    summary.requests = latencies.len() as u64
+        + summary.confirmed
+        + summary.cancelled
+        + summary.duplicate_cancels_absorbed;
+    summary.oversold = (summary.admitted as i64 - summary.cancelled as i64 - limit).max(0);
+    if shown.body["remaining"].as_i64() != Some(summary.remaining.max(0)) {
+        summary.unexpected.push(format!(
+            "GET {drop_path} shows {} but Redis holds {}",
+            shown.text, summary.remaining
+        ));
+    }
+    latencies.sort_unstable();
+    let at = |q: f64| {
+        latencies
+            .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    };
+    summary.p50 = at(0.50);
+    summary.p99 = at(0.99);
+    summary.max = latencies.last().copied().unwrap_or_default();
+    Ok(summary)
+}
+
+async fn timed(buyer: &mut Buyer, http: &HttpClient, path: &str, body: &str) -> Option<Reply> {
+    let started = Instant::now();
+    let reply = http.post(path, body).await;
+    buyer.reserve_latencies.push(started.elapsed());
+    match reply {
+        Ok(reply) => Some(reply),
+        Err(e) => {
+            buyer.unexpected.push(format!("reserve failed: {e}"));
+            None
+        }
+    }
+}
+
+async fn buy(
+    http: &HttpClient,
+    gate: &Semaphore,
+    options: &Options,
+    drop: &str,
+    i: usize,
+) -> Buyer {
+    let mut rng = StdRng::seed_from_u64(options.seed.wrapping_add(i as u64));
+    let mut buyer = Buyer::default();
+    let Ok(_in_flight) = gate.acquire().await else {
+        return buyer;
+    };
+    let path = format!("/v1/drops/{drop}/reservations");
+    let key = format!("order-{i}");
+    let body = format!(r#"{{"key":"{key}","user":"buyer-{i}","quantity":1}}"#);
+    let duplicate = rng.random_range(0..100) < options.duplicate_percent;
+
+    for attempt in 0..=options.throttle_retries {
+        let replies = if duplicate && attempt == 0 {
+            let mut twin = Buyer::default();
+            let (a, b) = tokio::join!(
+                timed(&mut buyer, http, &path, &body),
+                timed(&mut twin, http, &path, &body)
+            );
+            buyer.reserve_latencies.extend(twin.reserve_latencies);
+            buyer.unexpected.extend(twin.unexpected);
+            [a, b].into_iter().flatten().collect::<Vec<_>>()
+        } else {
+            timed(&mut buyer, http, &path, &body)
+                .await
+                .into_iter()
+                .collect()
+        };
+        let mut admitted = false;
+        let mut throttled = false;
+        for reply in &replies {
+            match (reply.status.as_u16(), reply.outcome()) {
+                (201, "admitted") => admitted = true,
+                (200, "already_reserved") => {
+                    buyer.retries_absorbed += 1;
+                    admitted |= reply.body["state"] == "active";
+                }
+                (409, "sold_out") => buyer.sold_out += 1,
+                (503, "throttled") => throttled = true,
+                _ => buyer.unexpected.push(reply.text.clone()),
+            }
+        }
+        if admitted {
+            buyer.admitted += 1;
+            settle(&mut buyer, &mut rng, http, options, drop, &key).await;
+            return buyer;
+        }
+        if !throttled {
+            return buyer;
+        }
+        buyer.throttled += 1;
+        let wait = replies
+            .iter()
+            .find_map(|r| {
+                r.headers
+                    .get("retry-after")?
+                    .to_str()
+                    .ok()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or(1);
+        tokio::time::sleep(Duration::from_secs(wait)).await;
+    }
+    buyer
+}
+
+async fn settle(
+    buyer: &mut Buyer,
+    rng: &mut StdRng,
+    http: &HttpClient,
+    options: &Options,
+    drop: &str,
+    key: &str,
+) {
+    let base = format!("/v1/drops/{drop}/reservations/{key}");
+    if rng.random_range(0..100) < options.cancel_percent {
+        let times = if rng.random_range(0..100) < options.duplicate_cancel_percent {
+            2
+        } else {
+            1
+        };
+        for _ in 0..times {
+            match http.post(&format!("{base}/cancel"), "").await {
+                Ok(r) if r.outcome() == "cancelled" => buyer.cancelled += 1,
+                Ok(r) if r.outcome() == "already_cancelled" => {
+                    buyer.duplicate_cancels_absorbed += 1
+                }
+                Ok(r) => buyer.unexpected.push(r.text),
+                Err(e) => buyer.unexpected.push(format!("cancel failed: {e}")),
+            }
+        }
+    } else {
+        match http.post(&format!("{base}/confirm"), "").await {
+            Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += 1,
+            Ok(r) => buyer.unexpected.push(r.text),
+            Err(e) => buyer.unexpected.push(format!("confirm failed: {e}")),
+        }
+    }
+}

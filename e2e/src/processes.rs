@@ -1,0 +1,107 @@
+//! The binaries, run as a user runs them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use dropgate_testkit::HttpClient;
+
+/// Where `cargo build` put the binaries: next to the running executable (bins live
+/// in `target/<profile>/`, test executables one level down in `deps/`).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    let candidates = [
+        dir.join(name),
+        dir.parent().map(|p| p.join(name)).unwrap_or_default(),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| candidates[0].clone())
+}
+
+/// `dropgate-operator apply -f MANIFEST --redis-url URL`: its stdout (the status
+/// YAML) on success, its stderr otherwise.
+pub fn apply(manifest: &Path, redis_url: &str) -> Result<String, String> {
+    let out = Command::new(binary("dropgate-operator"))
+        .arg("apply")
+        .arg("-f")
+        .arg(manifest)
+        .args(["--redis-url", redis_url])
+        .output()
+        .map_err(|e| format!("cannot run dropgate-operator: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "dropgate-operator apply failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A `dropgate-sidecar` child process, killed on drop.
+pub struct SidecarProcess {
+    child: Child,
+    pub base: String,
+}
+
+impl SidecarProcess {
+    pub async fn start(
+        redis_url: &str,
+        namespace: &str,
+        database_url: &str,
+    ) -> Result<Self, String> {
+        let port = dropgate_testkit::free_port().map_err(|e| e.to_string())?;
+        let listen = format!("127.0.0.1:{port}");
+        let child = Command::new(binary("dropgate-sidecar"))
+            .args([
+                "--listen",
+                &listen,
+                "--redis-url",
+                redis_url,
+                "--namespace",
+                namespace,
+            ])
+            .args(["--database-url", database_url])
+            .env("RUST_LOG", "warn,warp::server=off")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot run dropgate-sidecar: {e}"))?;
+        let sidecar = Self {
+            child,
+            base: format!("http://{listen}"),
+        };
+        let http = HttpClient::new(sidecar.base.clone());
+        for _ in 0..200 {
+            if let Ok(reply) = http.get("/healthz").await
+                && reply.status == 200
+            {
+                return Ok(sidecar);
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        Err("dropgate-sidecar did not answer /healthz within 5s".into())
+    }
+
+    /// SIGTERM, then wait: the sidecar drains in-flight requests and exits 0.
+    pub fn terminate(mut self) -> Result<std::process::ExitStatus, String> {
+        let pid = self.child.id().to_string();
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .map_err(|e| e.to_string())?;
+        self.child.wait().map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for SidecarProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

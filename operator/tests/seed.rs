@@ -1,0 +1,208 @@
+//! Seeding, restock, idempotence, cleanup and the HA check against real Redis.
+
+use dropgate_api::{DropKeys, Mode, Phase, Tier};
+use dropgate_operator::apply::apply;
+use dropgate_operator::{Error, store};
+use dropgate_testkit::RedisServer;
+use redis::Commands;
+
+fn manifest(spec: &str) -> String {
+    format!(
+        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: sale, namespace: shop}}\nspec:\n  sku: SNKR\n{spec}\n  redis: {{url: redis://ignored:1}}\n"
+    )
+}
+
+fn keys() -> DropKeys {
+    DropKeys::new("shop", "sale")
+}
+
+/// Takes `units` out of stock the way an admission does, without a sidecar.
+fn hold(redis: &RedisServer, units: i64) {
+    let mut conn = redis.connection().expect("connect");
+    let _: () = conn.decr(keys().remaining(), units).expect("DECRBY");
+    let _: () = conn.incr(keys().held(), units).expect("INCRBY");
+}
+
+fn remaining(redis: &RedisServer) -> i64 {
+    redis
+        .connection()
+        .expect("connect")
+        .get(keys().remaining())
+        .expect("GET")
+}
+
+#[tokio::test]
+async fn seeding_is_idempotent_and_restock_moves_by_the_difference() {
+    let redis = RedisServer::start().expect("redis");
+    let url = redis.url();
+    let first = apply(&manifest("  limitedQuantity: 100"), Some(&url))
+        .await
+        .expect("seeds");
+    assert_eq!(first.status.remaining, Some(100));
+    assert_eq!(first.status.mode, Some(Mode::Gate));
+    assert_eq!(first.status.phase, Phase::Active);
+    assert_eq!(first.previous_mode, None);
+
+    hold(&redis, 30);
+    let again = apply(&manifest("  limitedQuantity: 100"), Some(&url))
+        .await
+        .expect("re-applies");
+    assert_eq!(again.status.remaining, Some(70), "a repeat moves nothing");
+    assert_eq!(again.status.reserved, Some(30));
+    assert!(!again.mode_changed());
+
+    let up = apply(&manifest("  limitedQuantity: 150"), Some(&url))
+        .await
+        .expect("restocks");
+    assert_eq!(up.status.remaining, Some(120));
+    let down = apply(&manifest("  limitedQuantity: 90"), Some(&url))
+        .await
+        .expect("cuts");
+    assert_eq!(down.status.remaining, Some(60));
+
+    // Below what is held: remaining reads 0, the deficit is paid back first.
+    let cut = apply(&manifest("  limitedQuantity: 20"), Some(&url))
+        .await
+        .expect("cuts deep");
+    assert_eq!(cut.status.remaining, Some(0));
+    assert_eq!(remaining(&redis), -10);
+    let seeded = cut
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Seeded")
+        .expect("Seeded");
+    assert_eq!(seeded.reason, "LimitBelowHeld");
+    assert_eq!(cut.status.phase, Phase::SoldOut);
+    let same = apply(&manifest("  limitedQuantity: 20"), Some(&url))
+        .await
+        .expect("repeat");
+    assert_eq!(remaining(&redis), -10, "a repeated cut moves nothing");
+    assert_eq!(same.status.remaining, Some(0));
+}
+
+#[tokio::test]
+async fn the_kill_switch_publishes_fail_open_and_back() {
+    let redis = RedisServer::start().expect("redis");
+    let url = redis.url();
+    apply(&manifest("  limitedQuantity: 5"), Some(&url))
+        .await
+        .expect("seeds");
+    let off = apply(
+        &manifest("  limitedQuantity: 5\n  gate: {enabled: false}"),
+        Some(&url),
+    )
+    .await
+    .expect("kill switch is a reached state");
+    assert_eq!(off.status.mode, Some(Mode::FailOpen));
+    assert!(off.status.fail_open);
+    assert!(off.mode_changed());
+    assert!(off.not_ready.is_none());
+    let mut conn = redis.connection().expect("connect");
+    let mode: String = conn.hget(keys().config(), "mode").expect("HGET");
+    assert_eq!(mode, "fail-open");
+    let on = apply(&manifest("  limitedQuantity: 5"), Some(&url))
+        .await
+        .expect("back on");
+    assert_eq!(on.previous_mode, Some(Mode::FailOpen));
+    assert_eq!(on.status.mode, Some(Mode::Gate));
+}
+
+#[tokio::test]
+async fn required_ha_on_a_standalone_redis_publishes_the_policy_then_fails() {
+    let redis = RedisServer::start().expect("redis");
+    let url = redis.url();
+    let spec = "  limitedQuantity: 5\n  gate: {failurePolicy: Closed}";
+    let text = manifest(spec).replace(
+        "redis: {url: redis://ignored:1}",
+        "redis: {url: redis://ignored:1, requireHighAvailability: true}",
+    );
+    let done = apply(&text, Some(&url)).await.expect("reconciles");
+    assert_eq!(done.status.tier, Some(Tier::Standalone));
+    assert_eq!(done.status.mode, Some(Mode::Closed));
+    assert!(matches!(
+        done.not_ready,
+        Some(Error::HighAvailabilityMissing(_))
+    ));
+    let mode: String = redis
+        .connection()
+        .expect("c")
+        .hget(keys().config(), "mode")
+        .expect("HGET");
+    assert_eq!(mode, "closed");
+}
+
+#[tokio::test]
+async fn a_real_replica_makes_the_master_replicated() {
+    let master = RedisServer::start().expect("master");
+    let replica = RedisServer::start_replica_of(&master).expect("replica");
+    let text = manifest("  limitedQuantity: 5").replace(
+        "redis: {url: redis://ignored:1}",
+        "redis: {url: redis://ignored:1, requireHighAvailability: true}",
+    );
+    let mut tier = None;
+    for _ in 0..100 {
+        let done = apply(&text, Some(&master.url())).await.expect("reconciles");
+        if done.status.tier == Some(Tier::Replicated) {
+            assert_eq!(done.status.mode, Some(Mode::Gate));
+            assert!(done.not_ready.is_none());
+            tier = done.status.tier;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(tier, Some(Tier::Replicated), "the replica came online");
+    drop(replica);
+}
+
+#[tokio::test]
+async fn removing_a_drop_deletes_every_key() {
+    let redis = RedisServer::start().expect("redis");
+    apply(&manifest("  limitedQuantity: 5"), Some(&redis.url()))
+        .await
+        .expect("seeds");
+    let mut conn = redis.connection().expect("connect");
+    let _: () = conn
+        .hset(keys().reservation("k"), "state", "active")
+        .expect("marker");
+    let _: () = conn.set("unrelated", 1).expect("other key");
+    let mut manager = store::connect(&redis.url()).await.expect("connects");
+    store::remove(&mut manager, &keys()).await.expect("removes");
+    let left: Vec<String> = conn.keys("*").expect("KEYS");
+    assert_eq!(left, vec!["unrelated".to_string()]);
+}
+
+#[tokio::test]
+async fn unreachable_redis_and_bad_manifests_are_clear_errors() {
+    let port = dropgate_testkit::free_port().expect("port");
+    let down = apply(
+        &manifest("  limitedQuantity: 5"),
+        Some(&format!("redis://127.0.0.1:{port}")),
+    )
+    .await;
+    assert!(
+        matches!(down, Err(Error::RedisUnavailable { .. })),
+        "{down:?}"
+    );
+
+    let boolean = apply(&manifest("  limitedQuantity: true"), None).await;
+    let message = boolean.expect_err("refused").to_string();
+    assert!(message.contains("limitedQuantity"), "{message}");
+    let negative = apply(&manifest("  limitedQuantity: -1"), None).await;
+    assert!(
+        negative
+            .expect_err("refused")
+            .to_string()
+            .contains("limitedQuantity")
+    );
+    let kind = apply(
+        &manifest("  limitedQuantity: 1").replace("kind: InventoryDrop", "kind: Pod"),
+        None,
+    )
+    .await;
+    assert!(
+        kind.expect_err("refused")
+            .to_string()
+            .contains("InventoryDrop")
+    );
+}

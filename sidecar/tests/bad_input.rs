@@ -1,0 +1,230 @@
+//! Every bad input is refused with a message naming the field, and changes nothing.
+
+mod common;
+
+use common::Sidecar;
+
+#[tokio::test]
+async fn every_bad_input_is_refused_and_changes_nothing() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            "  sku: X\n  limitedQuantity: 10\n  perUserLimit: 5\n",
+        )
+        .await;
+    assert_eq!(
+        sidecar.reserve("sale", "held", "alice", 1).await.status,
+        201
+    );
+    let before = sidecar.snapshot();
+    let long = "x".repeat(257);
+    let reserve = "/v1/drops/sale/reservations";
+
+    // (path, body, status, outcome, a word the message must contain)
+    let table: Vec<(String, String, u16, &str, &str)> = vec![
+        (reserve.into(), "{not json".into(), 400, "invalid", "JSON"),
+        (reserve.into(), "".into(), 400, "invalid", "JSON"),
+        (reserve.into(), "[]".into(), 400, "invalid", "object"),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":1,"coupon":"x"}"#.into(),
+            400,
+            "invalid",
+            "coupon",
+        ),
+        (
+            reserve.into(),
+            r#"{"user":"u","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "key",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "user",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u"}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":true}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":1.5}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":2.0}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":"1"}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":0}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":-3}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":2147483648}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":99999999999999999999999}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":null}"#.into(),
+            400,
+            "invalid",
+            "quantity",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"","user":"u","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "key",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "user",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":1,"user":"u","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "key",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":["u"],"quantity":1}"#.into(),
+            400,
+            "invalid",
+            "user",
+        ),
+        (
+            reserve.into(),
+            format!(r#"{{"key":"{long}","user":"u","quantity":1}}"#),
+            400,
+            "invalid",
+            "key",
+        ),
+        (
+            reserve.into(),
+            format!(r#"{{"key":"k","user":"{long}","quantity":1}}"#),
+            400,
+            "invalid",
+            "user",
+        ),
+        (
+            "/v1/drops/nope/reservations".into(),
+            r#"{"key":"k","user":"u","quantity":1}"#.into(),
+            404,
+            "not_found",
+            "nope",
+        ),
+        (
+            "/v1/drops/Bad_Name/reservations".into(),
+            r#"{"key":"k","user":"u","quantity":1}"#.into(),
+            404,
+            "not_found",
+            "Bad_Name",
+        ),
+        (
+            format!("/v1/drops/sale/reservations/{long}/confirm"),
+            "".into(),
+            400,
+            "invalid",
+            "key",
+        ),
+        (
+            format!("/v1/drops/sale/reservations/{long}/cancel"),
+            "".into(),
+            400,
+            "invalid",
+            "key",
+        ),
+        (
+            "/v1/drops/nope/reservations/held/confirm".into(),
+            "".into(),
+            404,
+            "not_found",
+            "nope",
+        ),
+        (
+            "/v1/drops/nope/reservations/held/cancel".into(),
+            "".into(),
+            404,
+            "not_found",
+            "nope",
+        ),
+    ];
+    for (path, body, status, outcome, word) in table {
+        let reply = sidecar.http.post(&path, &body).await.expect("answers");
+        let message = reply.body["message"].as_str().unwrap_or("");
+        assert_eq!(
+            reply.status.as_u16(),
+            status,
+            "{path} {body}: {}",
+            reply.text
+        );
+        assert_eq!(reply.outcome(), outcome, "{path} {body}: {}", reply.text);
+        assert!(
+            message.contains(word),
+            "{path} {body}: message {message:?} names {word}"
+        );
+        assert_eq!(sidecar.snapshot(), before, "{path} {body} changed Redis");
+    }
+
+    let unknown = sidecar.http.get("/v1/drops/nope").await.expect("answers");
+    assert_eq!(
+        (unknown.status.as_u16(), unknown.outcome()),
+        (404, "not_found")
+    );
+    let route = sidecar.http.get("/v2/whatever").await.expect("answers");
+    assert_eq!((route.status.as_u16(), route.outcome()), (404, "not_found"));
+    assert_eq!(sidecar.snapshot(), before);
+}

@@ -1,0 +1,170 @@
+//! The sidecar under test: a real redis-server on a free port, the sidecar's `run`
+//! on port 0, drops seeded through the operator's own reconcile.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use dropgate_testkit::{HttpClient, RedisServer, Reply};
+use tokio::sync::oneshot;
+
+pub const NS: &str = "shop";
+
+pub struct Sidecar {
+    pub redis: RedisServer,
+    pub http: HttpClient,
+    pub addr: std::net::SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), dropgate_sidecar::Error>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Sidecar {
+    pub async fn start() -> Self {
+        let redis = RedisServer::start().expect("redis-server starts");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind port 0");
+        let addr = listener.local_addr().expect("local addr");
+        let settings = dropgate_sidecar::Settings {
+            listen: addr,
+            redis_url: redis.url(),
+            namespace: NS.into(),
+            database_url: format!("sqlite://{}", dir.path().join("ledger.db").display()),
+            refresh_ms: 100,
+            sweep_ms: 100,
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(dropgate_sidecar::run(listener, settings, async {
+            let _ = stopped.await;
+        }));
+        let http = HttpClient::new(format!("http://{addr}"));
+        for _ in 0..100 {
+            if http.get("/healthz").await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        Self {
+            redis,
+            http,
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    /// Publishes and seeds drop `name` with the given spec lines (YAML, indented
+    /// two spaces), through the operator's `apply`.
+    pub async fn seed(&self, name: &str, spec: &str) {
+        let manifest = manifest(name, spec);
+        let done = dropgate_operator::apply::apply(&manifest, Some(&self.redis.url()))
+            .await
+            .expect("apply succeeds");
+        assert!(done.not_ready.is_none(), "{:?}", done.not_ready);
+    }
+
+    pub async fn reserve(&self, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
+        let body = format!(r#"{{"key":"{key}","user":"{user}","quantity":{quantity}}}"#);
+        self.http
+            .post(&format!("/v1/drops/{drop}/reservations"), &body)
+            .await
+            .expect("reserve answers")
+    }
+
+    pub async fn settle(&self, drop: &str, key: &str, op: &str) -> Reply {
+        self.http
+            .post(&format!("/v1/drops/{drop}/reservations/{key}/{op}"), "")
+            .await
+            .expect("answers")
+    }
+
+    pub async fn lookup(&self, drop: &str, key: &str) -> Reply {
+        self.http
+            .get(&format!("/v1/drops/{drop}/reservations/{key}"))
+            .await
+            .expect("answers")
+    }
+
+    pub fn remaining(&self, drop: &str) -> i64 {
+        self.int(&format!("dropgate:{{{NS}/{drop}}}:remaining"))
+    }
+
+    pub fn held(&self, drop: &str) -> i64 {
+        self.int(&format!("dropgate:{{{NS}/{drop}}}:held"))
+    }
+
+    fn int(&self, key: &str) -> i64 {
+        let mut conn = self.redis.connection().expect("connect");
+        redis::cmd("GET")
+            .arg(key)
+            .query::<Option<i64>>(&mut conn)
+            .expect("GET")
+            .unwrap_or(0)
+    }
+
+    /// Every key with its full contents: equal snapshots mean nothing changed.
+    pub fn snapshot(&self) -> BTreeMap<String, String> {
+        let mut conn = self.redis.connection().expect("connect");
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
+        keys.into_iter()
+            .map(|key| {
+                let dump: Vec<u8> = redis::cmd("DUMP").arg(&key).query(&mut conn).expect("DUMP");
+                (key, format!("{dump:?}"))
+            })
+            .collect()
+    }
+
+    /// DESIGN.md's invariants for a quiet drop: remaining + held == limit, the
+    /// buyers' counts add up to held, and so do the live reservations.
+    pub fn assert_invariants(&self, drop: &str, limit: i64) {
+        let mut conn = self.redis.connection().expect("connect");
+        let remaining = self.remaining(drop);
+        let held = self.held(drop);
+        assert_eq!(
+            remaining + held,
+            limit,
+            "remaining {remaining} + held {held} != limit {limit}"
+        );
+        assert!(held <= limit, "oversold: {held} held of {limit}");
+        let buyers: BTreeMap<String, i64> = redis::cmd("HGETALL")
+            .arg(format!("dropgate:{{{NS}/{drop}}}:buyers"))
+            .query(&mut conn)
+            .expect("HGETALL");
+        assert_eq!(buyers.values().sum::<i64>(), held, "buyers' counts");
+        let markers: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("dropgate:{{{NS}/{drop}}}:res:*"))
+            .query(&mut conn)
+            .expect("KEYS");
+        let mut live = 0;
+        for marker in markers {
+            let (state, quantity): (String, i64) = redis::cmd("HMGET")
+                .arg(&marker)
+                .arg("state")
+                .arg("quantity")
+                .query(&mut conn)
+                .expect("HMGET");
+            if state == "active" || state == "confirmed" {
+                live += quantity;
+            }
+        }
+        assert_eq!(live, held, "live reservations");
+    }
+
+    /// Stops the sidecar gracefully and waits for it.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("joins").expect("run returns Ok");
+        }
+    }
+}
+
+pub fn manifest(name: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: {NS}}}\nspec:\n  redis: {{url: redis://unused:1}}\n{spec}\n"
+    )
+}

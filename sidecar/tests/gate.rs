@@ -1,0 +1,364 @@
+//! The seed cases of the gate, through the real HTTP API against a real Redis.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::Sidecar;
+use futures::future::join_all;
+
+fn spec(limit: i64, extra: &str) -> String {
+    format!("  sku: SNKR-0412\n  limitedQuantity: {limit}\n{extra}")
+}
+
+fn count(outcomes: &[String]) -> HashMap<&str, usize> {
+    let mut counts = HashMap::new();
+    for outcome in outcomes {
+        *counts.entry(outcome.as_str()).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_buyers_for_a_hundred_units() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("sale", &spec(100, "  throttle: {permits: 1000}\n"))
+        .await;
+    let replies = join_all((0..500).map(|i| {
+        let sidecar = &sidecar;
+        async move {
+            sidecar
+                .reserve("sale", &format!("order-{i}"), &format!("user-{i}"), 1)
+                .await
+        }
+    }))
+    .await;
+    for reply in &replies {
+        match reply.outcome() {
+            "admitted" => assert_eq!(reply.status, 201),
+            "sold_out" => assert_eq!(reply.status, 409),
+            other => panic!("unexpected {other}: {}", reply.text),
+        }
+    }
+    let outcomes: Vec<String> = replies.iter().map(|r| r.outcome().to_string()).collect();
+    let counts = count(&outcomes);
+    assert_eq!(counts.get("admitted"), Some(&100));
+    assert_eq!(counts.get("sold_out"), Some(&400));
+    assert_eq!(sidecar.remaining("sale"), 0);
+    sidecar.assert_invariants("sale", 100);
+    sidecar.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_same_key_twice_is_admitted_once() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(10, "")).await;
+    let first = sidecar.reserve("sale", "order-1", "alice", 1).await;
+    let second = sidecar.reserve("sale", "order-1", "alice", 1).await;
+    assert_eq!((first.status.as_u16(), first.outcome()), (201, "admitted"));
+    assert_eq!(
+        (second.status.as_u16(), second.outcome()),
+        (200, "already_reserved")
+    );
+    assert_eq!(second.body["state"], "active");
+    assert_eq!(sidecar.remaining("sale"), 9);
+    sidecar.assert_invariants("sale", 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_retries_admit_once() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(10, "")).await;
+    let replies = join_all((0..64).map(|_| sidecar.reserve("sale", "order-1", "alice", 1))).await;
+    let outcomes: Vec<String> = replies.iter().map(|r| r.outcome().to_string()).collect();
+    let counts = count(&outcomes);
+    assert_eq!(counts.get("admitted"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("already_reserved"), Some(&63), "{counts:?}");
+    assert_eq!(sidecar.remaining("sale"), 9);
+    sidecar.assert_invariants("sale", 10);
+}
+
+#[tokio::test]
+async fn a_reused_key_with_other_terms_is_refused() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(10, "  perUserLimit: 5\n")).await;
+    assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
+    let before = sidecar.snapshot();
+    for (user, quantity) in [("bob", 1), ("alice", 2)] {
+        let reply = sidecar.reserve("sale", "k", user, quantity).await;
+        assert_eq!(
+            (reply.status.as_u16(), reply.outcome()),
+            (422, "idempotency_key_reused")
+        );
+        assert!(
+            reply.body["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    assert_eq!(sidecar.snapshot(), before);
+}
+
+#[tokio::test]
+async fn one_user_two_keys_meets_the_per_user_limit() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(10, "  perUserLimit: 1\n")).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    let before = sidecar.snapshot();
+    let second = sidecar.reserve("sale", "b", "alice", 1).await;
+    assert_eq!(
+        (second.status.as_u16(), second.outcome()),
+        (409, "per_user_limit_exceeded")
+    );
+    assert_eq!(sidecar.snapshot(), before, "a refusal changes nothing");
+    // Cancelling gives the user their allowance back.
+    assert_eq!(
+        sidecar.settle("sale", "a", "cancel").await.outcome(),
+        "cancelled"
+    );
+    assert_eq!(sidecar.reserve("sale", "b", "alice", 1).await.status, 201);
+    sidecar.assert_invariants("sale", 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_restores_once_however_often_it_arrives() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(10, "  perUserLimit: 3\n")).await;
+    assert_eq!(
+        sidecar.reserve("sale", "order-1", "alice", 3).await.status,
+        201
+    );
+    assert_eq!(sidecar.remaining("sale"), 7);
+    let replies = join_all((0..20).map(|_| sidecar.settle("sale", "order-1", "cancel"))).await;
+    let outcomes: Vec<String> = replies.iter().map(|r| r.outcome().to_string()).collect();
+    let counts = count(&outcomes);
+    assert_eq!(counts.get("cancelled"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("already_cancelled"), Some(&19), "{counts:?}");
+    assert!(replies.iter().all(|r| r.status == 200));
+    assert_eq!(sidecar.remaining("sale"), 10);
+    sidecar.assert_invariants("sale", 10);
+}
+
+#[tokio::test]
+async fn confirm_and_cancel_follow_the_reservation_lifecycle() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(5, "")).await;
+    let missing = sidecar.settle("sale", "nope", "confirm").await;
+    assert_eq!(
+        (missing.status.as_u16(), missing.outcome()),
+        (404, "not_found")
+    );
+    assert_eq!(sidecar.settle("sale", "nope", "cancel").await.status, 404);
+    assert_eq!(sidecar.lookup("sale", "nope").await.status, 404);
+
+    sidecar.reserve("sale", "k", "alice", 1).await;
+    let confirmed = sidecar.settle("sale", "k", "confirm").await;
+    assert_eq!(
+        (confirmed.status.as_u16(), confirmed.outcome()),
+        (200, "confirmed")
+    );
+    let again = sidecar.settle("sale", "k", "confirm").await;
+    assert_eq!(
+        (again.status.as_u16(), again.outcome()),
+        (200, "already_confirmed")
+    );
+    let found = sidecar.lookup("sale", "k").await;
+    assert_eq!(found.status, 200);
+    assert_eq!(found.body["state"], "confirmed");
+    assert_eq!(found.body["user"], "alice");
+    assert_eq!(found.body["quantity"], 1);
+    assert_eq!(found.body["path"], "gate");
+    assert_eq!(sidecar.remaining("sale"), 4);
+
+    // A refund of a confirmed reservation returns the unit.
+    let refund = sidecar.settle("sale", "k", "cancel").await;
+    assert_eq!(
+        (refund.status.as_u16(), refund.outcome()),
+        (200, "cancelled")
+    );
+    assert_eq!(sidecar.remaining("sale"), 5);
+    let late = sidecar.settle("sale", "k", "confirm").await;
+    assert_eq!((late.status.as_u16(), late.outcome()), (409, "cancelled"));
+    // A retry of the original reserve is still recognised, not re-admitted.
+    let retry = sidecar.reserve("sale", "k", "alice", 1).await;
+    assert_eq!(
+        (retry.status.as_u16(), retry.outcome()),
+        (200, "already_reserved")
+    );
+    assert_eq!(retry.body["state"], "cancelled");
+    sidecar.assert_invariants("sale", 5);
+}
+
+#[tokio::test]
+async fn seeding_twice_keeps_the_stock_in_use() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(10, "  perUserLimit: 5\n")).await;
+    sidecar.reserve("sale", "k", "alice", 4).await;
+    sidecar.seed("sale", &spec(10, "  perUserLimit: 5\n")).await;
+    assert_eq!(sidecar.remaining("sale"), 6);
+    sidecar.assert_invariants("sale", 10);
+}
+
+#[tokio::test]
+async fn no_permit_undoes_the_admission_and_says_throttled() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            &spec(10, "  throttle: {permits: 2, acquireTimeoutMs: 20}\n"),
+        )
+        .await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    assert_eq!(sidecar.reserve("sale", "b", "bob", 1).await.status, 201);
+    let before = sidecar.snapshot();
+    let throttled = sidecar.reserve("sale", "c", "carol", 1).await;
+    assert_eq!(
+        (throttled.status.as_u16(), throttled.outcome()),
+        (503, "throttled")
+    );
+    assert_eq!(
+        throttled.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    assert_eq!(
+        sidecar.snapshot(),
+        before,
+        "the admission was undone completely"
+    );
+    assert_eq!(sidecar.lookup("sale", "c").await.status, 404);
+
+    // A confirm gives its permit back: the same key now gets in.
+    assert_eq!(
+        sidecar.settle("sale", "a", "confirm").await.outcome(),
+        "confirmed"
+    );
+    let retry = sidecar.reserve("sale", "c", "carol", 1).await;
+    assert_eq!((retry.status.as_u16(), retry.outcome()), (201, "admitted"));
+    sidecar.assert_invariants("sale", 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_last_units_raced_by_two() {
+    let sidecar = Sidecar::start().await;
+    for round in 0..20 {
+        for (stock, want_admitted) in [(1, 1), (2, 2)] {
+            let name = format!("race-{round}-{stock}");
+            sidecar.seed(&name, &spec(stock, "")).await;
+            let (a, b) = tokio::join!(
+                sidecar.reserve(&name, "a", "alice", 1),
+                sidecar.reserve(&name, "b", "bob", 1)
+            );
+            let admitted = [&a, &b].iter().filter(|r| r.status == 201).count();
+            assert_eq!(admitted, want_admitted, "{} / {}", a.text, b.text);
+            if stock == 1 {
+                assert!([&a, &b].iter().any(|r| r.outcome() == "sold_out"));
+            }
+            assert_eq!(sidecar.remaining(&name), 0);
+            sidecar.assert_invariants(&name, stock);
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_sale_window_is_enforced() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("later", &spec(5, "  startsAt: 2099-01-01T00:00:00Z\n"))
+        .await;
+    sidecar
+        .seed("over", &spec(5, "  endsAt: 2001-01-01T00:00:00Z\n"))
+        .await;
+    let before = sidecar.snapshot();
+    let early = sidecar.reserve("later", "k", "alice", 1).await;
+    assert_eq!((early.status.as_u16(), early.outcome()), (403, "not_open"));
+    let late = sidecar.reserve("over", "k", "alice", 1).await;
+    assert_eq!((late.status.as_u16(), late.outcome()), (403, "ended"));
+    assert_eq!(sidecar.snapshot(), before);
+}
+
+#[tokio::test]
+async fn an_unconfirmed_hold_expires_and_returns_its_unit() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            &spec(3, "  holdSeconds: 1\n  throttle: {permits: 1}\n"),
+        )
+        .await;
+    assert_eq!(
+        sidecar.reserve("sale", "swept", "alice", 1).await.status,
+        201
+    );
+    assert_eq!(sidecar.remaining("sale"), 2);
+    // The sweeper expires it without any look-up, and frees the permit.
+    let mut expired = false;
+    for _ in 0..60 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if sidecar.remaining("sale") == 3 {
+            expired = true;
+            break;
+        }
+    }
+    assert!(expired, "the sweeper returned the unit");
+    let found = sidecar.lookup("sale", "swept").await;
+    assert_eq!(found.body["state"], "expired");
+    let confirm = sidecar.settle("sale", "swept", "confirm").await;
+    assert_eq!(
+        (confirm.status.as_u16(), confirm.outcome()),
+        (409, "expired")
+    );
+    let cancel = sidecar.settle("sale", "swept", "cancel").await;
+    assert_eq!((cancel.status.as_u16(), cancel.outcome()), (409, "expired"));
+    assert_eq!(
+        sidecar.reserve("sale", "next", "bob", 1).await.status,
+        201,
+        "permit freed"
+    );
+    sidecar.assert_invariants("sale", 3);
+}
+
+#[tokio::test]
+async fn a_drop_published_later_is_served_without_restart() {
+    let sidecar = Sidecar::start().await;
+    let unknown = sidecar.reserve("late", "k", "alice", 1).await;
+    assert_eq!(
+        (unknown.status.as_u16(), unknown.outcome()),
+        (404, "not_found")
+    );
+    assert!(
+        sidecar.snapshot().is_empty(),
+        "an unknown drop writes nothing"
+    );
+    sidecar.seed("late", &spec(1, "")).await;
+    assert_eq!(sidecar.reserve("late", "k", "alice", 1).await.status, 201);
+    let drop = sidecar.http.get("/v1/drops/late").await.expect("answers");
+    assert_eq!(drop.status, 200);
+    assert_eq!(drop.body["sku"], "SNKR-0412");
+    assert_eq!(drop.body["limit"], 1);
+    assert_eq!(drop.body["remaining"], 0);
+    assert_eq!(drop.body["mode"], "gate");
+}
+
+#[tokio::test]
+async fn the_kill_switch_takes_the_drop_off_the_redis_gate() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(5, "")).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    sidecar
+        .seed("sale", &spec(5, "  gate: {enabled: false}\n"))
+        .await;
+    let before = sidecar.snapshot();
+    let reply = sidecar.reserve("sale", "b", "bob", 1).await;
+    assert_ne!(reply.status, 201, "{}", reply.text);
+    assert_eq!(
+        sidecar.snapshot(),
+        before,
+        "the Redis gate admitted nothing"
+    );
+    // A retry of a key the gate admitted is still recognised.
+    assert_eq!(
+        sidecar.reserve("sale", "a", "alice", 1).await.outcome(),
+        "already_reserved"
+    );
+}
