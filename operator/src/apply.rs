@@ -4,6 +4,7 @@
 use dropgate_api::InventoryDrop;
 use k8s_openapi::jiff::Timestamp;
 
+use crate::memorystore::Memorystore;
 use crate::reconcile::{self, Reconciled};
 use crate::{Error, Result, store};
 
@@ -25,12 +26,17 @@ pub fn parse_manifest(text: &str) -> Result<InventoryDrop> {
     Ok(drop)
 }
 
-/// Reconciles `manifest` into Redis. `redis_url` overrides `spec.redis.url`.
+/// Reconciles `manifest` into Redis. `redis_url` overrides `spec.redis.url`;
+/// `memorystore` verifies drops that name an instance.
 ///
 /// Returns the reconciled status even when the drop is not Ready (HA required and
 /// missing): the resulting mode is published first, then the caller reports the
 /// failure.
-pub async fn apply(manifest: &str, redis_url: Option<&str>) -> Result<Reconciled> {
+pub async fn apply(
+    manifest: &str,
+    redis_url: Option<&str>,
+    memorystore: &Memorystore,
+) -> Result<Reconciled> {
     let drop = parse_manifest(manifest)?;
     let url = match (redis_url, &drop.spec.redis.url) {
         (Some(url), _) => url.to_string(),
@@ -41,6 +47,6 @@ pub async fn apply(manifest: &str, redis_url: Option<&str>) -> Result<Reconciled
         (None, None) => return Err(Error::NoRedisUrl),
     };
     let mut conn = store::connect(&url).await?;
-    let report = reconcile::replication_report(&mut conn).await?;
+    let report = reconcile::verify_ha(&drop, &mut conn, memorystore).await?;
     reconcile::reconcile(&drop, &mut conn, report, None, Timestamp::now()).await
 }

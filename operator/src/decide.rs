@@ -234,6 +234,7 @@ mod tests {
     fn report(tier: Tier) -> HaReport {
         HaReport {
             tier,
+            highly_available: tier.is_highly_available(),
             reason: "Test",
             message: format!("tier {tier:?}"),
         }

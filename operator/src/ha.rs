@@ -9,13 +9,26 @@ use crate::Result;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HaReport {
     pub tier: Tier,
+    /// Verified: the right tier *and* in a state to fail over (a STANDARD_HA
+    /// instance in maintenance does not count).
+    pub highly_available: bool,
     pub reason: &'static str,
     pub message: String,
 }
 
 impl HaReport {
     pub fn is_highly_available(&self) -> bool {
-        self.tier.is_highly_available()
+        self.highly_available
+    }
+
+    /// A check that could not be made.
+    pub fn unknown(reason: &'static str, message: String) -> Self {
+        Self {
+            tier: Tier::Unknown,
+            highly_available: false,
+            reason,
+            message,
+        }
     }
 }
 
@@ -38,11 +51,10 @@ pub fn from_replication_info(info: &str) -> HaReport {
     };
     let role = field("role").unwrap_or("unknown");
     if role != "master" {
-        return HaReport {
-            tier: Tier::Unknown,
-            reason: "NotAMaster",
-            message: format!("Redis reports role {role:?}: point the drop at the master"),
-        };
+        return HaReport::unknown(
+            "NotAMaster",
+            format!("Redis reports role {role:?}: point the drop at the master"),
+        );
     }
     let connected = field("connected_slaves").and_then(|n| n.parse::<u32>().ok());
     let online = info
@@ -57,12 +69,14 @@ pub fn from_replication_info(info: &str) -> HaReport {
     if online > 0 {
         HaReport {
             tier: Tier::Replicated,
+            highly_available: true,
             reason: "Replicated",
             message: format!("master with {online} online replica(s)"),
         }
     } else {
         HaReport {
             tier: Tier::Standalone,
+            highly_available: false,
             reason: "NoOnlineReplica",
             message: format!(
                 "master with no online replica ({} connected)",

@@ -7,15 +7,24 @@
 //!   No I/O, so table tests cover every case.
 //! - [`store`]: the Redis side: publish the config hash and seed or restock stock in
 //!   one Lua script (`lua/seed.lua`), read stock back, clean a deleted drop's keys.
-//! - [`ha`]: high-availability verification: `INFO replication`, or the Memorystore
-//!   API when the drop names an instance.
+//! - [`ha`]: high-availability verification by `INFO replication`; [`memorystore`]:
+//!   by Google's Memorystore API when the drop names an instance.
 //! - [`reconcile`]: one reconcile of one drop against Redis, shared by the controller
 //!   and by `apply`.
 //! - [`apply`]: `dropgate-operator apply -f`, the same reconcile without Kubernetes.
+//! - [`controller`]: `dropgate-operator run`: the kube-runtime controller around
+//!   [`reconcile`], with the finalizer, status by server-side apply, Events on mode
+//!   changes and backoff; [`lease`] keeps it to one active replica.
+//! - [`admin`] and [`metrics`]: `/metrics` and `/healthz` on the admin port.
 
+pub mod admin;
 pub mod apply;
+pub mod controller;
 pub mod decide;
 pub mod ha;
+pub mod lease;
+pub mod memorystore;
+pub mod metrics;
 pub mod reconcile;
 pub mod store;
 
@@ -46,6 +55,14 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error("high availability is required but missing: {0}")]
     HighAvailabilityMissing(String),
+    #[error("secret {name}: {problem}")]
+    Secret { name: String, problem: String },
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+    #[error("lost the leader lease {0}: another replica may be reconciling")]
+    LeadershipLost(String),
 }
 
 impl Error {
@@ -59,6 +76,29 @@ impl Error {
             Error::Redis(_) => "redis",
             Error::Config(_) => "config",
             Error::HighAvailabilityMissing(_) => "ha_missing",
+            Error::Secret { .. } => "secret",
+            Error::Kube(_) => "kube",
+            Error::Finalizer(inner) => match inner.as_ref() {
+                kube::runtime::finalizer::Error::ApplyFailed(e)
+                | kube::runtime::finalizer::Error::CleanupFailed(e) => e.metric_label(),
+                _ => "finalizer",
+            },
+            Error::LeadershipLost(_) => "leadership_lost",
+        }
+    }
+
+    /// The `reason` of the Ready condition when a reconcile fails (CamelCase, as
+    /// Kubernetes API conventions want).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Error::InvalidManifest(_) | Error::InvalidSpec(_) => "InvalidSpec",
+            Error::NoRedisUrl | Error::SecretRefOutsideCluster | Error::Secret { .. } => {
+                "NoRedisUrl"
+            }
+            Error::RedisUnavailable { .. } | Error::Redis(_) => "RedisUnavailable",
+            Error::Config(_) => "ConfigUnreadable",
+            Error::HighAvailabilityMissing(_) => "HighAvailabilityMissing",
+            Error::Kube(_) | Error::Finalizer(_) | Error::LeadershipLost(_) => "KubernetesApiError",
         }
     }
 }

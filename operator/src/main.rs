@@ -1,9 +1,13 @@
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use dropgate_operator::controller::{self, RunSettings};
+use dropgate_operator::memorystore::{self, Memorystore};
 
 /// The dropgate operator: keeps Redis in line with each InventoryDrop.
 #[derive(Parser)]
@@ -15,6 +19,30 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the controller in a cluster (leader-elected), with /metrics and /healthz.
+    Run {
+        /// Where /metrics and /healthz are served.
+        #[arg(long, env = "DROPGATE_ADMIN_LISTEN", default_value = "0.0.0.0:8080")]
+        admin_listen: SocketAddr,
+        /// Overrides every drop's spec.redis.url.
+        #[arg(long, env = "DROPGATE_REDIS_URL")]
+        redis_url: Option<String>,
+        /// Seconds between reconciles of a healthy drop (keeps REMAINING current).
+        #[arg(long, env = "DROPGATE_RESYNC_SECONDS", default_value_t = 30)]
+        resync_seconds: u64,
+        /// Namespace of the leader Lease (the operator's own).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "dropgate-system")]
+        lease_namespace: String,
+        #[arg(long, env = "DROPGATE_LEASE_NAME", default_value = "dropgate-operator")]
+        lease_name: String,
+        /// This replica's name in the Lease.
+        #[arg(long, env = "POD_NAME")]
+        identity: Option<String>,
+        #[arg(long, env = "DROPGATE_LEASE_SECONDS", default_value_t = 15)]
+        lease_seconds: u64,
+        #[command(flatten)]
+        google: Google,
+    },
     /// Reconcile one manifest against Redis, outside Kubernetes, and print the status.
     Apply {
         /// The InventoryDrop manifest.
@@ -23,16 +51,38 @@ enum Command {
         /// Overrides spec.redis.url.
         #[arg(long, env = "DROPGATE_REDIS_URL")]
         redis_url: Option<String>,
+        #[command(flatten)]
+        google: Google,
     },
     /// Print the InventoryDrop CustomResourceDefinition as YAML.
     Crdgen,
 }
 
+/// Where the Memorystore API and the metadata server are (tests point them at a
+/// local server).
+#[derive(Args)]
+struct Google {
+    #[arg(long, env = "DROPGATE_MEMORYSTORE_ENDPOINT", default_value = memorystore::DEFAULT_ENDPOINT)]
+    memorystore_endpoint: String,
+    #[arg(long, env = "DROPGATE_METADATA_ENDPOINT", default_value = memorystore::DEFAULT_METADATA_ENDPOINT)]
+    metadata_endpoint: String,
+}
+
+impl Google {
+    fn client(&self) -> Memorystore {
+        Memorystore::new(
+            &self.memorystore_endpoint,
+            &self.metadata_endpoint,
+            Duration::from_secs(5),
+        )
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     dropgate_operator::telemetry::init();
-    let cli = Cli::parse();
-    match cli.command {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    match Cli::parse().command {
         Command::Crdgen => match dropgate_operator::crd_yaml() {
             Ok(yaml) => {
                 print!("{yaml}");
@@ -40,12 +90,18 @@ async fn main() -> ExitCode {
             }
             Err(e) => fail(&e),
         },
-        Command::Apply { file, redis_url } => {
+        Command::Apply {
+            file,
+            redis_url,
+            google,
+        } => {
             let manifest = match std::fs::read_to_string(&file) {
                 Ok(text) => text,
                 Err(e) => return fail(&format!("cannot read {}: {e}", file.display())),
             };
-            match dropgate_operator::apply::apply(&manifest, redis_url.as_deref()).await {
+            match dropgate_operator::apply::apply(&manifest, redis_url.as_deref(), &google.client())
+                .await
+            {
                 Ok(done) => {
                     match serde_norway::to_string(&done.status) {
                         Ok(yaml) => print!("{yaml}"),
@@ -56,6 +112,36 @@ async fn main() -> ExitCode {
                         Some(reason) => fail(&format!("not ready: {reason}")),
                     }
                 }
+                Err(e) => fail(&e),
+            }
+        }
+        Command::Run {
+            admin_listen,
+            redis_url,
+            resync_seconds,
+            lease_namespace,
+            lease_name,
+            identity,
+            lease_seconds,
+            google,
+        } => {
+            let identity = identity
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .unwrap_or_else(|| format!("dropgate-operator-{}", std::process::id()));
+            let settings = RunSettings {
+                admin_listen,
+                lease_namespace,
+                lease_name,
+                identity,
+                lease_duration: Duration::from_secs(lease_seconds.max(3)),
+                controller: controller::Settings {
+                    resync: Duration::from_secs(resync_seconds.max(1)),
+                    redis_url,
+                    ..controller::Settings::default()
+                },
+            };
+            match controller::run(settings, google.client()).await {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }
         }

@@ -9,6 +9,7 @@ use redis::aio::ConnectionManager;
 
 use crate::decide::{self, Observed};
 use crate::ha::{self, HaReport};
+use crate::memorystore::Memorystore;
 use crate::{Error, Result, store};
 
 /// The result of one reconcile.
@@ -53,9 +54,9 @@ pub fn validate(drop: &InventoryDrop) -> Result<()> {
     Ok(())
 }
 
-/// Reconciles `drop` into the Redis behind `conn`. `ha_check` is the verification to
-/// run (INFO replication, or the Memorystore API); `previous` is the status last
-/// written, so that condition transition times carry over.
+/// Reconciles `drop` into the Redis behind `conn`, given what [`verify_ha`] found.
+/// `previous` is the status last written, so that condition transition times carry
+/// over.
 pub async fn reconcile(
     drop: &InventoryDrop,
     conn: &mut ConnectionManager,
@@ -102,7 +103,15 @@ pub async fn reconcile(
     })
 }
 
-/// The HA verification for a drop without a Memorystore instance.
-pub async fn replication_report(conn: &mut ConnectionManager) -> Result<HaReport> {
-    ha::replication(conn).await
+/// Verifies the drop's Redis: through the Memorystore API when the drop names an
+/// instance, else by `INFO replication`.
+pub async fn verify_ha(
+    drop: &InventoryDrop,
+    conn: &mut ConnectionManager,
+    memorystore: &Memorystore,
+) -> Result<HaReport> {
+    match &drop.spec.redis.memorystore {
+        Some(instance) => Ok(memorystore.verify(instance).await),
+        None => ha::replication(conn).await,
+    }
 }

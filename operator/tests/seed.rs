@@ -1,7 +1,8 @@
 //! Seeding, restock, idempotence, cleanup and the HA check against real Redis.
 
 use dropgate_api::{DropKeys, Mode, Phase, Tier};
-use dropgate_operator::apply::apply;
+use dropgate_operator::memorystore::Memorystore;
+use dropgate_operator::reconcile::Reconciled;
 use dropgate_operator::{Error, store};
 use dropgate_testkit::RedisServer;
 use redis::Commands;
@@ -10,6 +11,11 @@ fn manifest(spec: &str) -> String {
     format!(
         "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: sale, namespace: shop}}\nspec:\n  sku: SNKR\n{spec}\n  redis: {{url: redis://ignored:1}}\n"
     )
+}
+
+/// `apply` as the command line runs it; no drop here names a Memorystore instance.
+async fn apply(manifest: &str, redis_url: Option<&str>) -> Result<Reconciled, Error> {
+    dropgate_operator::apply::apply(manifest, redis_url, &Memorystore::default()).await
 }
 
 fn keys() -> DropKeys {

@@ -59,9 +59,13 @@ impl Sidecar {
     /// two spaces), through the operator's `apply`.
     pub async fn seed(&self, name: &str, spec: &str) {
         let manifest = manifest(name, spec);
-        let done = dropgate_operator::apply::apply(&manifest, Some(&self.redis.url()))
-            .await
-            .expect("apply succeeds");
+        let done = dropgate_operator::apply::apply(
+            &manifest,
+            Some(&self.redis.url()),
+            &dropgate_operator::memorystore::Memorystore::default(),
+        )
+        .await
+        .expect("apply succeeds");
         assert!(done.not_ready.is_none(), "{:?}", done.not_ready);
     }
 

@@ -1,0 +1,351 @@
+//! `dropgate-operator run`: the controller that keeps Redis in line with every
+//! InventoryDrop in the cluster.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dropgate_api::{InventoryDrop, InventoryDropStatus, Mode, Phase};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event, finalizer};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use redis::aio::ConnectionManager;
+use tokio::sync::Mutex as AsyncMutex;
+
+use crate::lease::LeaderElector;
+use crate::memorystore::Memorystore;
+use crate::metrics::{ErrorLabel, Metrics};
+use crate::reconcile::{self, Reconciled};
+use crate::{Error, Result, store};
+
+/// Marks drops whose Redis keys must be removed before the object goes.
+pub const FINALIZER: &str = "dropgate.io/cleanup";
+/// The field manager of the status this operator writes by server-side apply.
+pub const FIELD_MANAGER: &str = "dropgate-operator";
+
+/// Settings of the controller that tests and `main` choose.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How often a healthy drop is reconciled again, so status REMAINING stays
+    /// current and HA is re-verified.
+    pub resync: Duration,
+    /// First and largest delay of the exponential backoff after errors.
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    /// Overrides every drop's Redis URL (like `apply --redis-url`).
+    pub redis_url: Option<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            resync: Duration::from_secs(30),
+            backoff_base: Duration::from_secs(2),
+            backoff_max: Duration::from_secs(300),
+            redis_url: None,
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    pub client: Client,
+    pub memorystore: Memorystore,
+    pub metrics: Arc<Metrics>,
+    pub reporter: Reporter,
+    pub settings: Settings,
+    /// One reconnecting connection per Redis URL, kept across reconciles.
+    redis: AsyncMutex<HashMap<String, ConnectionManager>>,
+    /// Consecutive failures per drop, for the backoff.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    pub fn new(
+        client: Client,
+        memorystore: Memorystore,
+        metrics: Arc<Metrics>,
+        settings: Settings,
+    ) -> Self {
+        Self {
+            client,
+            memorystore,
+            metrics,
+            reporter: Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+            settings,
+            redis: AsyncMutex::new(HashMap::new()),
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn redis(&self, url: &str) -> Result<ConnectionManager> {
+        let mut connections = self.redis.lock().await;
+        if let Some(conn) = connections.get(url) {
+            return Ok(conn.clone());
+        }
+        let conn = store::connect(url).await?;
+        connections.insert(url.to_string(), conn.clone());
+        Ok(conn)
+    }
+
+    /// `--redis-url`, else `spec.redis.url`, else the Secret key `spec.redis.secretRef`.
+    async fn redis_url(&self, drop: &InventoryDrop) -> Result<String> {
+        if let Some(url) = self
+            .settings
+            .redis_url
+            .as_ref()
+            .or(drop.spec.redis.url.as_ref())
+        {
+            return Ok(url.clone());
+        }
+        let Some(secret_ref) = &drop.spec.redis.secret_ref else {
+            return Err(Error::NoRedisUrl);
+        };
+        let namespace = drop.namespace().unwrap_or_else(|| "default".into());
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &namespace);
+        let problem = |problem: &str| Error::Secret {
+            name: format!("{namespace}/{}", secret_ref.name),
+            problem: problem.to_string(),
+        };
+        let secret = secrets
+            .get_opt(&secret_ref.name)
+            .await?
+            .ok_or_else(|| problem("does not exist"))?;
+        let bytes = secret
+            .data
+            .as_ref()
+            .and_then(|data| data.get(&secret_ref.key))
+            .ok_or_else(|| problem(&format!("has no key {:?}", secret_ref.key)))?;
+        String::from_utf8(bytes.0.clone()).map_err(|_| problem("holds a URL that is not UTF-8"))
+    }
+
+    fn backoff(&self, key: &str) -> Duration {
+        let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        let n = failures.entry(key.to_string()).or_insert(0);
+        *n = n.saturating_add(1);
+        let factor = 2u32.saturating_pow(n.saturating_sub(1).min(16));
+        self.settings
+            .backoff_base
+            .saturating_mul(factor)
+            .min(self.settings.backoff_max)
+    }
+
+    fn succeeded(&self, key: &str) {
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+    }
+}
+
+fn object_key(drop: &InventoryDrop) -> String {
+    format!(
+        "{}/{}",
+        drop.namespace().unwrap_or_default(),
+        drop.name_any()
+    )
+}
+
+/// One reconcile of one drop, wrapped in the finalizer: Apply makes Redis match,
+/// Cleanup removes the drop's keys before Kubernetes deletes the object.
+#[tracing::instrument(skip_all, fields(drop = %object_key(&drop)))]
+pub async fn reconcile(drop: Arc<InventoryDrop>, ctx: Arc<Context>) -> Result<Action> {
+    let started = Instant::now();
+    ctx.metrics.reconciliations.inc();
+    let namespace = drop.namespace().unwrap_or_else(|| "default".into());
+    let api: Api<InventoryDrop> = Api::namespaced(ctx.client.clone(), &namespace);
+    let result = finalizer(&api, FINALIZER, drop, |event| async {
+        match event {
+            Event::Apply(drop) => apply(&drop, &ctx, &api).await,
+            Event::Cleanup(drop) => cleanup(&drop, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)));
+    ctx.metrics
+        .duration
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+/// Counts the error and requeues with capped exponential backoff.
+pub fn error_policy(drop: Arc<InventoryDrop>, error: &Error, ctx: Arc<Context>) -> Action {
+    let label = error.metric_label();
+    ctx.metrics
+        .errors
+        .get_or_create(&ErrorLabel { error: label })
+        .inc();
+    let delay = ctx.backoff(&object_key(&drop));
+    tracing::warn!(drop = %object_key(&drop), %error, ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) -> Result<Action> {
+    match reconcile_redis(drop, ctx).await {
+        Ok(done) => {
+            write_status(api, drop, &done.status).await?;
+            if done.mode_changed()
+                && let Some(mode) = done.mode()
+            {
+                publish_mode_event(ctx, drop, mode, &done).await?;
+            }
+            ctx.succeeded(&object_key(drop));
+            Ok(Action::requeue(ctx.settings.resync))
+        }
+        Err(error) => {
+            // Say why in status before backing off; the error itself is what counts.
+            let status = failed_status(drop, &error, Timestamp::now());
+            if let Err(e) = write_status(api, drop, &status).await {
+                tracing::warn!(error = %e, "could not write the failure into status");
+            }
+            Err(error)
+        }
+    }
+}
+
+async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconciled> {
+    reconcile::validate(drop)?;
+    let url = ctx.redis_url(drop).await?;
+    let mut conn = ctx.redis(&url).await?;
+    let ha = reconcile::verify_ha(drop, &mut conn, &ctx.memorystore).await?;
+    reconcile::reconcile(drop, &mut conn, ha, drop.status.as_ref(), Timestamp::now()).await
+}
+
+async fn cleanup(drop: &InventoryDrop, ctx: &Context) -> Result<Action> {
+    let url = ctx.redis_url(drop).await?;
+    let mut conn = ctx.redis(&url).await?;
+    store::remove(&mut conn, &reconcile::keys_of(drop)).await?;
+    tracing::info!(drop = %object_key(drop), "removed the drop's Redis keys");
+    Ok(Action::await_change())
+}
+
+/// Server-side apply of the status subresource under [`FIELD_MANAGER`].
+async fn write_status(
+    api: &Api<InventoryDrop>,
+    drop: &InventoryDrop,
+    status: &InventoryDropStatus,
+) -> Result<()> {
+    let patch = serde_json::json!({
+        "apiVersion": "dropgate.io/v1alpha1",
+        "kind": "InventoryDrop",
+        "status": status,
+    });
+    api.patch_status(
+        &drop.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn publish_mode_event(
+    ctx: &Context,
+    drop: &InventoryDrop,
+    mode: Mode,
+    done: &Reconciled,
+) -> Result<()> {
+    let (type_, reason) = match mode {
+        Mode::Gate => (EventType::Normal, "GateEnabled"),
+        Mode::FailOpen => (EventType::Warning, "FailOpenEnabled"),
+        Mode::Closed => (EventType::Warning, "GateClosed"),
+    };
+    let why = done
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "FailOpen")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    let from = done.previous_mode.map_or("unpublished", Mode::as_str);
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    recorder
+        .publish(
+            &KubeEvent {
+                type_,
+                reason: reason.into(),
+                note: Some(format!("mode {from} -> {mode}: {why}")),
+                action: "PublishMode".into(),
+                secondary: None,
+            },
+            &drop.object_ref(&()),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The status after a failed reconcile: what was known stays, phase Error, and the
+/// Ready condition says why.
+pub fn failed_status(drop: &InventoryDrop, error: &Error, now: Timestamp) -> InventoryDropStatus {
+    let mut status = drop.status.clone().unwrap_or_default();
+    status.phase = Phase::Error;
+    status.observed_generation = drop.metadata.generation;
+    let message = error.to_string();
+    let keep_time = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "False")
+        .map(|c| c.last_transition_time.clone());
+    status.conditions.retain(|c| c.type_ != "Ready");
+    status.conditions.push(Condition {
+        type_: "Ready".into(),
+        status: "False".into(),
+        reason: error.reason().into(),
+        message,
+        observed_generation: drop.metadata.generation,
+        last_transition_time: keep_time.unwrap_or(Time(now)),
+    });
+    status
+}
+
+/// Process settings of `dropgate-operator run`.
+#[derive(Clone, Debug)]
+pub struct RunSettings {
+    pub admin_listen: SocketAddr,
+    pub lease_namespace: String,
+    pub lease_name: String,
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub controller: Settings,
+}
+
+/// Runs the controller (while leader) and the admin server until a signal.
+pub async fn run(settings: RunSettings, memorystore: Memorystore) -> Result<()> {
+    let client = Client::try_default().await?;
+    let metrics = Arc::new(Metrics::default());
+    tokio::spawn(crate::admin::serve(settings.admin_listen, metrics.clone()));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        memorystore,
+        metrics.clone(),
+        settings.controller,
+    ));
+    let elector = LeaderElector::new(
+        client.clone(),
+        &settings.lease_namespace,
+        &settings.lease_name,
+        &settings.identity,
+        settings.lease_duration,
+    );
+    let drops: Api<InventoryDrop> = Api::all(client);
+    let controller = Controller::new(drops, watcher::Config::default().any_semantic())
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| futures::future::ready(()));
+    elector
+        .run_as_leader(controller, |leading| {
+            metrics.leader.set(i64::from(leading));
+        })
+        .await
+}

@@ -1,0 +1,244 @@
+//! High-availability verification through Google's Memorystore for Redis API.
+//!
+//! `GET {endpoint}/v1/projects/{p}/locations/{l}/instances/{i}` with a bearer token
+//! from the GCE/GKE metadata server. Both endpoints are settings, so tests point them
+//! at a local server. Every failure becomes a report with a clear reason, never a
+//! panic and never a pass.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dropgate_api::Tier;
+use dropgate_api::drop::MemorystoreInstance;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use tokio::sync::Mutex;
+
+use crate::ha::HaReport;
+
+pub const DEFAULT_ENDPOINT: &str = "https://redis.googleapis.com";
+pub const DEFAULT_METADATA_ENDPOINT: &str = "http://metadata.google.internal";
+
+type Https = hyper_rustls::HttpsConnector<HttpConnector>;
+
+/// The Memorystore API client, with its cached access token.
+pub struct Memorystore {
+    http: Client<Https, Full<Bytes>>,
+    endpoint: String,
+    metadata_endpoint: String,
+    timeout: Duration,
+    /// The metadata server's token and when to stop using it.
+    token: Mutex<Option<(String, Instant)>>,
+}
+
+impl std::fmt::Debug for Memorystore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Memorystore")
+            .field("endpoint", &self.endpoint)
+            .field("metadata_endpoint", &self.metadata_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Deserialize)]
+struct Token {
+    access_token: String,
+    #[serde(default)]
+    expires_in: u64,
+}
+
+#[derive(Deserialize)]
+struct Instance {
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    state: Option<String>,
+}
+
+impl Default for Memorystore {
+    /// Google's endpoints, as in a GKE pod.
+    fn default() -> Self {
+        Self::new(
+            DEFAULT_ENDPOINT,
+            DEFAULT_METADATA_ENDPOINT,
+            Duration::from_secs(5),
+        )
+    }
+}
+
+impl Memorystore {
+    pub fn new(endpoint: &str, metadata_endpoint: &str, timeout: Duration) -> Self {
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .build();
+        Self {
+            http: Client::builder(TokioExecutor::new()).build(connector),
+            endpoint: endpoint.trim_end_matches('/').to_string(),
+            metadata_endpoint: metadata_endpoint.trim_end_matches('/').to_string(),
+            timeout,
+            token: Mutex::new(None),
+        }
+    }
+
+    /// Judges the instance: STANDARD_HA and READY pass; anything else, including a
+    /// failed call, is reported with its reason.
+    pub async fn verify(&self, instance: &MemorystoreInstance) -> HaReport {
+        let name = format!(
+            "projects/{}/locations/{}/instances/{}",
+            instance.project, instance.location, instance.instance
+        );
+        let token = match self.token().await {
+            Ok(token) => token,
+            Err(message) => return HaReport::unknown("MetadataServerUnavailable", message),
+        };
+        let url = format!("{}/v1/{name}", self.endpoint);
+        let (status, body) = match self
+            .get(&url, &[("authorization", &format!("Bearer {token}"))])
+            .await
+        {
+            Ok(answer) => answer,
+            Err(message) => {
+                return HaReport::unknown(
+                    "MemorystoreUnreachable",
+                    format!("Memorystore API at {url}: {message}"),
+                );
+            }
+        };
+        match status {
+            StatusCode::OK => {}
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+                *self.token.lock().await = None;
+                return HaReport::unknown(
+                    "MemorystoreAccessDenied",
+                    format!(
+                        "Memorystore API refused access to {name} ({status}): grant the operator's service account roles/redis.viewer"
+                    ),
+                );
+            }
+            StatusCode::NOT_FOUND => {
+                return HaReport::unknown(
+                    "MemorystoreInstanceNotFound",
+                    format!("Memorystore instance {name} does not exist"),
+                );
+            }
+            other => {
+                return HaReport::unknown(
+                    "MemorystoreError",
+                    format!("Memorystore API answered {other} for {name}"),
+                );
+            }
+        }
+        let parsed: Instance = match serde_json::from_slice(&body) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                return HaReport::unknown(
+                    "MemorystoreBadResponse",
+                    format!(
+                        "Memorystore API answered for {name} with something that is not an instance: {e}"
+                    ),
+                );
+            }
+        };
+        judge(&name, parsed.tier.as_deref(), parsed.state.as_deref())
+    }
+
+    async fn token(&self) -> Result<String, String> {
+        let mut cached = self.token.lock().await;
+        if let Some((token, until)) = cached.as_ref()
+            && Instant::now() < *until
+        {
+            return Ok(token.clone());
+        }
+        let url = format!(
+            "{}/computeMetadata/v1/instance/service-accounts/default/token",
+            self.metadata_endpoint
+        );
+        let (status, body) = self
+            .get(&url, &[("metadata-flavor", "Google")])
+            .await
+            .map_err(|e| format!("metadata server at {url}: {e}"))?;
+        if status != StatusCode::OK {
+            return Err(format!(
+                "metadata server answered {status} for the access token"
+            ));
+        }
+        let token: Token = serde_json::from_slice(&body)
+            .map_err(|e| format!("metadata server's token answer is not a token: {e}"))?;
+        // Refresh a minute early so a token never expires mid-call.
+        let lifetime = Duration::from_secs(token.expires_in.saturating_sub(60));
+        *cached = Some((token.access_token.clone(), Instant::now() + lifetime));
+        Ok(token.access_token)
+    }
+
+    async fn get(
+        &self,
+        url: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<(StatusCode, Bytes), String> {
+        let mut request = Request::get(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| format!("bad request: {e}"))?;
+        let call = async {
+            let response = self
+                .http
+                .request(request)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| format!("no answer within {:?}", self.timeout))?
+    }
+}
+
+/// STANDARD_HA and READY pass; the rest say what is missing.
+fn judge(name: &str, tier: Option<&str>, state: Option<&str>) -> HaReport {
+    let state = state.unwrap_or("STATE_UNSPECIFIED");
+    match tier {
+        Some("STANDARD_HA") if state == "READY" => HaReport {
+            tier: Tier::StandardHa,
+            highly_available: true,
+            reason: "StandardHaReady",
+            message: format!("Memorystore instance {name} is STANDARD_HA and READY"),
+        },
+        Some("STANDARD_HA") => HaReport {
+            tier: Tier::StandardHa,
+            highly_available: false,
+            reason: "InstanceNotReady",
+            message: format!("Memorystore instance {name} is STANDARD_HA but {state}, not READY"),
+        },
+        Some("BASIC") => HaReport {
+            tier: Tier::Basic,
+            highly_available: false,
+            reason: "BasicTier",
+            message: format!(
+                "Memorystore instance {name} is BASIC tier: no replica to fail over to"
+            ),
+        },
+        other => HaReport::unknown(
+            "UnknownTier",
+            format!(
+                "Memorystore instance {name} reports tier {:?}",
+                other.unwrap_or("none")
+            ),
+        ),
+    }
+}
