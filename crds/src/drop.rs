@@ -264,6 +264,14 @@ impl InventoryDropSpec {
         if !(0..=60_000).contains(&self.throttle.acquire_timeout_ms) {
             return err("throttle.acquireTimeoutMs", "must be from 0 to 60000");
         }
+        // An admission waits for its permit within its hold, so that it cannot
+        // expire before it is activated.
+        if self.throttle.acquire_timeout_ms >= self.hold_seconds * 1000 {
+            return err(
+                "throttle.acquireTimeoutMs",
+                "must be shorter than holdSeconds",
+            );
+        }
         Ok(())
     }
 }

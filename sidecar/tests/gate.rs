@@ -362,3 +362,49 @@ async fn the_kill_switch_takes_the_drop_off_the_redis_gate() {
         "already_reserved"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_racing_a_throttled_admission_are_never_promised_an_undone_unit() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            &spec(50, "  throttle: {permits: 1, acquireTimeoutMs: 40}\n"),
+        )
+        .await;
+    assert_eq!(sidecar.reserve("sale", "hog", "hog", 1).await.status, 201);
+    for round in 0..10 {
+        let key = format!("k-{round}");
+        let replies = join_all((0..8).map(|_| sidecar.reserve("sale", &key, "alice", 1))).await;
+        for reply in &replies {
+            assert!(
+                reply.status == 503 && reply.outcome() == "throttled",
+                "no permit is free, so no promise: {}",
+                reply.text
+            );
+        }
+        assert_eq!(
+            sidecar.lookup("sale", &key).await.status,
+            404,
+            "nothing was left behind"
+        );
+    }
+    sidecar.assert_invariants("sale", 50);
+
+    // With the permit free, one admission and duplicates that agree with it.
+    assert_eq!(
+        sidecar.settle("sale", "hog", "confirm").await.outcome(),
+        "confirmed"
+    );
+    let replies = join_all((0..8).map(|_| sidecar.reserve("sale", "final", "alice", 1))).await;
+    let outcomes: Vec<String> = replies.iter().map(|r| r.outcome().to_string()).collect();
+    let counts = count(&outcomes);
+    assert_eq!(counts.get("admitted"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("already_reserved"), Some(&7), "{counts:?}");
+    assert!(replies.iter().all(|r| r.body["state"] == "active"));
+    assert_eq!(
+        sidecar.lookup("sale", "final").await.body["state"],
+        "active"
+    );
+    sidecar.assert_invariants("sale", 50);
+}

@@ -1,6 +1,6 @@
 -- cancel: an active or confirmed reservation (a refund) returns its units, once:
 -- the state flips to cancelled in the same step, so a duplicate restores nothing.
-if redis.call('EXISTS', K.marker) == 0 then
+if redis.call('EXISTS', K.marker) == 0 or not granted() then
   return {'not_found', '', '', '', '', ''}
 end
 if expire_if_due(now_ms()) then

@@ -1,5 +1,5 @@
 -- confirm: an active, unexpired hold becomes confirmed and leaves the expiry queue.
-if redis.call('EXISTS', K.marker) == 0 then
+if redis.call('EXISTS', K.marker) == 0 or not granted() then
   return {'not_found', '', '', '', '', ''}
 end
 if expire_if_due(now_ms()) then

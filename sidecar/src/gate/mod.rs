@@ -26,6 +26,7 @@ static CANCEL: LazyLock<Script> = gate_script!("cancel.lua");
 static LOOKUP: LazyLock<Script> = gate_script!("lookup.lua");
 static EXPIRE: LazyLock<Script> = gate_script!("expire.lua");
 static UNDO: LazyLock<Script> = gate_script!("undo.lua");
+static ACTIVATE: LazyLock<Script> = gate_script!("activate.lua");
 
 /// What a gate script answered. `outcome` is the script's word (`admitted`,
 /// `sold_out`, `confirmed`, ...); the reservation's fields are set where it exists.
@@ -87,8 +88,10 @@ async fn run(
     GateReply::from_parts(invocation.invoke_async(conn).await?)
 }
 
-/// Admits `quantity` units for `user` under idempotency key `key`, or says why not.
-/// `attempt` identifies this admission for [`undo`].
+/// Admits `quantity` units for `user` under idempotency key `key` as a pending
+/// reservation, or says why not. `attempt` identifies this admission for
+/// [`activate`] and [`undo`]. `pending` means a concurrent attempt with the same key
+/// is still waiting for its permit: ask again shortly.
 pub async fn reserve(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
@@ -134,9 +137,19 @@ pub async fn expire(
     run(&EXPIRE, conn, keys, key, &[]).await
 }
 
-/// Takes back the admission `attempt` of `key` as if it never happened; answers
-/// `undone`, or `kept` with the reservation when it was confirmed, cancelled or
-/// re-admitted meanwhile.
+/// Turns the pending admission `attempt` of `key` into an active reservation
+/// (`admitted`), or answers `gone` when it expired meanwhile.
+pub async fn activate(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+    attempt: &str,
+) -> RedisResult<GateReply> {
+    run(&ACTIVATE, conn, keys, key, &[attempt]).await
+}
+
+/// Takes back the pending admission `attempt` of `key` as if it never happened;
+/// answers `undone`, or `gone` when it expired meanwhile.
 pub async fn undo(
     conn: &mut ConnectionManager,
     keys: &DropKeys,

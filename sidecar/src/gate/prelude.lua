@@ -19,6 +19,13 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- A marker that is still 'pending' is nobody's reservation yet: only the attempt
+-- that admitted it may turn it into one (activate) or take it back (undo).
+local function granted()
+  local state = redis.call('HGET', K.marker, 'state')
+  return state and state ~= 'pending'
+end
+
 local function remaining()
   return tonumber(redis.call('GET', K.remaining) or '0')
 end
@@ -38,12 +45,14 @@ local function give_back(user, quantity)
   end
 end
 
--- An active hold past its deadline flips to expired and returns its units, in the
--- same step: a reservation never reads as expired while its unit is still missing
--- from remaining. Returns true when it expired the hold now.
+-- A hold past its deadline flips to expired and returns its units, in the same
+-- step: a reservation never reads as expired while its unit is still missing from
+-- remaining. A 'pending' one (admitted, waiting for its throttle permit) expires
+-- too, so a sidecar that died mid-admission cannot keep units forever. Returns true
+-- when it expired the hold now.
 local function expire_if_due(now)
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt')
-  if m[3] == 'active' and tonumber(m[4]) <= now then
+  if (m[3] == 'active' or m[3] == 'pending') and tonumber(m[4]) <= now then
     redis.call('HSET', K.marker, 'state', 'expired')
     redis.call('ZREM', K.holds, KEY)
     give_back(m[1], tonumber(m[2]))

@@ -1,7 +1,11 @@
--- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id (for the throttle's undo)
+-- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id
 --
 -- In one atomic step: the idempotency marker, the mode and the sale window, the
 -- per-user limit, the stock; then decrement, count the buyer, write the marker.
+-- The marker starts 'pending': the sidecar still has to get a throttle permit, and
+-- then activates it (activate.lua) or takes it back (undo.lua). A duplicate that
+-- finds it pending is told so and asks again, so no one is promised a unit that
+-- is then undone.
 local cfg = redis.call('HMGET', K.config,
   'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt')
 if not cfg[1] then
@@ -14,6 +18,9 @@ local owner = redis.call('HMGET', K.marker, 'user', 'quantity')
 if owner[1] then
   if owner[1] == user and tonumber(owner[2]) == quantity then
     expire_if_due(now)
+    if not granted() then
+      return answer('pending')
+    end
     return answer('already_reserved')
   end
   return {'idempotency_key_reused', '', '', '', '', tostring(remaining())}
@@ -44,7 +51,7 @@ redis.call('DECRBY', K.remaining, quantity)
 redis.call('INCRBY', K.held, quantity)
 redis.call('HINCRBY', K.buyers, user, quantity)
 redis.call('ZADD', K.holds, deadline, KEY)
-redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'active',
+redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
   'expiresAt', deadline, 'attempt', attempt)
 -- The marker outlives the hold so that a late retry still reads already_reserved;
 -- the drop's other keys expire with the config when the sale has an end.

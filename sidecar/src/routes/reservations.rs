@@ -17,6 +17,10 @@ use crate::input::{self, Reserve};
 
 /// Seconds a throttled buyer is told to wait: permits free up as others confirm.
 const RETRY_AFTER_SECONDS: u64 = 1;
+/// How often a request re-reads a key whose admission another request holds pending.
+const PENDING_POLL: Duration = Duration::from_millis(2);
+/// Slack beyond the permit wait for that other request to activate or undo.
+const PENDING_GRACE: Duration = Duration::from_millis(250);
 
 pub async fn reserve(drop: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
     let started = Instant::now();
@@ -57,16 +61,28 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
     let drop = app.find_drop(raw_drop).await?;
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
-    let reply = gate::reserve(
-        &mut conn,
-        &drop.keys,
-        &request.key,
-        &request.user,
-        request.quantity,
-        &attempt,
-    )
-    .await
-    .map_err(|e| app.redis_down(&drop, &e))?;
+    let config = drop.config();
+    let permit_wait = Duration::from_millis(config.acquire_timeout_ms);
+    // A duplicate of this key that is still waiting for its permit settles within
+    // the permit wait; until then this request asks again rather than promise a
+    // unit that may be undone.
+    let settle_by = Instant::now() + permit_wait + PENDING_GRACE;
+    let reply = loop {
+        let reply = gate::reserve(
+            &mut conn,
+            &drop.keys,
+            &request.key,
+            &request.user,
+            request.quantity,
+            &attempt,
+        )
+        .await
+        .map_err(|e| app.redis_down(&drop, &e))?;
+        if reply.outcome != "pending" || Instant::now() >= settle_by {
+            break reply;
+        }
+        tokio::time::sleep(PENDING_POLL).await;
+    };
     let name = &drop.name;
     let conflict =
         |outcome: &str, message: String| Answer::refusal(StatusCode::CONFLICT, outcome, message);
@@ -137,38 +153,52 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
         }
         "not_found" => return Err(app.unknown_drop(name)),
         "mode" => return Err(app.not_gated(&drop, reply.state.as_deref().unwrap_or(""))),
+        "pending" => {
+            return Err(throttled(
+                &config,
+                "another request with this key is still waiting for a permit",
+            ));
+        }
         other => return Err(Answer::unavailable(format!("the gate answered {other:?}"))),
     }
 
-    let config = drop.config();
-    let wait = Duration::from_millis(config.acquire_timeout_ms);
-    if let Some(permit) = drop.throttle.acquire(wait).await {
-        drop.throttle
-            .hold(&request.key, permit, reply.when.unwrap_or(0));
-        return Ok(reservation(
-            StatusCode::CREATED,
-            "admitted",
-            &drop,
-            &request.key,
-            &reply,
-        ));
+    let Some(permit) = drop.throttle.acquire(permit_wait).await else {
+        return match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
+            Ok(_) => Err(throttled(&config, "nothing was reserved")),
+            Err(e) => Err(Answer::unavailable(format!(
+                "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
+            ))),
+        };
+    };
+    let active = gate::activate(&mut conn, &drop.keys, &request.key, &attempt)
+        .await
+        .map_err(|e| app.redis_down(&drop, &e))?;
+    if active.outcome != "admitted" {
+        return Err(throttled(&config, "the admission expired while it waited"));
     }
-    match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
-        Ok(undone) if undone.outcome == "undone" => Err(Answer::refusal(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "throttled",
-            format!(
-                "all {} reservation permits of this sidecar are in use; nothing was reserved: retry the same key after {RETRY_AFTER_SECONDS}s",
-                config.permits
-            ),
-        )
-        .retry_after(RETRY_AFTER_SECONDS)),
-        // Confirmed or cancelled through a concurrent retry of the same key: it stands.
-        Ok(kept) => Ok(reservation(StatusCode::OK, "already_reserved", &drop, &request.key, &kept)),
-        Err(e) => Err(Answer::unavailable(format!(
-            "no throttle permit was free and Redis failed while undoing the admission ({e}); retry the same key"
-        ))),
-    }
+    drop.throttle
+        .hold(&request.key, permit, active.when.unwrap_or(0));
+    Ok(reservation(
+        StatusCode::CREATED,
+        "admitted",
+        &drop,
+        &request.key,
+        &active,
+    ))
+}
+
+/// 503 throttled with Retry-After: this sidecar's permits are all held by
+/// unconfirmed reservations.
+fn throttled(config: &dropgate_api::DropConfig, detail: &str) -> Answer {
+    Answer::refusal(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "throttled",
+        format!(
+            "all {} reservation permits of this sidecar are in use ({detail}): retry the same key after {RETRY_AFTER_SECONDS}s",
+            config.permits
+        ),
+    )
+    .retry_after(RETRY_AFTER_SECONDS)
 }
 
 #[derive(Clone, Copy)]
