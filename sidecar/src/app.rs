@@ -73,7 +73,8 @@ impl App {
         )
     }
 
-    /// The answer when Redis failed under a request, by the drop's failure policy.
+    /// The answer when Redis failed under a request and the drop's failure policy
+    /// is Closed (policy Open goes to the fallback path instead).
     pub fn redis_down(&self, drop: &Drop, error: &redis::RedisError) -> Answer {
         let policy = drop.config().failure_policy;
         tracing::warn!(drop = %drop.name, %error, "Redis failed");
@@ -83,9 +84,59 @@ impl App {
                 drop.name
             )),
             FailurePolicy::Open => Answer::unavailable(format!(
-                "Redis is unreachable and this sidecar has no fallback gate for drop {}",
+                "Redis is unreachable for drop {}: {error}",
                 drop.name
             )),
+        }
+    }
+
+    /// Brings Redis in line with what the fallback path changed for `drop`, before
+    /// the gate is used again. Best effort: while it fails the flag stays set.
+    pub async fn replay(&self, drop: &Drop) {
+        if !drop
+            .needs_replay
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            return;
+        }
+        if let Err(error) = self.replay_now(drop).await {
+            drop.needs_replay
+                .store(true, std::sync::atomic::Ordering::Release);
+            tracing::debug!(drop = %drop.name, %error, "replay into Redis failed");
+        }
+    }
+
+    /// Replays every fallback change of `drop` that Redis has not seen.
+    pub async fn replay_now(&self, drop: &Drop) -> Result<usize, String> {
+        let mut conn = self.redis.clone();
+        let mut replayed = 0;
+        loop {
+            let rows = self
+                .ledger
+                .unreplayed(&drop.ledger_key(), 256)
+                .await
+                .map_err(|e| e.to_string())?;
+            if rows.is_empty() {
+                return Ok(replayed);
+            }
+            for row in &rows {
+                crate::gate::replay(
+                    &mut conn,
+                    &drop.keys,
+                    &row.key,
+                    &row.user,
+                    row.quantity,
+                    row.state.as_str(),
+                    row.expires_at_ms,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                self.ledger
+                    .mark_replayed(&drop.ledger_key(), &row.key, row.state)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                replayed += 1;
+            }
         }
     }
 
@@ -96,10 +147,7 @@ impl App {
                 "drop {} is closed: its Redis is not highly available and the failure policy is Closed",
                 drop.name
             )),
-            _ => Answer::unavailable(format!(
-                "drop {} is in {mode} mode and this sidecar has no fallback gate",
-                drop.name
-            )),
+            _ => Answer::unavailable(format!("drop {} is in unknown mode {mode:?}", drop.name)),
         }
     }
 }

@@ -19,8 +19,13 @@ use crate::throttle::Throttle;
 pub struct Drop {
     pub name: String,
     pub keys: DropKeys,
+    ledger_key: String,
     config: RwLock<DropConfig>,
     pub throttle: Throttle,
+    /// Set when this sidecar may hold fallback-path changes Redis has not seen (on
+    /// first sight, and after every fallback write): the gate replays them before it
+    /// is used again.
+    pub needs_replay: std::sync::atomic::AtomicBool,
 }
 
 impl Drop {
@@ -28,9 +33,16 @@ impl Drop {
         Self {
             name: name.to_string(),
             keys: DropKeys::new(namespace, name),
+            ledger_key: format!("{namespace}/{name}"),
             throttle: Throttle::new(config.permits),
             config: RwLock::new(config),
+            needs_replay: std::sync::atomic::AtomicBool::new(true),
         }
+    }
+
+    /// `namespace/name`, the drop's key in the ledger.
+    pub fn ledger_key(&self) -> String {
+        self.ledger_key.clone()
     }
 
     /// The config as last read.

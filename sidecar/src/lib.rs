@@ -15,13 +15,16 @@
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
 //! - [`maintenance`]: background config refresh and the hold sweeper.
 //! - [`answer`]: the JSON answer type (`outcome`, `message`, headers).
-//! - [`ledger`]: the SQL ledger behind `--database-url`.
+//! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
+//!   its outbox, the fallback gate, lock fences.
+//! - [`faults`]: fault-injection points, armed only in test builds.
 //! - [`metrics`]: Prometheus metrics for `/metrics`.
 //! - [`settings`]: the command line.
 
 pub mod answer;
 pub mod app;
 pub mod drops;
+pub mod faults;
 pub mod gate;
 pub mod input;
 pub mod ledger;

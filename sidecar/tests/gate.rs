@@ -340,29 +340,6 @@ async fn a_drop_published_later_is_served_without_restart() {
     assert_eq!(drop.body["mode"], "gate");
 }
 
-#[tokio::test]
-async fn the_kill_switch_takes_the_drop_off_the_redis_gate() {
-    let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(5, "")).await;
-    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
-    sidecar
-        .seed("sale", &spec(5, "  gate: {enabled: false}\n"))
-        .await;
-    let before = sidecar.snapshot();
-    let reply = sidecar.reserve("sale", "b", "bob", 1).await;
-    assert_ne!(reply.status, 201, "{}", reply.text);
-    assert_eq!(
-        sidecar.snapshot(),
-        before,
-        "the Redis gate admitted nothing"
-    );
-    // A retry of a key the gate admitted is still recognised.
-    assert_eq!(
-        sidecar.reserve("sale", "a", "alice", 1).await.outcome(),
-        "already_reserved"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_racing_a_throttled_admission_are_never_promised_an_undone_unit() {
     let sidecar = Sidecar::start().await;

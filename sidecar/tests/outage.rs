@@ -8,10 +8,14 @@ use common::Sidecar;
 use dropgate_testkit::HttpClient;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// Under failurePolicy Closed (Open sells through the ledger: tests/fallback.rs).
 async fn a_redis_restart_needs_no_sidecar_restart() {
     let mut sidecar = Sidecar::start().await;
     sidecar
-        .seed("sale", "  sku: X\n  limitedQuantity: 10\n")
+        .seed(
+            "sale",
+            "  sku: X\n  limitedQuantity: 10\n  gate: {failurePolicy: Closed}\n",
+        )
         .await;
     assert_eq!(
         sidecar.reserve("sale", "before", "alice", 1).await.status,
@@ -58,7 +62,10 @@ async fn a_redis_restart_needs_no_sidecar_restart() {
     // its next reconcile, and the sidecar reloads its scripts on NOSCRIPT.
     sidecar.redis.restart().expect("redis restarts");
     sidecar
-        .seed("sale", "  sku: X\n  limitedQuantity: 10\n")
+        .seed(
+            "sale",
+            "  sku: X\n  limitedQuantity: 10\n  gate: {failurePolicy: Closed}\n",
+        )
         .await;
     let mut admitted = None;
     for attempt in 0..50 {

@@ -27,6 +27,7 @@ static LOOKUP: LazyLock<Script> = gate_script!("lookup.lua");
 static EXPIRE: LazyLock<Script> = gate_script!("expire.lua");
 static UNDO: LazyLock<Script> = gate_script!("undo.lua");
 static ACTIVATE: LazyLock<Script> = gate_script!("activate.lua");
+static REPLAY: LazyLock<Script> = gate_script!("replay.lua");
 
 /// What a gate script answered. `outcome` is the script's word (`admitted`,
 /// `sold_out`, `confirmed`, ...); the reservation's fields are set where it exists.
@@ -157,6 +158,28 @@ pub async fn undo(
     attempt: &str,
 ) -> RedisResult<GateReply> {
     run(&UNDO, conn, keys, key, &[attempt]).await
+}
+
+/// Brings the reservation `key` in Redis to the ledger's `state` (after a change on
+/// the fallback path): `replayed`, or `in_line` when Redis already agreed.
+pub async fn replay(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+    user: &str,
+    quantity: i64,
+    state: &str,
+    expires_at_ms: i64,
+) -> RedisResult<GateReply> {
+    let (quantity, expires) = (quantity.to_string(), expires_at_ms.to_string());
+    run(
+        &REPLAY,
+        conn,
+        keys,
+        key,
+        &[user, &quantity, state, &expires],
+    )
+    .await
 }
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use dropgate_api::{FailurePolicy, Mode};
 use redis::AsyncCommands;
 use warp::http::StatusCode;
 use warp::reply::Response;
@@ -21,12 +22,32 @@ pub async fn show(drop: String, app: Arc<App>) -> Response {
 
 async fn describe(app: &App, raw_drop: &str) -> Result<Answer, Answer> {
     let drop = app.find_drop(raw_drop).await?;
-    let mut conn = app.redis.clone();
-    let remaining: Option<i64> = conn
-        .get(drop.keys.remaining())
-        .await
-        .map_err(|e| app.redis_down(&drop, &e))?;
     let config = drop.config();
+    // Whichever gate is in charge says what is left.
+    let mut conn = app.redis.clone();
+    let from_redis: redis::RedisResult<Option<i64>> = if config.mode == Mode::FailOpen {
+        Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "off the gate",
+        )))
+    } else {
+        conn.get(drop.keys.remaining()).await
+    };
+    let remaining = match from_redis {
+        Ok(remaining) => remaining,
+        Err(e) if config.mode == Mode::FailOpen || config.failure_policy == FailurePolicy::Open => {
+            app.ledger
+                .available(&drop.ledger_key())
+                .await
+                .map_err(|le| {
+                    Answer::unavailable(format!(
+                        "neither Redis ({e}) nor the ledger ({le}) answered"
+                    ))
+                })?
+                .or(Some(config.limit))
+        }
+        Err(e) => return Err(app.redis_down(&drop, &e)),
+    };
     let time = |ms: Option<i64>| ms.map_or(serde_json::Value::Null, rfc3339);
     Ok(Answer::new(StatusCode::OK, "found")
         .with("drop", drop.name.as_str())

@@ -4,6 +4,8 @@ mod drops;
 mod health;
 mod reservations;
 
+pub use reservations::change_of;
+
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;

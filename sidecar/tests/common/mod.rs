@@ -18,19 +18,25 @@ pub struct Sidecar {
     _dir: tempfile::TempDir,
 }
 
-impl Sidecar {
-    pub async fn start() -> Self {
-        let redis = RedisServer::start().expect("redis-server starts");
-        let dir = tempfile::tempdir().expect("temp dir");
+/// A sidecar process of its own (in-process `run`), for tests with more than one.
+pub struct Peer {
+    pub http: HttpClient,
+    pub addr: std::net::SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), dropgate_sidecar::Error>>>,
+}
+
+impl Peer {
+    pub async fn start(redis_url: &str, database_url: &str) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
         let settings = dropgate_sidecar::Settings {
             listen: addr,
-            redis_url: redis.url(),
+            redis_url: redis_url.into(),
             namespace: NS.into(),
-            database_url: format!("sqlite://{}", dir.path().join("ledger.db").display()),
+            database_url: database_url.into(),
             refresh_ms: 100,
             sweep_ms: 100,
         };
@@ -39,20 +45,63 @@ impl Sidecar {
             let _ = stopped.await;
         }));
         let http = HttpClient::new(format!("http://{addr}"));
-        for _ in 0..100 {
+        for _ in 0..250 {
             if http.get("/healthz").await.is_ok() {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         Self {
-            redis,
             http,
             addr,
             stop: Some(stop),
             task: Some(task),
+        }
+    }
+
+    pub async fn reserve(&self, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
+        let body = format!(r#"{{"key":"{key}","user":"{user}","quantity":{quantity}}}"#);
+        self.http
+            .post(&format!("/v1/drops/{drop}/reservations"), &body)
+            .await
+            .expect("reserve answers")
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("joins").expect("run returns Ok");
+        }
+    }
+}
+
+impl Sidecar {
+    /// A sidecar with its own Redis and a SQLite ledger in a temp dir.
+    pub async fn start() -> Self {
+        Self::start_with_database(None).await
+    }
+
+    /// Same, with the given ledger (a PostgreSQL URL) instead of SQLite.
+    pub async fn start_with_database(database_url: Option<String>) -> Self {
+        let redis = RedisServer::start().expect("redis-server starts");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let database_url = database_url
+            .unwrap_or_else(|| format!("sqlite://{}", dir.path().join("ledger.db").display()));
+        let mut peer = Peer::start(&redis.url(), &database_url).await;
+        Self {
+            redis,
+            http: peer.http.clone(),
+            addr: peer.addr,
+            stop: peer.stop.take(),
+            task: peer.task.take(),
             _dir: dir,
         }
+    }
+
+    pub fn database_path(&self) -> std::path::PathBuf {
+        self._dir.path().join("ledger.db")
     }
 
     /// Publishes and seeds drop `name` with the given spec lines (YAML, indented
@@ -108,11 +157,14 @@ impl Sidecar {
             .unwrap_or(0)
     }
 
-    /// Every key with its full contents: equal snapshots mean nothing changed.
+    /// Every key with its full contents: equal snapshots mean nothing changed. The
+    /// outbox's event streams are left out: the dispatcher appends to them on its
+    /// own schedule.
     pub fn snapshot(&self) -> BTreeMap<String, String> {
         let mut conn = self.redis.connection().expect("connect");
         let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
         keys.into_iter()
+            .filter(|key| !key.ends_with(":events"))
             .map(|key| {
                 let dump: Vec<u8> = redis::cmd("DUMP").arg(&key).query(&mut conn).expect("DUMP");
                 (key, format!("{dump:?}"))

@@ -1,0 +1,386 @@
+//! The ledger's own gate: reserve, confirm, cancel and look-up when Redis is not the
+//! gate (kill switch, or Redis unreachable under failurePolicy Open).
+//!
+//! Each call is one transaction that checks and changes together: the reservation
+//! row is inserted first (the idempotency check), then the per-user count and the
+//! stock move by conditional UPDATEs (`... WHERE available >= q`). With PostgreSQL
+//! shared by every sidecar, concurrent transactions serialise on those rows, so the
+//! fallback cannot oversell either. Every change is marked for replay into Redis.
+
+use dropgate_api::DropConfig;
+use sqlx::{Any, Row, Transaction};
+
+use super::{
+    Change, Ledger, LedgerError, State, adjust_holdings, ensure_stock, insert_reservation,
+    transition, write_event,
+};
+use crate::gate::GateReply;
+
+/// A reservation as the ledger holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Row_ {
+    pub key: String,
+    pub user: String,
+    pub quantity: i64,
+    pub state: State,
+    pub expires_at_ms: i64,
+}
+
+/// Attempts at a transaction that lost a race (a PostgreSQL unique or
+/// serialisation conflict) before giving up.
+const ATTEMPTS: usize = 5;
+
+impl Ledger {
+    pub async fn fallback_reserve(
+        &self,
+        drop_key: &str,
+        config: &DropConfig,
+        key: &str,
+        user: &str,
+        quantity: i64,
+        now: i64,
+    ) -> Result<GateReply, LedgerError> {
+        let change = Change {
+            drop_key: drop_key.to_string(),
+            limit: config.limit,
+            key: key.to_string(),
+            user: user.to_string(),
+            quantity,
+            state: State::Active,
+            expires_at_ms: now + config.hold_seconds * 1000,
+        };
+        retry(|| async {
+            let mut tx = self.pool.begin().await?;
+            ensure_stock(&mut tx, drop_key, config.limit).await?;
+            if !insert_reservation(&mut tx, &change, "fallback", false, now).await? {
+                let existing = expire_if_due(&mut tx, drop_key, config.limit, key, now).await?;
+                let reply = match existing {
+                    Some(row) if row.user == user && row.quantity == quantity => {
+                        answer(&mut tx, drop_key, "already_reserved", Some(&row)).await?
+                    }
+                    _ => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
+                };
+                tx.commit().await?;
+                return Ok(reply);
+            }
+            sqlx::query(
+                "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
+                 ON CONFLICT (drop_key, user_id) DO NOTHING",
+            )
+            .bind(drop_key)
+            .bind(user)
+            .execute(&mut *tx)
+            .await?;
+            let within_limit = sqlx::query(
+                "UPDATE buyers SET held = held + $1 WHERE drop_key = $2 AND user_id = $3 AND held + $4 <= $5",
+            )
+            .bind(quantity)
+            .bind(drop_key)
+            .bind(user)
+            .bind(quantity)
+            .bind(config.per_user_limit)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if !within_limit {
+                let held: i64 = sqlx::query("SELECT held FROM buyers WHERE drop_key = $1 AND user_id = $2")
+                    .bind(drop_key)
+                    .bind(user)
+                    .fetch_one(&mut *tx)
+                    .await?
+                    .try_get(0)?;
+                tx.rollback().await?;
+                return Ok(refusal("per_user_limit_exceeded", Some(user), Some(held), Some(config.per_user_limit), None));
+            }
+            let in_stock = sqlx::query("UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3")
+                .bind(quantity)
+                .bind(drop_key)
+                .bind(quantity)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                == 1;
+            if !in_stock {
+                let left = available(&mut tx, drop_key).await?;
+                tx.rollback().await?;
+                return Ok(refusal("sold_out", None, None, None, Some(left)));
+            }
+            write_event(&mut tx, &change, "fallback", now).await?;
+            let row = read(&mut tx, drop_key, key).await?;
+            let reply = answer(&mut tx, drop_key, "admitted", row.as_ref()).await?;
+            tx.commit().await?;
+            Ok(reply)
+        })
+        .await
+    }
+
+    /// confirm, cancel or look-up (`to` = None) on the fallback path.
+    pub async fn fallback_settle(
+        &self,
+        drop_key: &str,
+        config: &DropConfig,
+        key: &str,
+        to: Option<State>,
+        now: i64,
+    ) -> Result<GateReply, LedgerError> {
+        retry(|| async {
+            let mut tx = self.pool.begin().await?;
+            ensure_stock(&mut tx, drop_key, config.limit).await?;
+            let before = read(&mut tx, drop_key, key).await?;
+            let Some(row) = expire_if_due(&mut tx, drop_key, config.limit, key, now).await? else {
+                tx.commit().await?;
+                return Ok(refusal("not_found", None, None, None, None));
+            };
+            let expired_now = before.as_ref().is_some_and(|b| b.state == State::Active)
+                && row.state == State::Expired;
+            let outcome = match (to, row.state) {
+                (_, State::Expired) if expired_now => "expired",
+                (None, _) => "found",
+                (Some(State::Confirmed), State::Active)
+                | (Some(State::Cancelled), State::Active | State::Confirmed) => {
+                    let target = to.unwrap_or(State::Cancelled);
+                    if !transition(&mut tx, drop_key, key, target, false, now).await? {
+                        return Err(sqlx::Error::Protocol("raced; retrying".into()));
+                    }
+                    let change = Change {
+                        drop_key: drop_key.to_string(),
+                        limit: config.limit,
+                        key: key.to_string(),
+                        user: row.user.clone(),
+                        quantity: row.quantity,
+                        state: target,
+                        expires_at_ms: row.expires_at_ms,
+                    };
+                    if target == State::Cancelled {
+                        adjust_holdings(&mut tx, &change, 1).await?;
+                    }
+                    write_event(&mut tx, &change, "fallback", now).await?;
+                    target.as_str()
+                }
+                (Some(State::Confirmed), State::Confirmed) => "already_confirmed",
+                (Some(State::Cancelled), State::Cancelled) => "already_cancelled",
+                (_, state) => state.as_str(),
+            };
+            let row = read(&mut tx, drop_key, key).await?;
+            let reply = answer(&mut tx, drop_key, outcome, row.as_ref()).await?;
+            tx.commit().await?;
+            Ok(reply)
+        })
+        .await
+    }
+
+    /// Expires the drop's active holds past their deadline, each once; returns their
+    /// keys.
+    pub async fn expire_due(
+        &self,
+        drop_key: &str,
+        limit: i64,
+        now: i64,
+        batch: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        let keys: Vec<String> = sqlx::query(
+            "SELECT res_key FROM reservations WHERE drop_key = $1 AND state = 'active' AND expires_at_ms <= $2 LIMIT $3",
+        )
+        .bind(drop_key)
+        .bind(now)
+        .bind(batch)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<_, _>>()?;
+        let mut expired = Vec::new();
+        for key in keys {
+            let mut tx = self.pool.begin().await?;
+            let before = read(&mut tx, drop_key, &key).await?;
+            let after = expire_if_due(&mut tx, drop_key, limit, &key, now).await?;
+            tx.commit().await?;
+            if before.is_some_and(|b| b.state == State::Active)
+                && after.is_some_and(|a| a.state == State::Expired)
+            {
+                expired.push(key);
+            }
+        }
+        Ok(expired)
+    }
+
+    /// Changes made on the fallback path that Redis has not seen yet.
+    pub async fn unreplayed(&self, drop_key: &str, batch: i64) -> Result<Vec<Row_>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT res_key, user_id, quantity, state, expires_at_ms FROM reservations \
+             WHERE drop_key = $1 AND replayed = 0 ORDER BY updated_at_ms LIMIT $2",
+        )
+        .bind(drop_key)
+        .bind(batch)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| to_row(row).map_err(Into::into))
+            .collect()
+    }
+
+    /// Marks a replayed change, unless the reservation moved on since it was read.
+    pub async fn mark_replayed(
+        &self,
+        drop_key: &str,
+        key: &str,
+        state: State,
+    ) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE reservations SET replayed = 1 WHERE drop_key = $1 AND res_key = $2 AND state = $3")
+            .bind(drop_key)
+            .bind(key)
+            .bind(state.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The reservation of `key`, if the ledger has it.
+    pub async fn reservation(
+        &self,
+        drop_key: &str,
+        key: &str,
+    ) -> Result<Option<Row_>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let row = read(&mut tx, drop_key, key).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
+    /// The fallback gate's stock for the drop, if it has a row.
+    pub async fn available(&self, drop_key: &str) -> Result<Option<i64>, LedgerError> {
+        let row = sqlx::query("SELECT available FROM stock WHERE drop_key = $1")
+            .bind(drop_key)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+}
+
+/// Runs a transaction again when it lost a race to a concurrent one.
+async fn retry<F, Fut>(mut attempt: F) -> Result<GateReply, LedgerError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<GateReply, sqlx::Error>>,
+{
+    let mut last = None;
+    for _ in 0..ATTEMPTS {
+        match attempt().await {
+            Ok(reply) => return Ok(reply),
+            Err(e) if is_race(&e) => last = Some(e),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(last.map_or(LedgerError::WriterGone, Into::into))
+}
+
+fn is_race(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("23505" | "40001" | "40P01"))
+        }
+        sqlx::Error::Protocol(message) => message.contains("raced"),
+        _ => false,
+    }
+}
+
+async fn read(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    key: &str,
+) -> Result<Option<Row_>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT res_key, user_id, quantity, state, expires_at_ms FROM reservations WHERE drop_key = $1 AND res_key = $2",
+    )
+    .bind(drop_key)
+    .bind(key)
+    .fetch_optional(&mut **tx)
+    .await?;
+    row.as_ref().map(to_row).transpose()
+}
+
+fn to_row(row: &sqlx::any::AnyRow) -> Result<Row_, sqlx::Error> {
+    let state: String = row.try_get(3)?;
+    Ok(Row_ {
+        key: row.try_get(0)?,
+        user: row.try_get(1)?,
+        quantity: row.try_get(2)?,
+        state: State::parse(&state)
+            .ok_or_else(|| sqlx::Error::Protocol(format!("unknown state {state:?}")))?,
+        expires_at_ms: row.try_get(4)?,
+    })
+}
+
+/// Expires the hold of `key` if it is active and past its deadline, returning its
+/// units and writing the event; returns the reservation as it then stands.
+async fn expire_if_due(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    limit: i64,
+    key: &str,
+    now: i64,
+) -> Result<Option<Row_>, sqlx::Error> {
+    let Some(row) = read(tx, drop_key, key).await? else {
+        return Ok(None);
+    };
+    if row.state != State::Active || row.expires_at_ms > now {
+        return Ok(Some(row));
+    }
+    if transition(tx, drop_key, key, State::Expired, false, now).await? {
+        let change = Change {
+            drop_key: drop_key.to_string(),
+            limit,
+            key: key.to_string(),
+            user: row.user.clone(),
+            quantity: row.quantity,
+            state: State::Expired,
+            expires_at_ms: row.expires_at_ms,
+        };
+        adjust_holdings(tx, &change, 1).await?;
+        write_event(tx, &change, "fallback", now).await?;
+    }
+    read(tx, drop_key, key).await
+}
+
+async fn available(tx: &mut Transaction<'static, Any>, drop_key: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query("SELECT available FROM stock WHERE drop_key = $1")
+        .bind(drop_key)
+        .fetch_one(&mut **tx)
+        .await?
+        .try_get(0)
+}
+
+async fn answer(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    outcome: &str,
+    row: Option<&Row_>,
+) -> Result<GateReply, sqlx::Error> {
+    let remaining = available(tx, drop_key).await?;
+    Ok(GateReply {
+        outcome: outcome.to_string(),
+        user: row.map(|r| r.user.clone()),
+        quantity: row.map(|r| r.quantity),
+        state: row.map(|r| r.state.as_str().to_string()),
+        when: row.map(|r| r.expires_at_ms),
+        remaining: Some(remaining),
+    })
+}
+
+fn refusal(
+    outcome: &str,
+    user: Option<&str>,
+    quantity: Option<i64>,
+    when: Option<i64>,
+    remaining: Option<i64>,
+) -> GateReply {
+    GateReply {
+        outcome: outcome.to_string(),
+        user: user.map(str::to_string),
+        quantity,
+        state: None,
+        when,
+        remaining,
+    }
+}

@@ -1,0 +1,62 @@
+//! Lock fences in the ledger: the high-water mark that keeps fences growing across a
+//! Redis failover, and the storage-side check fencing needs.
+
+use sqlx::{AnyPool, Row};
+
+/// The highest fence ever handed out for `lock` (0 when none).
+pub async fn high_water(pool: &AnyPool, lock: &str) -> Result<i64, sqlx::Error> {
+    let row = sqlx::query("SELECT fence FROM lock_fences WHERE lock_name = $1")
+        .bind(lock)
+        .fetch_optional(pool)
+        .await?;
+    match row {
+        Some(row) => row.try_get(0),
+        None => Ok(0),
+    }
+}
+
+/// Raises the high-water mark of `lock` to `fence` (never lowers it).
+pub async fn record(pool: &AnyPool, lock: &str, fence: i64) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO lock_fences (lock_name, fence) VALUES ($1, $2) \
+         ON CONFLICT (lock_name) DO UPDATE SET fence = excluded.fence \
+         WHERE lock_fences.fence < excluded.fence",
+    )
+    .bind(lock)
+    .bind(fence)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Writes `value` to `resource` on behalf of the holder of `fence`, unless a holder
+/// with a higher fence already wrote: the check that makes a paused, expired
+/// holder's late write harmless. Returns whether the write was accepted.
+pub async fn fenced_write(
+    pool: &AnyPool,
+    resource: &str,
+    fence: i64,
+    value: &str,
+) -> Result<bool, sqlx::Error> {
+    let written = sqlx::query(
+        "INSERT INTO fenced_writes (resource, fence, value) VALUES ($1, $2, $3) \
+         ON CONFLICT (resource) DO UPDATE SET fence = excluded.fence, value = excluded.value \
+         WHERE fenced_writes.fence <= excluded.fence",
+    )
+    .bind(resource)
+    .bind(fence)
+    .bind(value)
+    .execute(pool)
+    .await?;
+    Ok(written.rows_affected() == 1)
+}
+
+/// What `resource` holds, and the fence that wrote it.
+pub async fn read(pool: &AnyPool, resource: &str) -> Result<Option<(i64, String)>, sqlx::Error> {
+    let row = sqlx::query("SELECT fence, value FROM fenced_writes WHERE resource = $1")
+        .bind(resource)
+        .fetch_optional(pool)
+        .await?;
+    row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .transpose()
+}

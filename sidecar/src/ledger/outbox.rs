@@ -1,0 +1,144 @@
+//! The outbox's far side: canonical event JSON, the dispatcher that publishes
+//! pending events to each drop's Redis Stream, and the consumer's dedup helper.
+
+use std::collections::BTreeMap;
+
+use redis::aio::ConnectionManager;
+use serde_json::Value;
+use sqlx::{Any, AnyPool, Row, Transaction};
+
+use super::now_ms;
+use crate::faults::{self, Fault};
+
+/// Canonical JSON: keys sorted, no spaces; booleans and floats refused, so that the
+/// same event always has the same bytes.
+pub fn canonical(value: &Value) -> Result<String, String> {
+    match value {
+        Value::Null => Ok("null".into()),
+        Value::Bool(_) => Err("booleans are not allowed in events".into()),
+        Value::Number(n) if n.is_i64() || n.is_u64() => Ok(n.to_string()),
+        Value::Number(n) => Err(format!("floats are not allowed in events ({n})")),
+        Value::String(s) => serde_json::to_string(s).map_err(|e| e.to_string()),
+        Value::Array(items) => {
+            let parts: Result<Vec<String>, String> = items.iter().map(canonical).collect();
+            Ok(format!("[{}]", parts?.join(",")))
+        }
+        Value::Object(map) => {
+            let sorted: BTreeMap<&String, &Value> = map.iter().collect();
+            let mut parts = Vec::with_capacity(sorted.len());
+            for (key, value) in sorted {
+                let key = serde_json::to_string(key).map_err(|e| e.to_string())?;
+                parts.push(format!("{key}:{}", canonical(value)?));
+            }
+            Ok(format!("{{{}}}", parts.join(",")))
+        }
+    }
+}
+
+/// Publishes up to `batch` pending events, in id order, each to its drop's stream,
+/// and marks each sent only after its publish succeeded. A failed publish stops the
+/// round: that event and the later ones stay pending for the next round. Returns
+/// how many were published.
+pub async fn dispatch(
+    pool: &AnyPool,
+    redis: &mut ConnectionManager,
+    batch: i64,
+) -> Result<usize, String> {
+    let rows = sqlx::query(
+        "SELECT id, event_id, drop_key, payload FROM outbox WHERE sent_at_ms IS NULL ORDER BY id LIMIT $1",
+    )
+    .bind(batch)
+    .fetch_all(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    let mut published = 0;
+    for row in rows {
+        let id: i64 = row.try_get(0).map_err(|e| e.to_string())?;
+        let event_id: String = row.try_get(1).map_err(|e| e.to_string())?;
+        let drop_key: String = row.try_get(2).map_err(|e| e.to_string())?;
+        let payload: String = row.try_get(3).map_err(|e| e.to_string())?;
+        let Some((namespace, name)) = drop_key.split_once('/') else {
+            continue;
+        };
+        let stream = dropgate_api::DropKeys::new(namespace, name).events();
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("eventId")
+            .arg(&event_id)
+            .arg("payload")
+            .arg(&payload)
+            .query_async(redis)
+            .await
+            .map_err(|e| e.to_string())?;
+        faults::check(Fault::AfterPublishBeforeAck).map_err(|e| e.to_string())?;
+        sqlx::query("UPDATE outbox SET sent_at_ms = $1 WHERE id = $2")
+            .bind(now_ms())
+            .bind(id)
+            .execute(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        published += 1;
+    }
+    Ok(published)
+}
+
+/// Events still waiting for the dispatcher.
+pub async fn pending(pool: &AnyPool) -> Result<i64, sqlx::Error> {
+    sqlx::query("SELECT COUNT(*) FROM outbox WHERE sent_at_ms IS NULL")
+        .fetch_one(pool)
+        .await?
+        .try_get(0)
+}
+
+/// Applies a delivered event's effect exactly once for `consumer`: the event id is
+/// recorded in the same transaction as the effect, so a redelivery is recognised
+/// and skipped. Returns whether the effect ran.
+pub async fn consume_once<F>(
+    pool: &AnyPool,
+    consumer: &str,
+    event_id: &str,
+    effect: F,
+) -> Result<bool, sqlx::Error>
+where
+    F: for<'t> FnOnce(
+        &'t mut Transaction<'static, Any>,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<(), sqlx::Error>> + Send + 't>,
+    >,
+{
+    let mut tx = pool.begin().await?;
+    let fresh = sqlx::query(
+        "INSERT INTO processed_events (consumer, event_id) VALUES ($1, $2) \
+         ON CONFLICT (consumer, event_id) DO NOTHING",
+    )
+    .bind(consumer)
+    .bind(event_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if !fresh {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    effect(&mut tx).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical;
+    use serde_json::json;
+
+    #[test]
+    fn canonical_json_sorts_keys_and_refuses_what_would_drift() {
+        assert_eq!(
+            canonical(&json!({"b": 1, "a": {"d": "x y", "c": [2, null]}})),
+            Ok(r#"{"a":{"c":[2,null],"d":"x y"},"b":1}"#.to_string())
+        );
+        assert!(canonical(&json!({"ok": true})).is_err());
+        assert!(canonical(&json!({"price": 1.5})).is_err());
+    }
+}

@@ -1,0 +1,293 @@
+//! The fail-open path: the ledger's own gate when the kill switch is off or Redis is
+//! down under failurePolicy Open; nothing admitted under Closed; Redis replayed to
+//! agree with the ledger when the gate reopens; and a shared PostgreSQL ledger that
+//! two sidecars on the fallback path cannot oversell together.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Peer, Sidecar};
+use dropgate_testkit::PostgresServer;
+use futures::future::join_all;
+
+fn spec(limit: i64, extra: &str) -> String {
+    format!(
+        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{extra}"
+    )
+}
+
+fn tally<'a>(replies: impl Iterator<Item = &'a dropgate_testkit::Reply>) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for reply in replies {
+        *counts.entry(reply.outcome().to_string()).or_default() += 1;
+    }
+    counts
+}
+
+fn fallback_header(reply: &dropgate_testkit::Reply) -> Option<&str> {
+    reply
+        .headers
+        .get("dropgate-path")
+        .and_then(|v| v.to_str().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(20, "")).await;
+    for i in 0..5 {
+        assert_eq!(
+            sidecar
+                .reserve("sale", &format!("gate-{i}"), &format!("early-{i}"), 1)
+                .await
+                .status,
+            201
+        );
+    }
+    sidecar
+        .seed("sale", &spec(20, "  gate: {enabled: false}\n"))
+        .await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let redis_before = sidecar.remaining("sale");
+
+    let replies = join_all((0..100).map(|i| {
+        let sidecar = &sidecar;
+        async move {
+            sidecar
+                .reserve("sale", &format!("fb-{i}"), &format!("buyer-{i}"), 1)
+                .await
+        }
+    }))
+    .await;
+    let counts = tally(replies.iter());
+    assert_eq!(
+        counts.get("admitted"),
+        Some(&15),
+        "20 units, 5 sold on the gate: {counts:?}"
+    );
+    assert_eq!(counts.get("sold_out"), Some(&85), "{counts:?}");
+    for reply in &replies {
+        assert_eq!(fallback_header(reply), Some("fallback"), "{}", reply.text);
+        if reply.status == 201 {
+            assert_eq!(reply.body["path"], "fallback");
+        }
+    }
+    assert_eq!(
+        sidecar.remaining("sale"),
+        redis_before,
+        "Redis's gate took no part"
+    );
+
+    // Same outcomes as the gate: idempotency, per-user limit, confirm, cancel.
+    let admitted: Vec<String> = replies
+        .iter()
+        .filter(|r| r.status == 201)
+        .map(|r| r.body["key"].as_str().unwrap_or("").to_string())
+        .collect();
+    let first = &admitted[0];
+    let user = replies
+        .iter()
+        .find(|r| r.body["key"] == first.as_str())
+        .map(|r| r.body["user"].as_str().unwrap_or("").to_string())
+        .unwrap_or_default();
+    let again = sidecar.reserve("sale", first, &user, 1).await;
+    assert_eq!(
+        (again.status.as_u16(), again.outcome()),
+        (200, "already_reserved")
+    );
+    let reused = sidecar.reserve("sale", first, "someone-else", 1).await;
+    assert_eq!(
+        (reused.status.as_u16(), reused.outcome()),
+        (422, "idempotency_key_reused")
+    );
+    let second_key = sidecar.reserve("sale", "other-key", &user, 1).await;
+    assert_eq!(
+        (second_key.status.as_u16(), second_key.outcome()),
+        (409, "per_user_limit_exceeded")
+    );
+    let confirmed = sidecar.settle("sale", first, "confirm").await;
+    assert_eq!(
+        (confirmed.status.as_u16(), confirmed.outcome()),
+        (200, "confirmed")
+    );
+    assert_eq!(fallback_header(&confirmed), Some("fallback"));
+    assert_eq!(
+        sidecar.settle("sale", first, "confirm").await.outcome(),
+        "already_confirmed"
+    );
+    let cancelled = sidecar.settle("sale", &admitted[1], "cancel").await;
+    assert_eq!(
+        (cancelled.status.as_u16(), cancelled.outcome()),
+        (200, "cancelled")
+    );
+    assert_eq!(
+        sidecar
+            .settle("sale", &admitted[1], "cancel")
+            .await
+            .outcome(),
+        "already_cancelled"
+    );
+    let found = sidecar.lookup("sale", first).await;
+    assert_eq!(
+        (found.status.as_u16(), found.body["state"].as_str()),
+        (200, Some("confirmed"))
+    );
+    // A gate-admitted reservation is served by the ledger too.
+    let gate_made = sidecar.settle("sale", "gate-0", "confirm").await;
+    assert_eq!(
+        (gate_made.status.as_u16(), gate_made.outcome()),
+        (200, "confirmed")
+    );
+    // The cancelled unit is for sale again, on the fallback path.
+    let late = sidecar.reserve("sale", "late", "late-buyer", 1).await;
+    assert_eq!((late.status.as_u16(), late.outcome()), (201, "admitted"));
+
+    // Gate back on: Redis replays what the fallback did before it admits again.
+    sidecar.seed("sale", &spec(20, "")).await;
+    let mut caught_up = false;
+    for _ in 0..50 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        if sidecar.remaining("sale") == 0 && sidecar.held("sale") == 20 {
+            caught_up = true;
+            break;
+        }
+    }
+    assert!(
+        caught_up,
+        "remaining {} held {}",
+        sidecar.remaining("sale"),
+        sidecar.held("sale")
+    );
+    sidecar.assert_invariants("sale", 20);
+    let refused = sidecar.reserve("sale", "after", "after-buyer", 1).await;
+    assert_eq!(
+        (refused.status.as_u16(), refused.outcome()),
+        (409, "sold_out")
+    );
+    assert_eq!(fallback_header(&refused), None, "the gate answers again");
+    let on_gate = sidecar.lookup("sale", first).await;
+    assert_eq!(
+        on_gate.body["state"], "confirmed",
+        "the fallback's confirm reached Redis"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_under_policy_closed_admits_nothing() {
+    let mut sidecar = Sidecar::start().await;
+    sidecar
+        .seed("sale", &spec(5, "  gate: {failurePolicy: Closed}\n"))
+        .await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    sidecar.redis.stop();
+    for i in 0..10 {
+        let reply = sidecar
+            .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
+            .await;
+        assert_eq!(
+            (reply.status.as_u16(), reply.outcome()),
+            (503, "unavailable"),
+            "{}",
+            reply.text
+        );
+        assert!(
+            reply.body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("Closed"))
+        );
+    }
+    let confirm = sidecar.settle("sale", "a", "confirm").await;
+    assert_eq!(confirm.status, 503);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_under_policy_open_sells_through_the_ledger() {
+    let mut sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(5, "")).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    sidecar.redis.stop();
+    let replies = join_all((0..10).map(|i| {
+        let sidecar = &sidecar;
+        async move {
+            sidecar
+                .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
+                .await
+        }
+    }))
+    .await;
+    let counts = tally(replies.iter());
+    assert_eq!(counts.get("admitted"), Some(&4), "{counts:?}");
+    assert_eq!(counts.get("sold_out"), Some(&6), "{counts:?}");
+    assert!(
+        replies
+            .iter()
+            .all(|r| fallback_header(r) == Some("fallback"))
+    );
+    let confirm = sidecar.settle("sale", "a", "confirm").await;
+    assert_eq!(
+        (confirm.status.as_u16(), confirm.outcome()),
+        (200, "confirmed")
+    );
+    assert_eq!(fallback_header(&confirm), Some("fallback"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_sidecars_sharing_postgresql_never_oversell_on_the_fallback() {
+    let postgres = PostgresServer::start().expect("PostgreSQL starts");
+    let first = Sidecar::start_with_database(Some(postgres.url())).await;
+    let second = Peer::start(&first.redis.url(), &postgres.url()).await;
+    first
+        .seed("sale", &spec(25, "  gate: {enabled: false}\n"))
+        .await;
+
+    let replies = join_all((0..200).map(|i| {
+        let (first, second) = (&first, &second);
+        async move {
+            let (key, user) = (format!("k{i}"), format!("u{i}"));
+            if i % 2 == 0 {
+                first.reserve("sale", &key, &user, 1).await
+            } else {
+                second.reserve("sale", &key, &user, 1).await
+            }
+        }
+    }))
+    .await;
+    // And the same keys again through the other sidecar: retries across pods.
+    let retries = join_all((0..200).map(|i| {
+        let (first, second) = (&first, &second);
+        async move {
+            let (key, user) = (format!("k{i}"), format!("u{i}"));
+            if i % 2 == 0 {
+                second.reserve("sale", &key, &user, 1).await
+            } else {
+                first.reserve("sale", &key, &user, 1).await
+            }
+        }
+    }))
+    .await;
+    let counts = tally(replies.iter());
+    assert_eq!(counts.get("admitted"), Some(&25), "{counts:?}");
+    assert_eq!(counts.get("sold_out"), Some(&175), "{counts:?}");
+    let again = tally(retries.iter());
+    assert_eq!(again.get("admitted"), None, "{again:?}");
+    assert_eq!(again.get("already_reserved"), Some(&25), "{again:?}");
+
+    let pool = sqlx::PgPool::connect(&postgres.url())
+        .await
+        .expect("connect");
+    let (held,): (i64,) = sqlx::query_as(
+        "SELECT COALESCE(SUM(quantity), 0)::BIGINT FROM reservations WHERE drop_key = 'shop/sale' AND state IN ('active', 'confirmed')",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("query");
+    let (available,): (i64,) =
+        sqlx::query_as("SELECT available FROM stock WHERE drop_key = 'shop/sale'")
+            .fetch_one(&pool)
+            .await
+            .expect("query");
+    assert_eq!(held, 25);
+    assert_eq!(available, 0);
+    second.shutdown().await;
+}
