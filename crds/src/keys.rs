@@ -77,6 +77,38 @@ impl DropKeys {
     }
 }
 
+/// Key names of one fencing-token lock of a namespace. Both keys share the hash tag
+/// `{namespace/lock}`, so the acquire script touches one slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockKeys {
+    prefix: String,
+}
+
+impl LockKeys {
+    /// `name` must not contain `{` or `}` (see [`is_lock_name`]).
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            prefix: format!("dropgate:lock:{{{namespace}/{name}}}"),
+        }
+    }
+
+    /// String: the holder's token, with the lease as its TTL.
+    pub fn lock(&self) -> String {
+        self.prefix.clone()
+    }
+
+    /// Integer: the lock's fence counter, which only grows.
+    pub fn fence(&self) -> String {
+        format!("{}:fence", self.prefix)
+    }
+}
+
+/// Whether `s` can name a lock: 1 to 256 bytes, no braces (they would break the
+/// hash tag).
+pub fn is_lock_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= crate::MAX_ID_BYTES && !s.contains(['{', '}'])
+}
+
 /// Whether `s` is a valid Kubernetes object name (RFC 1123 subdomain): what a drop's
 /// name and namespace must be, and what keeps key names unambiguous.
 pub fn is_object_name(s: &str) -> bool {

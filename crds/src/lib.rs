@@ -17,7 +17,7 @@ pub mod keys;
 
 pub use config::{ConfigError, DropConfig, FailurePolicy, Mode};
 pub use drop::{InventoryDrop, InventoryDropSpec, InventoryDropStatus, Phase, Tier};
-pub use keys::DropKeys;
+pub use keys::{DropKeys, LockKeys};
 
 /// Largest quantity, limit or count the gate handles: Lua numbers stay exact far
 /// beyond it, and the HTTP API refuses anything larger.

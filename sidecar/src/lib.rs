@@ -12,6 +12,7 @@
 //!   and the thin Rust calls around them.
 //! - [`drops`]: the drops this sidecar serves, read from the operator's config
 //!   hashes and kept through Redis outages.
+//! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
 //! - [`maintenance`]: background config refresh and the hold sweeper.
 //! - [`answer`]: the JSON answer type (`outcome`, `message`, headers).
@@ -28,6 +29,7 @@ pub mod faults;
 pub mod gate;
 pub mod input;
 pub mod ledger;
+pub mod locks;
 pub mod maintenance;
 pub mod metrics;
 pub mod routes;

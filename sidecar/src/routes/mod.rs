@@ -2,6 +2,7 @@
 
 mod drops;
 mod health;
+mod locks;
 mod reservations;
 
 pub use reservations::change_of;
@@ -49,6 +50,21 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(warp::get())
         .and(app.clone())
         .then(drops::show);
+    let lock_acquire = warp::path!("v1" / "locks" / String)
+        .and(warp::post())
+        .and(app.clone())
+        .and(body.clone())
+        .then(locks::acquire);
+    let lock_renew = warp::path!("v1" / "locks" / String / "renew")
+        .and(warp::post())
+        .and(app.clone())
+        .and(body.clone())
+        .then(locks::renew);
+    let lock_release = warp::path!("v1" / "locks" / String)
+        .and(warp::delete())
+        .and(app.clone())
+        .and(body.clone())
+        .then(locks::release);
     let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
     let readyz = warp::path!("readyz")
         .and(warp::get())
@@ -67,6 +83,12 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .or(lookup)
         .unify()
         .or(drop)
+        .unify()
+        .or(lock_acquire)
+        .unify()
+        .or(lock_renew)
+        .unify()
+        .or(lock_release)
         .unify()
         .or(healthz)
         .unify()

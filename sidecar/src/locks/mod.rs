@@ -1,0 +1,118 @@
+//! Fencing-token locks: a lease in Redis plus a fence that only grows, so storage
+//! can refuse a holder whose lease ran out while it was paused.
+//!
+//! Acquire is one Lua script (SET NX PX with a random token and INCR of the fence);
+//! renew and release compare the token in Lua. The ledger keeps each lock's highest
+//! fence ([`crate::ledger::fences`]): the next fence is above both it and the Redis
+//! counter, also after a failover that lost the counter.
+
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use dropgate_api::LockKeys;
+use rand::Rng;
+use redis::aio::ConnectionManager;
+use redis::{RedisResult, Script};
+use sqlx::AnyPool;
+
+use crate::ledger::fences;
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
+static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+
+/// First backoff step between acquire attempts, and the largest.
+const BACKOFF_BASE: Duration = Duration::from_millis(5);
+const BACKOFF_CAP: Duration = Duration::from_millis(250);
+
+/// A granted lock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub token: String,
+    pub fence: i64,
+    pub expires_at_ms: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("Redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("ledger: {0}")]
+    Ledger(#[from] sqlx::Error),
+}
+
+/// Tries to take the lock until `wait` is spent, sleeping between attempts with
+/// exponential backoff and full jitter (a random pause up to the step), so that
+/// contenders spread out instead of retrying in lockstep. `Ok(None)`: still busy.
+pub async fn acquire(
+    conn: &mut ConnectionManager,
+    ledger: &AnyPool,
+    keys: &LockKeys,
+    ledger_name: &str,
+    ttl_ms: i64,
+    wait: Duration,
+) -> Result<Option<Held>, LockError> {
+    let floor = fences::high_water(ledger, ledger_name).await?;
+    let token = format!("{:032x}", rand::random::<u128>());
+    let deadline = Instant::now() + wait;
+    let mut step = BACKOFF_BASE;
+    loop {
+        let (granted, fence, when): (i64, i64, i64) = ACQUIRE
+            .key(keys.lock())
+            .key(keys.fence())
+            .arg(&token)
+            .arg(ttl_ms)
+            .arg(floor)
+            .invoke_async(conn)
+            .await?;
+        if granted == 1 {
+            // The fence is durable before anyone may use it.
+            if let Err(e) = fences::record(ledger, ledger_name, fence).await {
+                let _ = release(conn, keys, &token).await;
+                return Err(e.into());
+            }
+            return Ok(Some(Held {
+                token,
+                fence,
+                expires_at_ms: when,
+            }));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(None);
+        }
+        let pause = Duration::from_micros(rand::rng().random_range(0..=step.as_micros() as u64));
+        tokio::time::sleep(pause.min(left)).await;
+        step = (step * 2).min(BACKOFF_CAP);
+    }
+}
+
+/// Extends the lease of the holder of `token`; `None` when the lease was lost.
+pub async fn renew(
+    conn: &mut ConnectionManager,
+    keys: &LockKeys,
+    token: &str,
+    ttl_ms: i64,
+) -> RedisResult<Option<i64>> {
+    let (renewed, when): (i64, i64) = RENEW
+        .key(keys.lock())
+        .arg(token)
+        .arg(ttl_ms)
+        .invoke_async(conn)
+        .await?;
+    Ok((renewed == 1).then_some(when))
+}
+
+/// Releases the lock if `token` holds it; false when it does not.
+pub async fn release(
+    conn: &mut ConnectionManager,
+    keys: &LockKeys,
+    token: &str,
+) -> RedisResult<bool> {
+    let released: i64 = RELEASE
+        .key(keys.lock())
+        .arg(token)
+        .invoke_async(conn)
+        .await?;
+    Ok(released == 1)
+}

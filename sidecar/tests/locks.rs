@@ -1,0 +1,328 @@
+//! Fencing-token locks through the HTTP API against a real Redis.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Sidecar;
+use dropgate_sidecar::ledger::{Ledger, fences};
+use futures::future::join_all;
+use serde_json::Value;
+use warp::http::Method;
+
+async fn acquire(
+    sidecar: &Sidecar,
+    name: &str,
+    owner: &str,
+    ttl: i64,
+    wait: i64,
+) -> dropgate_testkit::Reply {
+    let body = format!(r#"{{"owner":"{owner}","ttlMs":{ttl},"waitMs":{wait}}}"#);
+    sidecar
+        .http
+        .post(&format!("/v1/locks/{name}"), &body)
+        .await
+        .expect("answers")
+}
+
+async fn renew(sidecar: &Sidecar, name: &str, token: &Value, ttl: i64) -> dropgate_testkit::Reply {
+    let body = format!(r#"{{"token":{token},"ttlMs":{ttl}}}"#);
+    sidecar
+        .http
+        .post(&format!("/v1/locks/{name}/renew"), &body)
+        .await
+        .expect("answers")
+}
+
+async fn release(sidecar: &Sidecar, name: &str, token: &Value) -> dropgate_testkit::Reply {
+    let body = format!(r#"{{"token":{token}}}"#);
+    sidecar
+        .http
+        .request(Method::DELETE, &format!("/v1/locks/{name}"), Some(&body))
+        .await
+        .expect("answers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_of_fifty_contenders_gets_the_lock() {
+    let sidecar = Sidecar::start().await;
+    let replies = join_all((0..50).map(|i| {
+        let sidecar = &sidecar;
+        async move { acquire(sidecar, "restock", &format!("worker-{i}"), 10_000, 0).await }
+    }))
+    .await;
+    let acquired: Vec<_> = replies
+        .iter()
+        .filter(|r| r.outcome() == "acquired")
+        .collect();
+    assert_eq!(acquired.len(), 1);
+    assert_eq!(acquired[0].status, 200);
+    assert!(
+        acquired[0].body["token"]
+            .as_str()
+            .is_some_and(|t| t.len() >= 32)
+    );
+    assert!(acquired[0].body["fence"].as_i64().is_some_and(|f| f >= 1));
+    let expires = acquired[0].body["expiresAt"].as_str().unwrap_or("");
+    assert!(
+        expires.ends_with('Z') && expires.contains('T'),
+        "RFC 3339 UTC: {expires}"
+    );
+    for busy in replies.iter().filter(|r| r.outcome() != "acquired") {
+        assert_eq!(
+            (busy.status.as_u16(), busy.outcome()),
+            (409, "busy"),
+            "{}",
+            busy.text
+        );
+        assert!(busy.body["message"].is_string());
+    }
+}
+
+#[tokio::test]
+async fn only_the_token_holder_renews_or_releases() {
+    let sidecar = Sidecar::start().await;
+    let held = acquire(&sidecar, "l", "a", 10_000, 0).await;
+    let token = held.body["token"].clone();
+    let wrong = Value::String("not-the-token".into());
+    let refused = release(&sidecar, "l", &wrong).await;
+    assert_eq!(
+        (refused.status.as_u16(), refused.outcome()),
+        (409, "not_owner")
+    );
+    assert_eq!(renew(&sidecar, "l", &wrong, 1000).await.outcome(), "lost");
+    assert_eq!(
+        acquire(&sidecar, "l", "b", 1000, 0).await.outcome(),
+        "busy",
+        "still held"
+    );
+    let renewed = renew(&sidecar, "l", &token, 20_000).await;
+    assert_eq!(
+        (renewed.status.as_u16(), renewed.outcome()),
+        (200, "renewed")
+    );
+    let released = release(&sidecar, "l", &token).await;
+    assert_eq!(
+        (released.status.as_u16(), released.outcome()),
+        (200, "released")
+    );
+    assert_eq!(release(&sidecar, "l", &token).await.outcome(), "not_owner");
+    assert_eq!(
+        acquire(&sidecar, "l", "b", 1000, 0).await.outcome(),
+        "acquired"
+    );
+}
+
+#[tokio::test]
+async fn an_expired_holder_loses_and_changes_nothing() {
+    let sidecar = Sidecar::start().await;
+    let old = acquire(&sidecar, "l", "old", 100, 0).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let new = acquire(&sidecar, "l", "new", 10_000, 0).await;
+    assert_eq!(new.outcome(), "acquired");
+    assert!(
+        new.body["fence"].as_i64() > old.body["fence"].as_i64(),
+        "fences grow"
+    );
+    let lost = renew(&sidecar, "l", &old.body["token"], 10_000).await;
+    assert_eq!((lost.status.as_u16(), lost.outcome()), (409, "lost"));
+    assert_eq!(
+        release(&sidecar, "l", &old.body["token"]).await.outcome(),
+        "not_owner"
+    );
+    assert_eq!(
+        acquire(&sidecar, "l", "third", 100, 0).await.outcome(),
+        "busy",
+        "the new holder keeps it"
+    );
+}
+
+#[tokio::test]
+async fn a_waiting_contender_gets_the_lock_when_the_lease_ends() {
+    let sidecar = Sidecar::start().await;
+    let first = acquire(&sidecar, "l", "a", 150, 0).await;
+    assert_eq!(first.outcome(), "acquired");
+    let second = acquire(&sidecar, "l", "b", 1000, 2000).await;
+    assert_eq!(
+        (second.status.as_u16(), second.outcome()),
+        (200, "acquired"),
+        "{}",
+        second.text
+    );
+    assert!(second.body["fence"].as_i64() > first.body["fence"].as_i64());
+    let third = acquire(&sidecar, "l", "c", 1000, 100).await;
+    assert_eq!(third.outcome(), "busy", "gives up when waitMs is spent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_keep_growing_when_redis_lost_the_counter() {
+    let mut sidecar = Sidecar::start().await;
+    let mut last = 0;
+    for i in 0..3 {
+        let held = acquire(&sidecar, "l", &format!("w{i}"), 10_000, 0).await;
+        last = held.body["fence"].as_i64().expect("fence");
+        assert_eq!(
+            release(&sidecar, "l", &held.body["token"]).await.outcome(),
+            "released"
+        );
+    }
+    // A failover that lost everything: an empty Redis.
+    sidecar.redis.restart().expect("restarts");
+    let mut after = None;
+    for _ in 0..50 {
+        let reply = acquire(&sidecar, "l", "after", 10_000, 0).await;
+        if reply.outcome() == "acquired" {
+            after = reply.body["fence"].as_i64();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = after.expect("acquired after the restart");
+    assert!(
+        after > last,
+        "fence {after} after the failover, {last} before"
+    );
+}
+
+#[tokio::test]
+async fn storage_refuses_the_late_write_of_a_paused_holder() {
+    let sidecar = Sidecar::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let storage = Ledger::open(&format!(
+        "sqlite://{}",
+        dir.path().join("storage.db").display()
+    ))
+    .await
+    .expect("storage");
+    let pool = storage.pool();
+    let old = acquire(&sidecar, "inventory-file", "old", 100, 0).await;
+    let old_fence = old.body["fence"].as_i64().expect("fence");
+    assert!(
+        fences::fenced_write(pool, "inventory-file", old_fence, "old v1")
+            .await
+            .expect("write")
+    );
+    // The old holder pauses (a GC, a VM migration) past its lease...
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let new = acquire(&sidecar, "inventory-file", "new", 10_000, 0).await;
+    let new_fence = new.body["fence"].as_i64().expect("fence");
+    assert!(
+        fences::fenced_write(pool, "inventory-file", new_fence, "new v1")
+            .await
+            .expect("write")
+    );
+    // ...and wakes up believing it still holds the lock.
+    let late = fences::fenced_write(pool, "inventory-file", old_fence, "old v2")
+        .await
+        .expect("write");
+    assert!(!late, "the stale holder's write is refused");
+    assert_eq!(
+        fences::read(pool, "inventory-file").await.expect("read"),
+        Some((new_fence, "new v1".to_string()))
+    );
+}
+
+#[tokio::test]
+async fn bad_lock_requests_are_refused_and_change_nothing() {
+    let sidecar = Sidecar::start().await;
+    let long = "x".repeat(257);
+    let table: Vec<(Method, String, String, &str)> = vec![
+        (Method::POST, "/v1/locks/l".into(), "{".into(), "JSON"),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"ttlMs":100,"waitMs":0}"#.into(),
+            "owner",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"a","waitMs":0}"#.into(),
+            "ttlMs",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"a","ttlMs":0,"waitMs":0}"#.into(),
+            "ttlMs",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"a","ttlMs":true,"waitMs":0}"#.into(),
+            "ttlMs",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"a","ttlMs":100,"waitMs":-1}"#.into(),
+            "waitMs",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"a","ttlMs":100,"waitMs":60001}"#.into(),
+            "waitMs",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"","ttlMs":100,"waitMs":0}"#.into(),
+            "owner",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l".into(),
+            r#"{"owner":"a","ttlMs":100,"waitMs":0,"x":1}"#.into(),
+            "x",
+        ),
+        (
+            Method::POST,
+            format!("/v1/locks/{long}"),
+            r#"{"owner":"a","ttlMs":100,"waitMs":0}"#.into(),
+            "name",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/a%7Bb".into(),
+            r#"{"owner":"a","ttlMs":100,"waitMs":0}"#.into(),
+            "name",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l/renew".into(),
+            r#"{"token":"t"}"#.into(),
+            "ttlMs",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/l/renew".into(),
+            r#"{"token":1,"ttlMs":100}"#.into(),
+            "token",
+        ),
+        (Method::DELETE, "/v1/locks/l".into(), "{}".into(), "token"),
+        (
+            Method::DELETE,
+            "/v1/locks/l".into(),
+            r#"{"token":""}"#.into(),
+            "token",
+        ),
+    ];
+    let before = sidecar.snapshot();
+    for (method, path, body, word) in table {
+        let reply = sidecar
+            .http
+            .request(method.clone(), &path, Some(&body))
+            .await
+            .expect("answers");
+        assert_eq!(
+            (reply.status.as_u16(), reply.outcome()),
+            (400, "invalid"),
+            "{method} {path} {body}: {}",
+            reply.text
+        );
+        let message = reply.body["message"].as_str().unwrap_or("");
+        assert!(message.contains(word), "{method} {path} {body}: {message}");
+        assert_eq!(sidecar.snapshot(), before, "{method} {path} {body}");
+    }
+}
