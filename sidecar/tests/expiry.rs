@@ -1,0 +1,80 @@
+//! Hold expiry against confirms: exactly one wins, and Redis, the ledger and the
+//! answer agree on which.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::Sidecar;
+use dropgate_sidecar::ledger::Ledger;
+use futures::future::join_all;
+use sqlx::Row;
+
+async fn states(ledger: &Ledger) -> HashMap<String, String> {
+    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key = 'shop/sale'")
+        .fetch_all(ledger.pool())
+        .await
+        .expect("query")
+        .iter()
+        .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("sale", "  sku: X\n  limitedQuantity: 40\n  perUserLimit: 1\n  holdSeconds: 1\n  throttle: {permits: 1000, acquireTimeoutMs: 50}\n")
+        .await;
+    let ledger = Ledger::open(&format!("sqlite://{}", sidecar.database_path().display()))
+        .await
+        .expect("ledger");
+    for i in 0..40 {
+        assert_eq!(
+            sidecar
+                .reserve("sale", &format!("r{i}"), &format!("u{i}"), 1)
+                .await
+                .status,
+            201
+        );
+    }
+    // Confirm each right around its deadline, while the sweeper runs.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let replies = join_all((0..40).map(|i| {
+        let sidecar = &sidecar;
+        async move {
+            tokio::time::sleep(Duration::from_millis(i * 5)).await;
+            sidecar.settle("sale", &format!("r{i}"), "confirm").await
+        }
+    }))
+    .await;
+    let mut confirmed = 0;
+    for (i, reply) in replies.iter().enumerate() {
+        match reply.outcome() {
+            "confirmed" => confirmed += 1,
+            "expired" => assert_eq!(reply.status, 409),
+            other => panic!("r{i}: {other}: {}", reply.text),
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let recorded = states(&ledger).await;
+    for (i, reply) in replies.iter().enumerate() {
+        let want = if reply.outcome() == "confirmed" {
+            "confirmed"
+        } else {
+            "expired"
+        };
+        assert_eq!(
+            recorded[&format!("r{i}")],
+            want,
+            "r{i}: the ledger agrees with the answer"
+        );
+        assert_eq!(
+            sidecar.lookup("sale", &format!("r{i}")).await.body["state"],
+            want
+        );
+    }
+    assert_eq!(sidecar.held("sale"), confirmed);
+    sidecar.assert_invariants("sale", 40);
+}

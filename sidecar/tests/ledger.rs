@@ -1,0 +1,239 @@
+//! The ledger and its outbox through the real API: every change is recorded with
+//! its event, events reach the drop's stream, a redelivered event has one effect,
+//! and each crash point leaves the invariants true. Fault points are process-wide,
+//! so this file holds one test.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::Sidecar;
+use dropgate_sidecar::faults::{self, Fault};
+use dropgate_sidecar::ledger::{Ledger, outbox};
+use futures::future::join_all;
+use sqlx::Row;
+
+async fn ledger_of(sidecar: &Sidecar) -> Ledger {
+    Ledger::open(&format!("sqlite://{}", sidecar.database_path().display()))
+        .await
+        .expect("the sidecar's ledger opens")
+}
+
+async fn states(ledger: &Ledger) -> HashMap<String, String> {
+    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key = 'shop/sale'")
+        .fetch_all(ledger.pool())
+        .await
+        .expect("query")
+        .iter()
+        .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1)))
+        .collect()
+}
+
+async fn events(ledger: &Ledger) -> Vec<String> {
+    sqlx::query("SELECT event_id FROM outbox ORDER BY id")
+        .fetch_all(ledger.pool())
+        .await
+        .expect("query")
+        .iter()
+        .map(|row| row.get::<String, _>(0))
+        .collect()
+}
+
+/// Stream entries of the drop: (eventId, payload).
+fn stream(sidecar: &Sidecar) -> Vec<(String, String)> {
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg("dropgate:{shop/sale}:events")
+        .arg("-")
+        .arg("+")
+        .query(&mut conn)
+        .expect("XRANGE");
+    entries
+        .into_iter()
+        .map(|(_, fields)| (fields["eventId"].clone(), fields["payload"].clone()))
+        .collect()
+}
+
+async fn wait_until<F: Fn() -> bool>(what: &str, done: F) {
+    for _ in 0..100 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_change_is_recorded_published_and_consumed_once() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            "  sku: X\n  limitedQuantity: 50\n  perUserLimit: 2\n  throttle: {permits: 1000}\n",
+        )
+        .await;
+    let ledger = ledger_of(&sidecar).await;
+
+    // Group commit: 60 concurrent buyers, every 201 durable in the ledger.
+    let replies = join_all((0..60).map(|i| {
+        let sidecar = &sidecar;
+        async move {
+            sidecar
+                .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
+                .await
+        }
+    }))
+    .await;
+    let admitted: Vec<String> = replies
+        .iter()
+        .filter(|r| r.status == 201)
+        .map(|r| r.body["key"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(admitted.len(), 50);
+    let recorded = states(&ledger).await;
+    for key in &admitted {
+        assert_eq!(
+            recorded.get(key).map(String::as_str),
+            Some("active"),
+            "{key} is durable"
+        );
+    }
+    assert_eq!(recorded.len(), 50, "refusals are not recorded");
+    assert_eq!(
+        sidecar.settle("sale", "k0", "confirm").await.outcome(),
+        "confirmed"
+    );
+    assert_eq!(
+        sidecar.settle("sale", "k1", "cancel").await.outcome(),
+        "cancelled"
+    );
+    assert_eq!(
+        sidecar.settle("sale", "k1", "cancel").await.outcome(),
+        "already_cancelled"
+    );
+    let recorded = states(&ledger).await;
+    assert_eq!(recorded["k0"], "confirmed");
+    assert_eq!(recorded["k1"], "cancelled");
+    let ids = events(&ledger).await;
+    assert_eq!(
+        ids.iter().filter(|id| id.ends_with("/admitted")).count(),
+        50
+    );
+    assert!(ids.contains(&"shop/sale/k0/confirmed".to_string()));
+    assert_eq!(
+        ids.iter()
+            .filter(|id| id.as_str() == "shop/sale/k1/cancelled")
+            .count(),
+        1,
+        "a duplicate cancel writes no event"
+    );
+
+    // The dispatcher publishes them all, in order, as canonical JSON.
+    wait_until("the outbox to drain", || {
+        stream(&sidecar).len() == ids.len()
+    })
+    .await;
+    let published = stream(&sidecar);
+    let published_ids: Vec<String> = published.iter().map(|(id, _)| id.clone()).collect();
+    assert_eq!(published_ids, ids);
+    let (_, payload) = &published[0];
+    assert!(payload.starts_with(r#"{"at":"#), "sorted keys: {payload}");
+    assert!(!payload.contains(' '), "no spaces: {payload}");
+    assert_eq!(outbox::pending(ledger.pool()).await.expect("count"), 0);
+
+    // The publisher dies right after a delivery, before marking it sent: the event
+    // is delivered twice, and the consumer applies it once.
+    faults::arm(Fault::AfterPublishBeforeAck, 1);
+    assert_eq!(
+        sidecar.settle("sale", "k2", "confirm").await.outcome(),
+        "confirmed"
+    );
+    wait_until("the redelivery", || {
+        stream(&sidecar)
+            .iter()
+            .filter(|(id, _)| id == "shop/sale/k2/confirmed")
+            .count()
+            == 2
+    })
+    .await;
+    let consumer_dir = tempfile::tempdir().expect("dir");
+    let consumer = Ledger::open(&format!(
+        "sqlite://{}",
+        consumer_dir.path().join("c.db").display()
+    ))
+    .await
+    .expect("consumer store");
+    sqlx::query("CREATE TABLE shipments (event_id TEXT NOT NULL)")
+        .execute(consumer.pool())
+        .await
+        .expect("table");
+    let mut applied = 0;
+    for (event_id, _) in stream(&sidecar) {
+        let id = event_id.clone();
+        let ran = outbox::consume_once(consumer.pool(), "shipping", &event_id, move |tx| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO shipments (event_id) VALUES ($1)")
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await
+                    .map(|_| ())
+            })
+        })
+        .await
+        .expect("consumes");
+        applied += usize::from(ran);
+    }
+    let distinct = stream(&sidecar)
+        .iter()
+        .map(|(id, _)| id.clone())
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    assert_eq!(applied, distinct, "one effect per event");
+    let (shipments,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM shipments WHERE event_id = 'shop/sale/k2/confirmed'")
+            .fetch_one(consumer.pool())
+            .await
+            .expect("count");
+    assert_eq!(shipments, 1);
+
+    // A crash between the Redis admission and the ledger, or inside the ledger's
+    // commit: refused, undone in Redis, absent from the ledger; a retry succeeds.
+    sidecar.settle("sale", "k3", "cancel").await;
+    sidecar.settle("sale", "k4", "cancel").await;
+    for fault in [Fault::AfterRedisAdmit, Fault::BeforeLedgerCommit] {
+        let before = sidecar.snapshot();
+        faults::arm(fault, 1);
+        let key = format!("crash-{fault:?}");
+        let crashed = sidecar.reserve("sale", &key, &key, 1).await;
+        assert_eq!(
+            (crashed.status.as_u16(), crashed.outcome()),
+            (503, "unavailable"),
+            "{fault:?}: {}",
+            crashed.text
+        );
+        assert_eq!(sidecar.snapshot(), before, "{fault:?}: Redis is as it was");
+        assert!(
+            !states(&ledger).await.contains_key(&key),
+            "{fault:?}: not in the ledger"
+        );
+        let retry = sidecar.reserve("sale", &key, &key, 1).await;
+        assert_eq!(
+            (retry.status.as_u16(), retry.outcome()),
+            (201, "admitted"),
+            "{fault:?}"
+        );
+        assert_eq!(
+            states(&ledger).await.get(&key).map(String::as_str),
+            Some("active")
+        );
+    }
+    sidecar.assert_invariants("sale", 50);
+    let held: i64 = sqlx::query("SELECT COALESCE(SUM(quantity), 0) FROM reservations WHERE drop_key = 'shop/sale' AND state IN ('active', 'confirmed')")
+        .fetch_one(ledger.pool())
+        .await
+        .expect("sum")
+        .get(0);
+    assert_eq!(held, sidecar.held("sale"), "Redis and the ledger agree");
+}
