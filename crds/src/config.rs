@@ -92,6 +92,10 @@ pub struct DropConfig {
     /// When the drop's keys expire (ms since the epoch): past `endsAt`, so that
     /// late confirms and refunds still find their reservations.
     pub expire_at_ms: Option<i64>,
+    /// When the seed script last created the stock key (ms since the epoch). Written
+    /// by the script itself, never by [`DropConfig::to_fields`]: a change tells the
+    /// sidecars that Redis lost its data and must be rebuilt from the ledger.
+    pub seeded_at_ms: Option<i64>,
 }
 
 /// A config hash that cannot be read: published by an incompatible operator, or
@@ -180,6 +184,7 @@ impl DropConfig {
             },
             generation: int("generation")?,
             expire_at_ms: opt_int("expireAt")?,
+            seeded_at_ms: opt_int("seededAt")?,
         }))
     }
 }
@@ -202,6 +207,7 @@ mod tests {
             failure_policy: FailurePolicy::Closed,
             generation: 3,
             expire_at_ms: None,
+            seeded_at_ms: None,
         }
     }
 

@@ -45,6 +45,7 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         failure_policy: spec.gate.failure_policy,
         generation: drop.metadata.generation.unwrap_or(0),
         expire_at_ms: ends_at_ms.map(|end| end + spec.hold_seconds * 1000 + KEY_GRACE_MS),
+        seeded_at_ms: None,
     }
 }
 

@@ -99,6 +99,18 @@ impl App {
         {
             return;
         }
+        if drop
+            .needs_rebuild
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+            && let Err(error) = self.ledger.replay_all(&drop.ledger_key()).await
+        {
+            drop.needs_rebuild
+                .store(true, std::sync::atomic::Ordering::Release);
+            drop.needs_replay
+                .store(true, std::sync::atomic::Ordering::Release);
+            tracing::debug!(drop = %drop.name, %error, "rebuild from the ledger failed");
+            return;
+        }
         if let Err(error) = self.replay_now(drop).await {
             drop.needs_replay
                 .store(true, std::sync::atomic::Ordering::Release);

@@ -26,6 +26,9 @@ pub struct Drop {
     /// first sight, and after every fallback write): the gate replays them before it
     /// is used again.
     pub needs_replay: std::sync::atomic::AtomicBool,
+    /// Set when Redis may have lost acknowledged reservations (first sight, or a new
+    /// `seededAt`): every ledger row of the drop is replayed, not only fallback ones.
+    pub needs_rebuild: std::sync::atomic::AtomicBool,
 }
 
 impl Drop {
@@ -37,6 +40,7 @@ impl Drop {
             throttle: Throttle::new(config.permits),
             config: RwLock::new(config),
             needs_replay: std::sync::atomic::AtomicBool::new(true),
+            needs_rebuild: std::sync::atomic::AtomicBool::new(true),
         }
     }
 
@@ -54,6 +58,12 @@ impl Drop {
     }
 
     fn update(&self, config: DropConfig) {
+        if self.config().seeded_at_ms != config.seeded_at_ms {
+            self.needs_rebuild
+                .store(true, std::sync::atomic::Ordering::Release);
+            self.needs_replay
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
         self.throttle.resize(config.permits);
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = config;
     }

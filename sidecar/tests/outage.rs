@@ -119,3 +119,54 @@ async fn shutdown_lets_in_flight_requests_finish() {
     );
     let _ = redis_url;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_lost_its_data_is_rebuilt_from_the_ledger() {
+    let mut sidecar = Sidecar::start().await;
+    let spec = "  sku: X\n  limitedQuantity: 10\n  perUserLimit: 5\n";
+    sidecar.seed("sale", spec).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 2).await.status, 201);
+    assert_eq!(sidecar.reserve("sale", "b", "bob", 3).await.status, 201);
+    assert_eq!(
+        sidecar.settle("sale", "a", "confirm").await.outcome(),
+        "confirmed"
+    );
+    assert_eq!(sidecar.reserve("sale", "c", "carol", 1).await.status, 201);
+    assert_eq!(
+        sidecar.settle("sale", "c", "cancel").await.outcome(),
+        "cancelled"
+    );
+
+    // A failover to a replica that had none of it; the operator seeds fresh stock.
+    sidecar.redis.restart().expect("restarts");
+    sidecar.seed("sale", spec).await;
+    let mut rebuilt = false;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if sidecar.held("sale") == 5 && sidecar.remaining("sale") == 5 {
+            rebuilt = true;
+            break;
+        }
+    }
+    assert!(
+        rebuilt,
+        "remaining {} held {}",
+        sidecar.remaining("sale"),
+        sidecar.held("sale")
+    );
+    assert_eq!(sidecar.lookup("sale", "a").await.body["state"], "confirmed");
+    assert_eq!(sidecar.lookup("sale", "b").await.body["state"], "active");
+    let retry = sidecar.reserve("sale", "b", "bob", 3).await;
+    assert_eq!(
+        retry.outcome(),
+        "already_reserved",
+        "acknowledged keys stay recognised"
+    );
+    let limit = sidecar.reserve("sale", "d", "bob", 3).await;
+    assert_eq!(
+        limit.outcome(),
+        "per_user_limit_exceeded",
+        "buyer counts are rebuilt too"
+    );
+    sidecar.assert_invariants("sale", 10);
+}

@@ -26,6 +26,12 @@ elseif old_limit then
   end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if created == 1 then
+  -- Fresh stock (a new drop, or a Redis that lost its data in a failover): sidecars
+  -- that see a new seededAt rebuild the drop's reservations from their ledger.
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'seededAt', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+end
 -- A sale that ended long ago keeps its keys an hour past each reconcile (a
 -- PEXPIREAT in the past would delete them at once): while the InventoryDrop exists
 -- its keys do, and the finalizer removes them with it.

@@ -220,6 +220,17 @@ impl Ledger {
             .collect()
     }
 
+    /// Marks every reservation of the drop for replay: Redis lost its data and is
+    /// rebuilt from the ledger (replay is idempotent, so rows Redis still has cost
+    /// one look-up each).
+    pub async fn replay_all(&self, drop_key: &str) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE reservations SET replayed = 0 WHERE drop_key = $1 AND replayed = 1")
+            .bind(drop_key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Marks a replayed change, unless the reservation moved on since it was read.
     pub async fn mark_replayed(
         &self,

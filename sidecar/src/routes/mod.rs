@@ -53,17 +53,17 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
     let lock_acquire = warp::path!("v1" / "locks" / String)
         .and(warp::post())
         .and(app.clone())
-        .and(body.clone())
+        .and(body)
         .then(locks::acquire);
     let lock_renew = warp::path!("v1" / "locks" / String / "renew")
         .and(warp::post())
         .and(app.clone())
-        .and(body.clone())
+        .and(body)
         .then(locks::renew);
     let lock_release = warp::path!("v1" / "locks" / String)
         .and(warp::delete())
         .and(app.clone())
-        .and(body.clone())
+        .and(body)
         .then(locks::release);
     let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
     let readyz = warp::path!("readyz")
