@@ -3,23 +3,10 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use common::Sidecar;
-use dropgate_sidecar::ledger::Ledger;
 use futures::future::join_all;
-use sqlx::Row;
-
-async fn states(ledger: &Ledger) -> HashMap<String, String> {
-    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key = 'shop/sale'")
-        .fetch_all(ledger.pool())
-        .await
-        .expect("query")
-        .iter()
-        .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1)))
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
@@ -27,9 +14,7 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
     sidecar
         .seed("sale", "  sku: X\n  limitedQuantity: 40\n  perUserLimit: 1\n  holdSeconds: 1\n  throttle: {permits: 1000, acquireTimeoutMs: 50}\n")
         .await;
-    let ledger = Ledger::open(&format!("sqlite://{}", sidecar.database_path().display()))
-        .await
-        .expect("ledger");
+    let ledger = common::ledger_of(&sidecar).await;
     for i in 0..40 {
         assert_eq!(
             sidecar
@@ -58,7 +43,7 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
         }
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let recorded = states(&ledger).await;
+    let recorded = common::ledger_states(&ledger).await;
     for (i, reply) in replies.iter().enumerate() {
         let want = if reply.outcome() == "confirmed" {
             "confirmed"

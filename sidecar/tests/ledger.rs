@@ -14,22 +14,6 @@ use dropgate_sidecar::ledger::{Ledger, outbox};
 use futures::future::join_all;
 use sqlx::Row;
 
-async fn ledger_of(sidecar: &Sidecar) -> Ledger {
-    Ledger::open(&format!("sqlite://{}", sidecar.database_path().display()))
-        .await
-        .expect("the sidecar's ledger opens")
-}
-
-async fn states(ledger: &Ledger) -> HashMap<String, String> {
-    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key = 'shop/sale'")
-        .fetch_all(ledger.pool())
-        .await
-        .expect("query")
-        .iter()
-        .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1)))
-        .collect()
-}
-
 async fn events(ledger: &Ledger) -> Vec<String> {
     sqlx::query("SELECT event_id FROM outbox ORDER BY id")
         .fetch_all(ledger.pool())
@@ -74,7 +58,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
             "  sku: X\n  limitedQuantity: 50\n  perUserLimit: 2\n  throttle: {permits: 1000}\n",
         )
         .await;
-    let ledger = ledger_of(&sidecar).await;
+    let ledger = common::ledger_of(&sidecar).await;
 
     // Group commit: 60 concurrent buyers, every 201 durable in the ledger.
     let replies = join_all((0..60).map(|i| {
@@ -92,7 +76,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         .map(|r| r.body["key"].as_str().unwrap_or("").to_string())
         .collect();
     assert_eq!(admitted.len(), 50);
-    let recorded = states(&ledger).await;
+    let recorded = common::ledger_states(&ledger).await;
     for key in &admitted {
         assert_eq!(
             recorded.get(key).map(String::as_str),
@@ -113,7 +97,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         sidecar.settle("sale", "k1", "cancel").await.outcome(),
         "already_cancelled"
     );
-    let recorded = states(&ledger).await;
+    let recorded = common::ledger_states(&ledger).await;
     assert_eq!(recorded["k0"], "confirmed");
     assert_eq!(recorded["k1"], "cancelled");
     let ids = events(&ledger).await;
@@ -215,7 +199,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         );
         assert_eq!(sidecar.snapshot(), before, "{fault:?}: Redis is as it was");
         assert!(
-            !states(&ledger).await.contains_key(&key),
+            !common::ledger_states(&ledger).await.contains_key(&key),
             "{fault:?}: not in the ledger"
         );
         let retry = sidecar.reserve("sale", &key, &key, 1).await;
@@ -225,7 +209,10 @@ async fn every_change_is_recorded_published_and_consumed_once() {
             "{fault:?}"
         );
         assert_eq!(
-            states(&ledger).await.get(&key).map(String::as_str),
+            common::ledger_states(&ledger)
+                .await
+                .get(&key)
+                .map(String::as_str),
             Some("active")
         );
     }

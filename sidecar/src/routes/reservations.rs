@@ -192,12 +192,7 @@ async fn admit_fallback(
             now,
         )
         .await
-        .map_err(|e| {
-            Answer::unavailable(format!(
-                "Redis is not gating drop {} and the ledger failed: {e}",
-                drop.name
-            ))
-        })?;
+        .map_err(|e| ledger_failed(drop, &e))?;
     drop.needs_replay.store(true, Ordering::Relaxed);
     if reply.outcome == "admitted" {
         return Ok(reservation(
@@ -211,6 +206,14 @@ async fn admit_fallback(
         .via_fallback());
     }
     refused(app, drop, request, &reply, Path::Fallback)
+}
+
+/// The answer when the fallback gate's ledger fails: there is no third gate.
+fn ledger_failed(drop: &Drop, error: &crate::ledger::LedgerError) -> Answer {
+    Answer::unavailable(format!(
+        "Redis is not gating drop {} and the ledger failed: {error}",
+        drop.name
+    ))
 }
 
 fn window_reply(outcome: &str, when: Option<i64>) -> GateReply {
@@ -455,12 +458,7 @@ async fn settle_fallback(
         .ledger
         .fallback_settle(&drop.ledger_key(), config, key, to, now_ms())
         .await
-        .map_err(|e| {
-            Answer::unavailable(format!(
-                "Redis is not gating drop {} and the ledger failed: {e}",
-                drop.name
-            ))
-        })?;
+        .map_err(|e| ledger_failed(drop, &e))?;
     drop.needs_replay.store(true, Ordering::Relaxed);
     Ok(reply)
 }

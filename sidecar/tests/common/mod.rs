@@ -60,11 +60,7 @@ impl Peer {
     }
 
     pub async fn reserve(&self, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
-        let body = format!(r#"{{"key":"{key}","user":"{user}","quantity":{quantity}}}"#);
-        self.http
-            .post(&format!("/v1/drops/{drop}/reservations"), &body)
-            .await
-            .expect("reserve answers")
+        reserve(&self.http, drop, key, user, quantity).await
     }
 
     pub async fn shutdown(mut self) {
@@ -119,11 +115,7 @@ impl Sidecar {
     }
 
     pub async fn reserve(&self, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
-        let body = format!(r#"{{"key":"{key}","user":"{user}","quantity":{quantity}}}"#);
-        self.http
-            .post(&format!("/v1/drops/{drop}/reservations"), &body)
-            .await
-            .expect("reserve answers")
+        reserve(&self.http, drop, key, user, quantity).await
     }
 
     pub async fn settle(&self, drop: &str, key: &str, op: &str) -> Reply {
@@ -217,6 +209,38 @@ impl Sidecar {
             task.await.expect("joins").expect("run returns Ok");
         }
     }
+}
+
+/// `POST /v1/drops/{drop}/reservations` with a well-formed body.
+pub async fn reserve(http: &HttpClient, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
+    let body = format!(r#"{{"key":"{key}","user":"{user}","quantity":{quantity}}}"#);
+    http.post(&format!("/v1/drops/{drop}/reservations"), &body)
+        .await
+        .expect("reserve answers")
+}
+
+/// The sidecar's own SQLite ledger, opened beside it.
+pub async fn ledger_of(sidecar: &Sidecar) -> dropgate_sidecar::ledger::Ledger {
+    dropgate_sidecar::ledger::Ledger::open(&format!(
+        "sqlite://{}",
+        sidecar.database_path().display()
+    ))
+    .await
+    .expect("the sidecar's ledger opens")
+}
+
+/// Each reservation's state in the ledger of drop `shop/sale`, by key.
+pub async fn ledger_states(
+    ledger: &dropgate_sidecar::ledger::Ledger,
+) -> std::collections::HashMap<String, String> {
+    use sqlx::Row;
+    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key = 'shop/sale'")
+        .fetch_all(ledger.pool())
+        .await
+        .expect("query")
+        .iter()
+        .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1)))
+        .collect()
 }
 
 pub fn manifest(name: &str, spec: &str) -> String {
