@@ -1,4 +1,4 @@
-//! `/healthz` (the process answers), `/readyz` (Redis answers), `/metrics`.
+//! `/healthz` (the process answers), `/readyz` (the ledger answers), `/metrics`.
 
 use std::sync::Arc;
 
@@ -12,11 +12,21 @@ pub async fn live() -> Response {
     Answer::new(StatusCode::OK, "ok").into_response()
 }
 
+/// Ready when the sidecar can answer: its ledger answers. Redis is reported, not
+/// required: a Redis outage must not pull the shop's pods out of their Service,
+/// since drops with failurePolicy Open sell on through the ledger and the rest say
+/// `unavailable` themselves.
 pub async fn ready(app: Arc<App>) -> Response {
     let mut conn = app.redis.clone();
-    let answer = match redis::cmd("PING").query_async::<String>(&mut conn).await {
-        Ok(_) => Answer::new(StatusCode::OK, "ready"),
-        Err(e) => Answer::unavailable(format!("Redis does not answer: {e}")),
+    let redis = match redis::cmd("PING").query_async::<String>(&mut conn).await {
+        Ok(_) => "ok".to_string(),
+        Err(e) => format!("unreachable: {e}"),
+    };
+    let answer = match sqlx::query("SELECT 1").execute(app.ledger.pool()).await {
+        Ok(_) => Answer::new(StatusCode::OK, "ready").with("redis", redis),
+        Err(e) => {
+            Answer::unavailable(format!("the ledger does not answer: {e}")).with("redis", redis)
+        }
     };
     answer.into_response()
 }
