@@ -5,7 +5,8 @@
 //! - [`server`]: `run(listener, settings, shutdown)`, the entry point; serves the
 //!   routes and runs the background work until shutdown, then drains.
 //! - [`routes`]: the HTTP API, one module per route group (reservations, drops,
-//!   health). Handlers parse input, call the gate, and answer.
+//!   locks, health). Handlers parse input, call the Redis gate or, for a drop off
+//!   it, the ledger's fallback gate, and answer.
 //! - [`input`]: request bodies and path segments, checked field by field; every
 //!   refusal names its field and nothing reaches Redis before it passed.
 //! - [`gate`]: the atomic Lua scripts (`gate/*.lua`, one per operation, run by SHA)
@@ -14,7 +15,8 @@
 //!   hashes and kept through Redis outages.
 //! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
-//! - [`maintenance`]: background config refresh and the hold sweeper.
+//! - [`maintenance`]: background config refresh with replay of fallback changes
+//!   into Redis, the hold sweepers, and the outbox dispatcher.
 //! - [`answer`]: the JSON answer type (`outcome`, `message`, headers).
 //! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
 //!   its outbox, the fallback gate, lock fences.
