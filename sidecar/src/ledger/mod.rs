@@ -259,6 +259,24 @@ async fn ensure_stock(
     drop_key: &str,
     limit: i64,
 ) -> Result<(), sqlx::Error> {
+    // The row exists on every call but the first: a key look-up, not a scan.
+    let current: Option<AnyRow> = sqlx::query("SELECT lim FROM stock WHERE drop_key = $1")
+        .bind(drop_key)
+        .fetch_optional(&mut **tx)
+        .await?;
+    if let Some(row) = current {
+        let lim: i64 = row.try_get(0)?;
+        if lim != limit {
+            sqlx::query("UPDATE stock SET available = available + ($1 - lim), lim = $2 WHERE drop_key = $3 AND lim <> $4")
+                .bind(limit)
+                .bind(limit)
+                .bind(drop_key)
+                .bind(limit)
+                .execute(&mut **tx)
+                .await?;
+        }
+        return Ok(());
+    }
     sqlx::query(
         "INSERT INTO stock (drop_key, lim, available) \
          SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0) FROM reservations \
@@ -271,13 +289,6 @@ async fn ensure_stock(
     .bind(drop_key)
     .execute(&mut **tx)
     .await?;
-    sqlx::query("UPDATE stock SET available = available + ($1 - lim), lim = $2 WHERE drop_key = $3 AND lim <> $4")
-        .bind(limit)
-        .bind(limit)
-        .bind(drop_key)
-        .bind(limit)
-        .execute(&mut **tx)
-        .await?;
     Ok(())
 }
 

@@ -36,9 +36,10 @@ pub fn canonical(value: &Value) -> Result<String, String> {
 }
 
 /// Publishes up to `batch` pending events, in id order, each to its drop's stream,
-/// and marks each sent only after its publish succeeded. A failed publish stops the
-/// round: that event and the later ones stay pending for the next round. Returns
-/// how many were published.
+/// and marks sent exactly those whose publish succeeded. A failed publish stops the
+/// round: that event and the later ones stay pending for the next round (a crash
+/// before the marking redelivers the round; consumers deduplicate by event id).
+/// Returns how many were published.
 pub async fn dispatch(
     pool: &AnyPool,
     redis: &mut ConnectionManager,
@@ -51,7 +52,10 @@ pub async fn dispatch(
     .fetch_all(pool)
     .await
     .map_err(|e| e.to_string())?;
-    let mut published = 0;
+    // Published ids, marked sent together afterwards: one commit per round rather
+    // than one per event, and never an id whose publish did not succeed.
+    let mut published = Vec::with_capacity(rows.len());
+    let mut failure = None;
     for row in rows {
         let id: i64 = row.try_get(0).map_err(|e| e.to_string())?;
         let event_id: String = row.try_get(1).map_err(|e| e.to_string())?;
@@ -61,7 +65,7 @@ pub async fn dispatch(
             continue;
         };
         let stream = dropgate_api::DropKeys::new(namespace, name).events();
-        let _: String = redis::cmd("XADD")
+        let sent: redis::RedisResult<String> = redis::cmd("XADD")
             .arg(&stream)
             .arg("*")
             .arg("eventId")
@@ -69,18 +73,36 @@ pub async fn dispatch(
             .arg("payload")
             .arg(&payload)
             .query_async(redis)
-            .await
-            .map_err(|e| e.to_string())?;
-        faults::check(Fault::AfterPublishBeforeAck).map_err(|e| e.to_string())?;
-        sqlx::query("UPDATE outbox SET sent_at_ms = $1 WHERE id = $2")
-            .bind(now_ms())
-            .bind(id)
-            .execute(pool)
-            .await
-            .map_err(|e| e.to_string())?;
-        published += 1;
+            .await;
+        if let Err(e) = sent {
+            failure = Some(e.to_string());
+            break;
+        }
+        if let Err(e) = faults::check(Fault::AfterPublishBeforeAck) {
+            failure = Some(e.to_string());
+            break;
+        }
+        published.push(id);
     }
-    Ok(published)
+    if !published.is_empty() {
+        let mark = async {
+            let mut tx = pool.begin().await?;
+            let now = now_ms();
+            for id in &published {
+                sqlx::query("UPDATE outbox SET sent_at_ms = $1 WHERE id = $2")
+                    .bind(now)
+                    .bind(*id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await
+        };
+        mark.await.map_err(|e: sqlx::Error| e.to_string())?;
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(published.len()),
+    }
 }
 
 /// Events still waiting for the dispatcher.
