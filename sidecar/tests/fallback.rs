@@ -291,3 +291,43 @@ async fn two_sidecars_sharing_postgresql_never_oversell_on_the_fallback() {
     assert_eq!(available, 0);
     second.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_throttle_holds_on_the_fallback_path_too() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            "  sku: X\n  limitedQuantity: 10\n  gate: {enabled: false}\n  throttle: {permits: 2, acquireTimeoutMs: 20}\n",
+        )
+        .await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    assert_eq!(sidecar.reserve("sale", "b", "bob", 1).await.status, 201);
+    let throttled = sidecar.reserve("sale", "c", "carol", 1).await;
+    assert_eq!(
+        (throttled.status.as_u16(), throttled.outcome()),
+        (503, "throttled")
+    );
+    assert_eq!(
+        throttled.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    assert_eq!(fallback_header(&throttled), Some("fallback"));
+    assert_eq!(
+        sidecar.lookup("sale", "c").await.status,
+        404,
+        "nothing was reserved"
+    );
+    // A confirm frees a permit on this path as on the gate.
+    assert_eq!(
+        sidecar.settle("sale", "a", "confirm").await.outcome(),
+        "confirmed"
+    );
+    let retry = sidecar.reserve("sale", "c", "carol", 1).await;
+    assert_eq!((retry.status.as_u16(), retry.outcome()), (201, "admitted"));
+    let drop = sidecar.http.get("/v1/drops/sale").await.expect("answers");
+    assert_eq!(
+        (drop.body["mode"].as_str(), drop.body["remaining"].as_i64()),
+        (Some("fail-open"), Some(7))
+    );
+}

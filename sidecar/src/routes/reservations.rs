@@ -181,6 +181,13 @@ async fn admit_fallback(
         let reply = window_reply("ended", config.ends_at_ms);
         return refused(app, drop, request, &reply, Path::Fallback);
     }
+    // The permit comes first here: a ledger admission cannot be taken back as if it
+    // never happened once its event may have been published, so one that finds no
+    // permit never starts.
+    let wait = Duration::from_millis(config.acquire_timeout_ms);
+    let Some(permit) = drop.throttle.acquire(wait).await else {
+        return Err(throttled(config, "nothing was reserved").via_fallback());
+    };
     let reply = app
         .ledger
         .fallback_reserve(
@@ -195,6 +202,8 @@ async fn admit_fallback(
         .map_err(|e| ledger_failed(drop, &e))?;
     drop.needs_replay.store(true, Ordering::Relaxed);
     if reply.outcome == "admitted" {
+        drop.throttle
+            .hold(&request.key, permit, reply.when.unwrap_or(0));
         return Ok(reservation(
             StatusCode::CREATED,
             "admitted",
