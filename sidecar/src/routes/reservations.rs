@@ -33,6 +33,16 @@ enum Path {
     Fallback,
 }
 
+impl Path {
+    /// Answers of the fallback gate carry `Dropgate-Path: fallback`.
+    fn mark(self, answer: Answer) -> Answer {
+        match self {
+            Path::Gate => answer,
+            Path::Fallback => answer.via_fallback(),
+        }
+    }
+}
+
 pub async fn reserve(drop: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
     let started = Instant::now();
     let answer = match body {
@@ -245,18 +255,11 @@ fn refused(
     path: Path,
 ) -> Result<Answer, Answer> {
     let name = &drop.name;
-    let mark = |answer: Answer| {
-        if path == Path::Fallback {
-            answer.via_fallback()
-        } else {
-            answer
-        }
-    };
     let conflict = |outcome: &str, message: String| {
-        mark(Answer::refusal(StatusCode::CONFLICT, outcome, message))
+        path.mark(Answer::refusal(StatusCode::CONFLICT, outcome, message))
     };
     match reply.outcome.as_str() {
-        "already_reserved" => Ok(mark(reservation(
+        "already_reserved" => Ok(path.mark(reservation(
             StatusCode::OK,
             "already_reserved",
             drop,
@@ -282,7 +285,7 @@ fn refused(
                 reply.when.unwrap_or(0)
             ),
         )),
-        "idempotency_key_reused" => Err(mark(Answer::refusal(
+        "idempotency_key_reused" => Err(path.mark(Answer::refusal(
             StatusCode::UNPROCESSABLE_ENTITY,
             "idempotency_key_reused",
             format!(
@@ -290,7 +293,7 @@ fn refused(
                 request.key
             ),
         ))),
-        "not_open" => Err(mark(
+        "not_open" => Err(path.mark(
             Answer::refusal(
                 StatusCode::FORBIDDEN,
                 "not_open",
@@ -301,7 +304,7 @@ fn refused(
                 reply.when.map_or(serde_json::Value::Null, rfc3339),
             ),
         )),
-        "ended" => Err(mark(
+        "ended" => Err(path.mark(
             Answer::refusal(
                 StatusCode::FORBIDDEN,
                 "ended",
@@ -371,20 +374,13 @@ async fn settle(
     }
 
     let name = &drop.name;
-    let mark = |answer: Answer| {
-        if path == Path::Fallback {
-            answer.via_fallback()
-        } else {
-            answer
-        }
-    };
     let refused = |status, message: String| {
-        Err(mark(
+        Err(path.mark(
             reservation(status, &reply.outcome, &drop, &key, &reply, path).with("message", message),
         ))
     };
     match (to, reply.outcome.as_str()) {
-        (_, "not_found") => Err(mark(Answer::refusal(
+        (_, "not_found") => Err(path.mark(Answer::refusal(
             StatusCode::NOT_FOUND,
             "not_found",
             format!("no reservation with key {key} in drop {name}"),
@@ -397,7 +393,7 @@ async fn settle(
             StatusCode::CONFLICT,
             format!("reservation {key} was cancelled and cannot be confirmed"),
         ),
-        (None, "found") => Ok(mark(reservation(
+        (None, "found") => Ok(path.mark(reservation(
             StatusCode::OK,
             "found",
             &drop,
@@ -405,9 +401,15 @@ async fn settle(
             &reply,
             path,
         ))),
-        (_, "confirmed" | "already_confirmed" | "cancelled" | "already_cancelled") => Ok(mark(
-            reservation(StatusCode::OK, &reply.outcome, &drop, &key, &reply, path),
-        )),
+        (_, "confirmed" | "already_confirmed" | "cancelled" | "already_cancelled") => Ok(path
+            .mark(reservation(
+                StatusCode::OK,
+                &reply.outcome,
+                &drop,
+                &key,
+                &reply,
+                path,
+            ))),
         (_, other) => Err(Answer::unavailable(format!("the gate answered {other:?}"))),
     }
 }
