@@ -10,9 +10,11 @@ use warp::http::StatusCode;
 use crate::answer::Answer;
 use crate::drops::{Drop, Drops, LookupError};
 use crate::ledger::Ledger;
+use crate::ledger::now_ms;
 use crate::metrics::Metrics;
 use crate::settings::Settings;
 use crate::{Error, input};
+use std::sync::atomic::{AtomicI64, Ordering};
 
 #[derive(Debug)]
 pub struct App {
@@ -23,7 +25,15 @@ pub struct App {
     pub redis: ConnectionManager,
     pub ledger: Ledger,
     pub metrics: Metrics,
+    /// Until when (ms since the epoch) Redis is taken as unreachable without asking
+    /// it: after a connection failure, every request would otherwise wait out a
+    /// reconnect attempt before its failure policy applied.
+    redis_down_until: AtomicI64,
 }
+
+/// How long one connection failure keeps requests off Redis. The background refresh
+/// asks Redis twice as often and closes the breaker as soon as it answers.
+const REDIS_BREAK_MS: i64 = 1000;
 
 impl App {
     pub async fn new(settings: &Settings) -> Result<Self, Error> {
@@ -40,7 +50,35 @@ impl App {
             redis,
             ledger: Ledger::open(&settings.database_url).await?,
             metrics: Metrics::new(),
+            redis_down_until: AtomicI64::new(0),
         })
+    }
+
+    /// The error to act on while Redis is taken as unreachable, if it is.
+    pub fn redis_breaker(&self) -> Option<redis::RedisError> {
+        (now_ms() < self.redis_down_until.load(Ordering::Acquire)).then(|| {
+            redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "Redis is unreachable (a connection failed within the last second)",
+            ))
+        })
+    }
+
+    /// Notes a failed Redis call: a connection-level failure opens the breaker.
+    pub fn redis_failed(&self, error: &redis::RedisError) {
+        if error.is_io_error()
+            || error.is_connection_refusal()
+            || error.is_connection_dropped()
+            || error.is_timeout()
+        {
+            self.redis_down_until
+                .store(now_ms() + REDIS_BREAK_MS, Ordering::Release);
+        }
+    }
+
+    /// Notes that Redis answered: requests go to it again.
+    pub fn redis_answered(&self) {
+        self.redis_down_until.store(0, Ordering::Release);
     }
 
     /// The drop named by a path segment, or the answer that ends the request.

@@ -48,6 +48,10 @@ const DISPATCH_BATCH: i64 = 512;
 /// path changed (also another sidecar's, with a shared PostgreSQL ledger).
 async fn refresh_configs(app: &App) {
     let mut conn = app.redis.clone();
+    match redis::cmd("PING").query_async::<String>(&mut conn).await {
+        Ok(_) => app.redis_answered(),
+        Err(error) => app.redis_failed(&error),
+    }
     for drop in app.drops.all() {
         if let Err(error) = app.drops.refresh(&mut conn, &drop.name).await {
             tracing::debug!(drop = %drop.name, %error, "config refresh failed");

@@ -84,6 +84,12 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
     if config.mode == Mode::FailOpen {
         return admit_fallback(app, &drop, &config, &request).await;
     }
+    if let Some(unreachable) = app.redis_breaker() {
+        return match config.failure_policy {
+            FailurePolicy::Open => admit_fallback(app, &drop, &config, &request).await,
+            FailurePolicy::Closed => Err(app.redis_down(&drop, &unreachable)),
+        };
+    }
     app.replay(&drop).await;
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
@@ -105,10 +111,14 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
         {
             Ok(reply) => reply,
             Err(e) if config.failure_policy == FailurePolicy::Open => {
+                app.redis_failed(&e);
                 tracing::warn!(drop = %drop.name, error = %e, "Redis failed: fallback path");
                 return admit_fallback(app, &drop, &config, &request).await;
             }
-            Err(e) => return Err(app.redis_down(&drop, &e)),
+            Err(e) => {
+                app.redis_failed(&e);
+                return Err(app.redis_down(&drop, &e));
+            }
         };
         if reply.outcome != "pending" || Instant::now() >= settle_by {
             break reply;
@@ -350,16 +360,24 @@ async fn settle(
             Path::Fallback,
         )
     } else {
-        match settle_gate(app, &drop, &config, &key, to).await {
+        let gated = match app.redis_breaker() {
+            Some(unreachable) => Err(unreachable),
+            None => settle_gate(app, &drop, &config, &key, to).await,
+        };
+        match gated {
             Ok(reply) => (reply, Path::Gate),
             Err(e) if config.failure_policy == FailurePolicy::Open => {
+                app.redis_failed(&e);
                 tracing::warn!(drop = %drop.name, error = %e, "Redis failed: fallback path");
                 (
                     settle_fallback(app, &drop, &config, &key, to).await?,
                     Path::Fallback,
                 )
             }
-            Err(e) => return Err(app.redis_down(&drop, &e)),
+            Err(e) => {
+                app.redis_failed(&e);
+                return Err(app.redis_down(&drop, &e));
+            }
         }
     };
     if matches!(
