@@ -167,6 +167,12 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
         .await
         .map_err(|e| app.redis_down(&drop, &e))?;
     if active.outcome != "admitted" {
+        // Redis expired it (and returned its units) while the ledger recorded it:
+        // record the expiry too, so that the two agree.
+        let expired = change_of(&drop, &config, &request.key, &active, State::Expired);
+        if let Err(error) = app.ledger.record(expired).await {
+            tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+        }
         return Err(throttled(&config, "the admission expired while it waited"));
     }
     drop.throttle
