@@ -257,15 +257,9 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
         ));
     }
     latencies.sort_unstable();
-    let at = |q: f64| {
-        latencies
-            .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or_default()
-    };
-    summary.p50 = at(0.50);
-    summary.p99 = at(0.99);
-    summary.max = latencies.last().copied().unwrap_or_default();
+    summary.p50 = crate::quantile(&latencies, 0.50);
+    summary.p99 = crate::quantile(&latencies, 0.99);
+    summary.max = crate::quantile(&latencies, 1.0);
     Ok(summary)
 }
 

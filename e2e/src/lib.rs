@@ -10,3 +10,11 @@
 
 pub mod flash_sale;
 pub mod processes;
+
+use std::time::Duration;
+
+/// The `q` quantile (0.0..=1.0) of sorted samples; zero when there are none.
+pub fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    let index = ((sorted.len() as f64 * q) as usize).min(sorted.len().saturating_sub(1));
+    sorted.get(index).copied().unwrap_or_default()
+}

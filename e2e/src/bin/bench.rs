@@ -32,8 +32,10 @@ struct Row {
 
 fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     samples.sort_unstable();
-    let at = |q: f64| samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)];
-    (at(0.5), at(0.99))
+    (
+        dropgate_e2e::quantile(&samples, 0.5),
+        dropgate_e2e::quantile(&samples, 0.99),
+    )
 }
 
 #[tokio::main]
