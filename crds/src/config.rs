@@ -96,6 +96,11 @@ pub struct DropConfig {
     /// by the script itself, never by [`DropConfig::to_fields`]: a change tells the
     /// sidecars that Redis lost its data and must be rebuilt from the ledger.
     pub seeded_at_ms: Option<i64>,
+    /// The sale's identity: the InventoryDrop's uid, or (outside Kubernetes, where
+    /// there is none) kept from the previous publication or set to the seed time by
+    /// the seed script. A new sale under the same name starts from fresh stock and
+    /// its own ledger rows; markers of an earlier sale are not its reservations.
+    pub sale: String,
 }
 
 /// A config hash that cannot be read: published by an incompatible operator, or
@@ -126,6 +131,7 @@ impl DropConfig {
             ("failurePolicy", self.failure_policy.as_str().to_string()),
             ("generation", self.generation.to_string()),
             ("expireAt", opt(self.expire_at_ms)),
+            ("sale", self.sale.clone()),
         ]
     }
 
@@ -185,8 +191,21 @@ impl DropConfig {
             generation: int("generation")?,
             expire_at_ms: opt_int("expireAt")?,
             seeded_at_ms: opt_int("seededAt")?,
+            sale: match get("sale")? {
+                sale if is_sale(sale) => sale.to_string(),
+                sale => return Err(invalid("sale", sale)),
+            },
         }))
     }
+}
+
+/// Whether `s` can be a sale's identity: a uid or a number, nothing that could
+/// break a ledger key apart.
+pub fn is_sale(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
 }
 
 #[cfg(test)]
@@ -208,6 +227,7 @@ mod tests {
             generation: 3,
             expire_at_ms: None,
             seeded_at_ms: None,
+            sale: "9b1f0c2e".into(),
         }
     }
 

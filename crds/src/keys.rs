@@ -63,18 +63,58 @@ impl DropKeys {
         format!("{}:events", self.prefix)
     }
 
+    /// Integer: the gate's epoch while the gate is open, absent while it is closed.
+    /// A sidecar opens it (at the ledger's authority epoch) only after Redis holds
+    /// everything the ledger recorded, so a Redis that lost its data (this key with
+    /// it) admits nothing until it was rebuilt. Every recorded gate change carries
+    /// the epoch it was made under, and the ledger refuses one from another epoch.
+    pub fn gate(&self) -> String {
+        format!("{}:gate", self.prefix)
+    }
+
+    /// Integer: one more on every change the ledger records (admission, confirm,
+    /// cancel, expiry). The ledger keeps each change's number: a Redis that hands out
+    /// a number the ledger already holds, or whose counter is below the ledger's
+    /// highest, lost acknowledged writes.
+    pub fn seq(&self) -> String {
+        format!("{}:seq", self.prefix)
+    }
+
+    /// Set: the ids of the ledgers whose sidecars admitted for this drop. More than
+    /// one means per-pod ledgers, none of which holds the whole sale.
+    pub fn ledgers(&self) -> String {
+        format!("{}:ledgers", self.prefix)
+    }
+
     /// Every fixed key of the drop, config first: deleting in this order stops
     /// sidecars from admitting before the stock disappears.
-    pub fn fixed(&self) -> [String; 6] {
+    pub fn fixed(&self) -> [String; 9] {
         [
             self.config(),
+            self.gate(),
             self.remaining(),
             self.held(),
             self.buyers(),
             self.holds(),
+            self.seq(),
+            self.ledgers(),
             self.events(),
         ]
     }
+}
+
+/// A drop's key in the SQL ledger: `namespace/name/sale`. The sale (the
+/// InventoryDrop's uid, or its seed time outside Kubernetes) makes a drop deleted and
+/// re-created under the same name a new sale with rows of its own.
+pub fn ledger_key(namespace: &str, name: &str, sale: &str) -> String {
+    format!("{namespace}/{name}/{sale}")
+}
+
+/// The `namespace/name` part of a ledger key (what outbox events call the drop).
+pub fn ledger_drop(ledger_key: &str) -> &str {
+    ledger_key
+        .rsplit_once('/')
+        .map_or(ledger_key, |(drop, _sale)| drop)
 }
 
 /// Key names of one fencing-token lock of a namespace. Both keys share the hash tag

@@ -67,7 +67,11 @@ impl SidecarProcess {
                 namespace,
             ])
             .args(["--database-url", database_url])
-            .env("RUST_LOG", "warn,warp::server=off")
+            .env(
+                "RUST_LOG",
+                std::env::var("DROPGATE_E2E_LOG")
+                    .unwrap_or_else(|_| "warn,warp::server=off".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

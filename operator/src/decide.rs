@@ -46,8 +46,24 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         generation: drop.metadata.generation.unwrap_or(0),
         expire_at_ms: ends_at_ms.map(|end| end + spec.hold_seconds * 1000 + KEY_GRACE_MS),
         seeded_at_ms: None,
+        sale: sale_of(drop),
     }
 }
+
+/// The sale's identity: the object's uid, so that a drop deleted and re-created
+/// under the same name is a new sale. A manifest applied outside Kubernetes has no
+/// uid unless it sets one: there the name is the sale, so that a Redis that lost
+/// its data and was seeded again is still the same sale, rebuilt from the ledgers.
+pub fn sale_of(drop: &InventoryDrop) -> String {
+    drop.metadata
+        .uid
+        .clone()
+        .filter(|uid| dropgate_api::config::is_sale(uid))
+        .unwrap_or_else(|| OUTSIDE_KUBERNETES_SALE.to_string())
+}
+
+/// The sale of a manifest without a uid (see [`sale_of`]).
+pub const OUTSIDE_KUBERNETES_SALE: &str = "manifest";
 
 /// Everything one reconcile learned, the input of [`status`].
 #[derive(Clone, Debug)]

@@ -48,7 +48,14 @@ pub async fn seed(
     static SEED: std::sync::LazyLock<Script> =
         std::sync::LazyLock::new(|| Script::new(include_str!("lua/seed.lua")));
     let mut invocation = SEED.key(keys.config());
-    invocation.key(keys.remaining());
+    invocation
+        .key(keys.remaining())
+        .key(keys.gate())
+        .key(keys.held())
+        .key(keys.buyers())
+        .key(keys.holds())
+        .key(keys.seq())
+        .key(keys.ledgers());
     invocation.arg(config.limit);
     invocation.arg(
         config
@@ -56,6 +63,7 @@ pub async fn seed(
             .map(|t| t.to_string())
             .unwrap_or_default(),
     );
+    invocation.arg(&config.sale);
     for (field, value) in config.to_fields() {
         invocation.arg(field).arg(value);
     }

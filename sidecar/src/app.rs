@@ -8,9 +8,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use warp::http::StatusCode;
 
 use crate::answer::Answer;
+use crate::clock::now_ms;
 use crate::drops::{Drop, Drops, LookupError};
 use crate::ledger::Ledger;
-use crate::ledger::now_ms;
 use crate::metrics::Metrics;
 use crate::settings::Settings;
 use crate::{Error, input};
@@ -29,6 +29,12 @@ pub struct App {
     /// it: after a connection failure, every request would otherwise wait out a
     /// reconnect attempt before its failure policy applied.
     redis_down_until: AtomicI64,
+    /// This process, in the ledger's record of which sidecars reach Redis.
+    pub sidecar_id: String,
+    /// How long no sidecar sharing the ledger may have reached Redis before a Redis
+    /// outage hands a drop to the fallback gate (ms): a few refreshes, so that one
+    /// sidecar's partition is told from everyone's outage.
+    pub quiet_ms: i64,
 }
 
 /// How long one connection failure keeps requests off Redis. The background refresh
@@ -51,6 +57,10 @@ impl App {
             ledger: Ledger::open(&settings.database_url).await?,
             metrics: Metrics::new(),
             redis_down_until: AtomicI64::new(0),
+            sidecar_id: format!("{:016x}", rand::random::<u64>()),
+            quiet_ms: i64::try_from(settings.refresh_ms.saturating_mul(4))
+                .unwrap_or(i64::MAX)
+                .max(1000),
         })
     }
 
@@ -128,76 +138,11 @@ impl App {
         }
     }
 
-    /// Brings Redis in line with what the fallback path changed for `drop`, before
-    /// the gate is used again. Best effort: while it fails the flag stays set.
-    pub async fn replay(&self, drop: &Drop) {
-        if !drop
-            .needs_replay
-            .swap(false, std::sync::atomic::Ordering::AcqRel)
-        {
-            return;
-        }
-        if drop
-            .needs_rebuild
-            .swap(false, std::sync::atomic::Ordering::AcqRel)
-            && let Err(error) = self.ledger.replay_all(&drop.ledger_key()).await
-        {
-            drop.needs_rebuild
-                .store(true, std::sync::atomic::Ordering::Release);
-            drop.needs_replay
-                .store(true, std::sync::atomic::Ordering::Release);
-            tracing::debug!(drop = %drop.name, %error, "rebuild from the ledger failed");
-            return;
-        }
-        if let Err(error) = self.replay_now(drop).await {
-            drop.needs_replay
-                .store(true, std::sync::atomic::Ordering::Release);
-            tracing::debug!(drop = %drop.name, %error, "replay into Redis failed");
-        }
-    }
-
-    /// Replays every fallback change of `drop` that Redis has not seen.
-    pub async fn replay_now(&self, drop: &Drop) -> Result<usize, String> {
-        let mut conn = self.redis.clone();
-        let mut replayed = 0;
-        loop {
-            let rows = self
-                .ledger
-                .unreplayed(&drop.ledger_key(), 256)
-                .await
-                .map_err(|e| e.to_string())?;
-            if rows.is_empty() {
-                return Ok(replayed);
-            }
-            for row in &rows {
-                crate::gate::replay(
-                    &mut conn,
-                    &drop.keys,
-                    &row.key,
-                    &row.user,
-                    row.quantity,
-                    row.state.as_str(),
-                    row.expires_at_ms,
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-                self.ledger
-                    .mark_replayed(&drop.ledger_key(), &row.key, row.state)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                replayed += 1;
-            }
-        }
-    }
-
-    /// The answer for a drop the operator took off the Redis gate.
-    pub fn not_gated(&self, drop: &Drop, mode: &str) -> Answer {
-        match mode {
-            "closed" => Answer::unavailable(format!(
-                "drop {} is closed: its Redis is not highly available and the failure policy is Closed",
-                drop.name
-            )),
-            _ => Answer::unavailable(format!("drop {} is in unknown mode {mode:?}", drop.name)),
-        }
+    /// The answer for a drop the operator closed (HA missing under policy Closed).
+    pub fn closed(&self, drop: &Drop) -> Answer {
+        Answer::unavailable(format!(
+            "drop {} is closed: its Redis is not highly available and the failure policy is Closed",
+            drop.name
+        ))
     }
 }

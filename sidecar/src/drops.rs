@@ -18,35 +18,30 @@ use crate::throttle::Throttle;
 #[derive(Debug)]
 pub struct Drop {
     pub name: String,
+    namespace: String,
     pub keys: DropKeys,
-    ledger_key: String,
     config: RwLock<DropConfig>,
     pub throttle: Throttle,
-    /// Set when this sidecar may hold fallback-path changes Redis has not seen (on
-    /// first sight, and after every fallback write): the gate replays them before it
-    /// is used again.
-    pub needs_replay: std::sync::atomic::AtomicBool,
-    /// Set when Redis may have lost acknowledged reservations (first sight, or a new
-    /// `seededAt`): every ledger row of the drop is replayed, not only fallback ones.
-    pub needs_rebuild: std::sync::atomic::AtomicBool,
+    /// Held while this sidecar opens the gate or hands the drop to the ledger, so
+    /// that concurrent requests wait for one hand-over instead of racing their own.
+    pub handover: tokio::sync::Mutex<()>,
 }
 
 impl Drop {
     fn new(namespace: &str, name: &str, config: DropConfig) -> Self {
         Self {
             name: name.to_string(),
+            namespace: namespace.to_string(),
             keys: DropKeys::new(namespace, name),
-            ledger_key: format!("{namespace}/{name}"),
             throttle: Throttle::new(config.permits),
             config: RwLock::new(config),
-            needs_replay: std::sync::atomic::AtomicBool::new(true),
-            needs_rebuild: std::sync::atomic::AtomicBool::new(true),
+            handover: tokio::sync::Mutex::new(()),
         }
     }
 
-    /// `namespace/name`, the drop's key in the ledger.
+    /// `namespace/name/sale`, the drop's key in the ledger (of the sale last read).
     pub fn ledger_key(&self) -> String {
-        self.ledger_key.clone()
+        dropgate_api::keys::ledger_key(&self.namespace, &self.name, &self.config().sale)
     }
 
     /// The config as last read.
@@ -58,12 +53,6 @@ impl Drop {
     }
 
     fn update(&self, config: DropConfig) {
-        if self.config().seeded_at_ms != config.seeded_at_ms {
-            self.needs_rebuild
-                .store(true, std::sync::atomic::Ordering::Release);
-            self.needs_replay
-                .store(true, std::sync::atomic::Ordering::Release);
-        }
         self.throttle.resize(config.permits);
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = config;
     }

@@ -13,6 +13,11 @@
 //!   and the thin Rust calls around them.
 //! - [`drops`]: the drops this sidecar serves, read from the operator's config
 //!   hashes and kept through Redis outages.
+//! - [`handover`]: one authority at a time: opening the gate only once Redis holds
+//!   everything the ledger recorded (also rebuilding a Redis that lost writes), and
+//!   handing a drop to the ledger's fallback gate.
+//! - [`record`]: what the gate decided, as the ledger records it.
+//! - [`clock`]: the wall clock in milliseconds.
 //! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
 //! - [`maintenance`]: background config refresh with replay of fallback changes
@@ -26,14 +31,17 @@
 
 pub mod answer;
 pub mod app;
+pub mod clock;
 pub mod drops;
 pub mod faults;
 pub mod gate;
+pub mod handover;
 pub mod input;
 pub mod ledger;
 pub mod locks;
 pub mod maintenance;
 pub mod metrics;
+pub mod record;
 pub mod routes;
 pub mod server;
 pub mod settings;

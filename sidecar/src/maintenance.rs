@@ -1,5 +1,5 @@
-//! Background work: re-reading known drops' configs (and replaying fallback changes
-//! into Redis), the hold sweepers, and the outbox dispatcher.
+//! Background work: re-reading known drops' configs (and keeping each drop with its
+//! authority), the hold sweepers, and the outbox dispatcher.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,9 +9,12 @@ use dropgate_api::Mode;
 use tokio::sync::watch;
 
 use crate::app::App;
+use crate::clock::now_ms;
 use crate::gate;
-use crate::ledger::{State, now_ms};
+use crate::handover::{self, Reason};
+use crate::ledger::Holder;
 use crate::metrics::DropLabel;
+use crate::record::record_expiry;
 
 /// Due holds expired per drop per sweep; the rest wait for the next sweep.
 const SWEEP_BATCH: isize = 256;
@@ -44,23 +47,40 @@ const DISPATCH_EVERY: Duration = Duration::from_millis(100);
 /// Events published per round.
 const DISPATCH_BATCH: i64 = 512;
 
-/// Re-reads known drops' configs; for drops on the gate, replays what the fallback
-/// path changed (also another sidecar's, with a shared PostgreSQL ledger).
+/// Re-reads known drops' configs and keeps each drop with its authority: for a
+/// drop on the gate, checks that Redis is in line with the ledger (rebuilding it
+/// when it is behind) and replays what it has not seen; for a drop the operator
+/// put on the fallback, hands it to the ledger (closing the gate in Redis) without
+/// waiting for a request.
 async fn refresh_configs(app: &App) {
     let mut conn = app.redis.clone();
-    match redis::cmd("PING").query_async::<String>(&mut conn).await {
-        Ok(_) => app.redis_answered(),
-        Err(error) => app.redis_failed(&error),
-    }
+    let reached = match redis::cmd("PING").query_async::<String>(&mut conn).await {
+        Ok(_) => {
+            app.redis_answered();
+            true
+        }
+        Err(error) => {
+            app.redis_failed(&error);
+            false
+        }
+    };
     for drop in app.drops.all() {
         if let Err(error) = app.drops.refresh(&mut conn, &drop.name).await {
             tracing::debug!(drop = %drop.name, %error, "config refresh failed");
             continue;
         }
-        if drop.config().mode == Mode::Gate {
-            drop.needs_replay
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            app.replay(&drop).await;
+        if !reached {
+            continue;
+        }
+        let checked = match drop.config().mode {
+            Mode::Gate => handover::check(app, &drop).await,
+            Mode::FailOpen => handover::hand_to_ledger(app, &drop, Reason::Mode)
+                .await
+                .map(|_| ()),
+            Mode::Closed => Ok(()),
+        };
+        if let Err(error) = checked {
+            tracing::debug!(drop = %drop.name, %error, "authority check failed");
         }
     }
 }
@@ -75,65 +95,53 @@ async fn dispatch_events(app: &App) {
 }
 
 /// Expires holds past their deadline in the store that is in charge of the drop —
-/// Redis for drops on the gate, the ledger otherwise — returning their stock in the
-/// same atomic step and recording the expiry; frees the permits of holds that
-/// expired, here or through another sidecar.
+/// Redis while the gate is, the ledger while its fallback gate is — returning their
+/// stock in the same atomic step and recording the expiry; frees the permits of
+/// holds that expired, here or through another sidecar. On the gate, holds the
+/// ledger still has active well past their deadline (Redis never reported their
+/// expiry: a record that failed, a Redis that lost them) are expired in the ledger
+/// too, and the refresh replays that into Redis.
 async fn expire_due_holds(app: &App) {
     let mut conn = app.redis.clone();
     let now = now_ms();
     for drop in app.drops.all() {
         let config = drop.config();
-        let on_gate = config.mode == Mode::Gate;
-        let due = if on_gate {
-            gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await
-        } else {
-            Ok(Vec::new())
-        };
-        let redis_failed = due.is_err();
-        match due {
-            Ok(due) => {
-                for key in due {
-                    match gate::expire(&mut conn, &drop.keys, &key).await {
-                        Ok(reply) if reply.outcome == "expired" => {
-                            app.metrics.expired.inc();
-                            drop.throttle.release(&key);
-                            let change = crate::routes::change_of(
-                                &drop,
-                                &config,
-                                &key,
-                                &reply,
-                                State::Expired,
-                            );
-                            if let Err(error) = app.ledger.record(change).await {
-                                tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+        let ledger_decides = matches!(
+            app.ledger.authority(&drop.ledger_key()).await,
+            Ok(Some(authority)) if authority.holder == Holder::Ledger
+        );
+        if !ledger_decides && config.mode == Mode::Gate {
+            match gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
+                Ok(due) => {
+                    for key in due {
+                        match gate::expire(&mut conn, &drop.keys, &key).await {
+                            Ok(reply) => record_expiry(app, &drop, &config, &key, &reply).await,
+                            Err(error) => {
+                                tracing::debug!(drop = %drop.name, %error, "expiry failed")
                             }
                         }
-                        Ok(_) => {}
-                        Err(error) => tracing::debug!(drop = %drop.name, %error, "expiry failed"),
                     }
                 }
+                Err(error) => tracing::debug!(drop = %drop.name, %error, "sweep failed"),
             }
-            Err(error) => tracing::debug!(drop = %drop.name, %error, "sweep failed"),
         }
-        // Redis could not be swept: under failure policy Open the ledger is in charge.
-        if !on_gate || redis_failed {
-            match app
-                .ledger
-                .expire_due(&drop.ledger_key(), config.limit, now, SWEEP_BATCH as i64)
-                .await
-            {
-                Ok(expired) => {
-                    for key in &expired {
-                        app.metrics.expired.inc();
-                        drop.throttle.release(key);
-                    }
-                    if !expired.is_empty() {
-                        drop.needs_replay
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
+        let due = if ledger_decides {
+            now
+        } else {
+            now - LEDGER_REPAIR_GRACE_MS
+        };
+        match app
+            .ledger
+            .expire_due(&drop.ledger_key(), &config, due, SWEEP_BATCH as i64)
+            .await
+        {
+            Ok(expired) => {
+                for key in &expired {
+                    app.metrics.expired.inc();
+                    drop.throttle.release(key);
                 }
-                Err(error) => tracing::debug!(drop = %drop.name, %error, "ledger sweep failed"),
             }
+            Err(error) => tracing::debug!(drop = %drop.name, %error, "ledger sweep failed"),
         }
         drop.throttle.release_due(now);
         app.metrics
@@ -144,3 +152,7 @@ async fn expire_due_holds(app: &App) {
             .set(drop.throttle.in_use() as i64);
     }
 }
+
+/// How long past its deadline a hold the ledger has active waits for Redis to report
+/// its expiry before the ledger expires it itself.
+const LEDGER_REPAIR_GRACE_MS: i64 = 30_000;

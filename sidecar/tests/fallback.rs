@@ -277,13 +277,13 @@ async fn two_sidecars_sharing_postgresql_never_oversell_on_the_fallback() {
         .await
         .expect("connect");
     let (held,): (i64,) = sqlx::query_as(
-        "SELECT COALESCE(SUM(quantity), 0)::BIGINT FROM reservations WHERE drop_key = 'shop/sale' AND state IN ('active', 'confirmed')",
+        "SELECT COALESCE(SUM(quantity), 0)::BIGINT FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND state IN ('active', 'confirmed')",
     )
     .fetch_one(&pool)
     .await
     .expect("query");
     let (available,): (i64,) =
-        sqlx::query_as("SELECT available FROM stock WHERE drop_key = 'shop/sale'")
+        sqlx::query_as("SELECT available FROM stock WHERE drop_key LIKE 'shop/sale/%'")
             .fetch_one(&pool)
             .await
             .expect("query");

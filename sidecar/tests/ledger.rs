@@ -103,14 +103,15 @@ async fn every_change_is_recorded_published_and_consumed_once() {
     assert_eq!(recorded[&k0], "confirmed");
     assert_eq!(recorded[&k1], "cancelled");
     let ids = events(&ledger).await;
+    let sale = sidecar.ledger_key("sale");
     assert_eq!(
         ids.iter().filter(|id| id.ends_with("/admitted")).count(),
         50
     );
-    assert!(ids.contains(&format!("shop/sale/{k0}/confirmed")));
+    assert!(ids.contains(&format!("{sale}/{k0}/confirmed")));
     assert_eq!(
         ids.iter()
-            .filter(|id| **id == format!("shop/sale/{k1}/cancelled"))
+            .filter(|id| **id == format!("{sale}/{k1}/cancelled"))
             .count(),
         1,
         "a duplicate cancel writes no event"
@@ -139,7 +140,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
     wait_until("the redelivery", || {
         stream(&sidecar)
             .iter()
-            .filter(|(id, _)| *id == format!("shop/sale/{k2}/confirmed"))
+            .filter(|(id, _)| *id == format!("{sale}/{k2}/confirmed"))
             .count()
             == 2
     })
@@ -178,7 +179,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         .len();
     assert_eq!(applied, distinct, "one effect per event");
     let (shipments,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM shipments WHERE event_id = $1")
-        .bind(format!("shop/sale/{k2}/confirmed"))
+        .bind(format!("{sale}/{k2}/confirmed"))
         .fetch_one(consumer.pool())
         .await
         .expect("count");
@@ -219,7 +220,7 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         );
     }
     sidecar.assert_invariants("sale", 50);
-    let held: i64 = sqlx::query("SELECT COALESCE(SUM(quantity), 0) FROM reservations WHERE drop_key = 'shop/sale' AND state IN ('active', 'confirmed')")
+    let held: i64 = sqlx::query("SELECT COALESCE(SUM(quantity), 0) FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND state IN ('active', 'confirmed')")
         .fetch_one(ledger.pool())
         .await
         .expect("sum")

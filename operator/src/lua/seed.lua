@@ -1,9 +1,11 @@
 -- Publishes a drop's config and seeds or restocks its stock, in one atomic step.
 --
--- KEYS[1] config hash, KEYS[2] remaining
+-- KEYS[1] config hash, KEYS[2] remaining, KEYS[3..] the drop's other state keys
+--   (gate, held, buyers, holds, seq, ledgers)
 -- ARGV[1] the new limit
 -- ARGV[2] when the keys expire (ms since the epoch), or '' to keep them
--- ARGV[3..] the config hash's field/value pairs (limit among them)
+-- ARGV[3] the sale's identity (the object's uid)
+-- ARGV[4..] the config hash's field/value pairs (limit and sale among them)
 --
 -- Fresh stock is SET NX, so stock in use is never overwritten. When the config hash
 -- already holds a limit, remaining moves by the difference to the new one: a repeat
@@ -11,10 +13,22 @@
 -- negative on purpose: the gate then admits nothing, and returned units pay the
 -- deficit back before anything is sold again.
 --
+-- A different sale under the same name (the object was deleted and re-created)
+-- starts over: its stock, counts and gate are new, and the gate scripts ignore
+-- reservation markers that carry another sale.
+--
 -- Returns {created (0/1), moved, previous mode or '', remaining after}.
 local new_limit = tonumber(ARGV[1])
+local old_sale = redis.call('HGET', KEYS[1], 'sale')
+local sale = ARGV[3]
 local old_limit = redis.call('HGET', KEYS[1], 'limit')
 local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
+if old_sale and old_sale ~= sale then
+  for i = 2, #KEYS do
+    redis.call('DEL', KEYS[i])
+  end
+  old_limit = nil
+end
 local created = 0
 local moved = 0
 if redis.call('SET', KEYS[2], new_limit, 'NX') then
@@ -25,10 +39,11 @@ elseif old_limit then
     redis.call('INCRBY', KEYS[2], moved)
   end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 if created == 1 then
-  -- Fresh stock (a new drop, or a Redis that lost its data in a failover): sidecars
-  -- that see a new seededAt rebuild the drop's reservations from their ledger.
+  -- Fresh stock (a new drop, or a Redis that lost its data in a failover). The gate
+  -- key went with it, so no sidecar admits until one has rebuilt the drop from its
+  -- ledger and opened the gate again.
   local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'seededAt', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end

@@ -1,7 +1,10 @@
 -- cancel: an active or confirmed reservation (a refund) returns its units, once:
 -- the state flips to cancelled in the same step, so a duplicate restores nothing.
-if redis.call('EXISTS', K.marker) == 0 or not granted() then
-  return {'not_found', '', '', '', '', ''}
+if EPOCH == '' then
+  return reply('closed')
+end
+if not granted() then
+  return reply('not_found')
 end
 if expire_if_due(now_ms()) then
   return answer('expired')
@@ -11,6 +14,7 @@ if m[3] == 'active' or m[3] == 'confirmed' then
   redis.call('HSET', K.marker, 'state', 'cancelled')
   redis.call('ZREM', K.holds, KEY)
   give_back(m[1], tonumber(m[2]))
+  bump()
   return answer('cancelled')
 elseif m[3] == 'cancelled' then
   return answer('already_cancelled')

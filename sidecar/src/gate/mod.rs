@@ -28,6 +28,8 @@ static EXPIRE: LazyLock<Script> = gate_script!("expire.lua");
 static UNDO: LazyLock<Script> = gate_script!("undo.lua");
 static ACTIVATE: LazyLock<Script> = gate_script!("activate.lua");
 static REPLAY: LazyLock<Script> = gate_script!("replay.lua");
+static OPEN: LazyLock<Script> = gate_script!("open.lua");
+static CLOSE: LazyLock<Script> = gate_script!("close.lua");
 
 /// What a gate script answered. `outcome` is the script's word (`admitted`,
 /// `sold_out`, `confirmed`, ...); the reservation's fields are set where it exists.
@@ -43,18 +45,52 @@ pub struct GateReply {
     pub when: Option<i64>,
     /// `remaining` after the step, unclamped.
     pub remaining: Option<i64>,
+    /// The number Redis gave the change this call made (admission, confirm,
+    /// cancel), which the ledger records with it.
+    pub seq: Option<i64>,
+    /// The gate's epoch when the call ran; `None` while the gate is closed.
+    pub epoch: Option<i64>,
+    /// A hold this call expired on the way (its deadline had passed): the
+    /// expiry's number and the state it expired from (`active` or `pending`). The
+    /// caller records it in the ledger, whatever the outcome.
+    pub expired: Option<(i64, String)>,
 }
 
 impl GateReply {
+    /// A reply made up by the sidecar (the fallback gate, a window refusal).
+    pub fn made(outcome: &str) -> Self {
+        Self {
+            outcome: outcome.into(),
+            user: None,
+            quantity: None,
+            state: None,
+            when: None,
+            remaining: None,
+            seq: None,
+            epoch: None,
+            expired: None,
+        }
+    }
+
     fn from_parts(parts: Vec<String>) -> RedisResult<Self> {
-        let [outcome, user, quantity, state, when, remaining]: [String; 6] =
-            parts.try_into().map_err(|got: Vec<String>| {
-                redis::RedisError::from((
-                    redis::ErrorKind::Parse,
-                    "gate script answered with the wrong arity",
-                    format!("{got:?}"),
-                ))
-            })?;
+        let [
+            outcome,
+            user,
+            quantity,
+            state,
+            when,
+            remaining,
+            seq,
+            epoch,
+            expired,
+            expired_from,
+        ]: [String; 10] = parts.try_into().map_err(|got: Vec<String>| {
+            redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "gate script answered with the wrong arity",
+                format!("{got:?}"),
+            ))
+        })?;
         let text = |s: String| (!s.is_empty()).then_some(s);
         let int = |s: &str| s.parse::<f64>().ok().map(|n| n as i64);
         Ok(Self {
@@ -64,6 +100,9 @@ impl GateReply {
             state: text(state),
             when: int(&when),
             remaining: int(&remaining),
+            seq: int(&seq),
+            epoch: int(&epoch),
+            expired: int(&expired).map(|seq| (seq, expired_from)),
         })
     }
 }
@@ -82,6 +121,9 @@ async fn run(
         .key(keys.buyers())
         .key(keys.holds())
         .key(keys.reservation(key))
+        .key(keys.gate())
+        .key(keys.seq())
+        .key(keys.ledgers())
         .arg(key);
     for arg in args {
         invocation.arg(*arg);
@@ -91,8 +133,9 @@ async fn run(
 
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending
 /// reservation, or says why not. `attempt` identifies this admission for
-/// [`activate`] and [`undo`]. `pending` means a concurrent attempt with the same key
-/// is still waiting for its permit: ask again shortly.
+/// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it.
+/// `pending` means a concurrent attempt with the same key is still waiting for its
+/// permit: ask again shortly. `closed`: the gate is not open (see [`open`]).
 pub async fn reserve(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
@@ -100,9 +143,17 @@ pub async fn reserve(
     user: &str,
     quantity: i64,
     attempt: &str,
+    ledger: &str,
 ) -> RedisResult<GateReply> {
     let quantity = quantity.to_string();
-    run(&RESERVE, conn, keys, key, &[user, &quantity, attempt]).await
+    run(
+        &RESERVE,
+        conn,
+        keys,
+        key,
+        &[user, &quantity, attempt, ledger],
+    )
+    .await
 }
 
 pub async fn confirm(
@@ -160,26 +211,68 @@ pub async fn undo(
     run(&UNDO, conn, keys, key, &[attempt]).await
 }
 
-/// Brings the reservation `key` in Redis to the ledger's `state` (after a change on
-/// the fallback path): `replayed`, or `in_line` when Redis already agreed.
+/// Brings the reservation `key` in Redis forward to the ledger's record of it:
+/// `replayed`, or `in_line` when Redis was already as far or further.
 pub async fn replay(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
-    key: &str,
-    user: &str,
-    quantity: i64,
-    state: &str,
-    expires_at_ms: i64,
+    row: &crate::ledger::Recorded,
 ) -> RedisResult<GateReply> {
-    let (quantity, expires) = (quantity.to_string(), expires_at_ms.to_string());
+    let (quantity, expires, seq) = (
+        row.quantity.to_string(),
+        row.expires_at_ms.to_string(),
+        row.seq.to_string(),
+    );
     run(
         &REPLAY,
         conn,
         keys,
-        key,
-        &[user, &quantity, state, &expires],
+        &row.key,
+        &[&row.user, &quantity, row.state.as_str(), &expires, &seq],
     )
     .await
+}
+
+/// Opens the gate at `epoch` and raises the change counter to `seq_floor`: `opened`,
+/// or `open` when it already was at that epoch or a later one.
+pub async fn open(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    epoch: i64,
+    seq_floor: i64,
+) -> RedisResult<GateReply> {
+    let (epoch, floor) = (epoch.to_string(), seq_floor.to_string());
+    run(&OPEN, conn, keys, "", &[&epoch, &floor]).await
+}
+
+/// Closes the gate unless it was reopened after `epoch`: `closed`, or `open`.
+pub async fn close(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    epoch: i64,
+) -> RedisResult<GateReply> {
+    run(&CLOSE, conn, keys, "", &[&epoch.to_string()]).await
+}
+
+/// The gate's epoch and change counter, as Redis holds them now.
+pub async fn standing(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+) -> RedisResult<(Option<i64>, i64)> {
+    let (gate, seq): (Option<i64>, Option<i64>) = redis::pipe()
+        .get(keys.gate())
+        .get(keys.seq())
+        .query_async(conn)
+        .await?;
+    Ok((gate, seq.unwrap_or(0)))
+}
+
+/// Every ledger that admitted for the drop (see [`DropKeys::ledgers`]).
+pub async fn ledgers(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<Vec<String>> {
+    redis::cmd("SMEMBERS")
+        .arg(keys.ledgers())
+        .query_async(conn)
+        .await
 }
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.

@@ -2,16 +2,27 @@
 --
 -- Every script takes the same keys, all in the drop's one hash slot:
 --   KEYS[1] config   KEYS[2] remaining   KEYS[3] held   KEYS[4] buyers
---   KEYS[5] holds    KEYS[6] the reservation marker
+--   KEYS[5] holds    KEYS[6] the reservation marker     KEYS[7] gate (its epoch)
+--   KEYS[8] seq      KEYS[9] ledgers
 -- and ARGV[1], the idempotency key.
 --
--- Every script answers {outcome, user, quantity, state, expiresAt, remaining}, as
--- strings, '' where there is nothing to say.
+-- Every script answers {outcome, user, quantity, state, expiresAt, remaining, seq,
+-- epoch, expiredSeq, expiredFrom} as strings, '' where there is nothing to say:
+-- seq numbers the change the call made, epoch is the gate's, and expiredSeq /
+-- expiredFrom tell of a hold the call expired on the way (the caller records it).
 local K = {
-  config = KEYS[1], remaining = KEYS[2], held = KEYS[3],
-  buyers = KEYS[4], holds = KEYS[5], marker = KEYS[6],
+  config = KEYS[1], remaining = KEYS[2], held = KEYS[3], buyers = KEYS[4],
+  holds = KEYS[5], marker = KEYS[6], gate = KEYS[7], seq = KEYS[8], ledgers = KEYS[9],
 }
 local KEY = ARGV[1]
+-- The sale the config belongs to: a marker left by an earlier sale under the same
+-- name is nobody's reservation in this one.
+local SALE = redis.call('HGET', K.config, 'sale') or ''
+-- Absent while the gate is closed (never opened, being rebuilt, or lost with the
+-- rest of Redis's data): nothing changes then.
+local EPOCH = redis.call('GET', K.gate) or ''
+local SEQ = ''
+local EXPIRED, EXPIRED_FROM = '', ''
 
 -- Redis's own clock, so that every sidecar judges deadlines alike.
 local function now_ms()
@@ -19,20 +30,44 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Numbers a change the ledger will record. The counter only grows; a Redis that
+-- lost writes hands out numbers the ledger already holds, which gives it away.
+local function bump()
+  SEQ = redis.call('INCR', K.seq)
+  redis.call('HSET', K.marker, 'seq', SEQ)
+  return SEQ
+end
+
+-- Whether KEY has a marker in this sale.
+local function ours()
+  local sale = redis.call('HGET', K.marker, 'sale')
+  return sale ~= false and sale == SALE
+end
+
 -- A marker that is still 'pending' is nobody's reservation yet: only the attempt
 -- that admitted it may turn it into one (activate) or take it back (undo).
 local function granted()
-  local state = redis.call('HGET', K.marker, 'state')
-  return state and state ~= 'pending'
+  return ours() and redis.call('HGET', K.marker, 'state') ~= 'pending'
 end
 
 local function remaining()
   return tonumber(redis.call('GET', K.remaining) or '0')
 end
 
+-- An answer about no reservation in particular.
+local function reply(outcome, user, quantity, state, when, left)
+  return {outcome, user or '', quantity or '', state or '', when or '', left or '',
+    '', EPOCH, '', ''}
+end
+
+-- An answer that shows KEY's reservation.
 local function answer(outcome)
+  if not ours() then
+    return reply(outcome, '', '', '', '', tostring(remaining()))
+  end
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt')
-  return {outcome, m[1] or '', m[2] or '', m[3] or '', m[4] or '', tostring(remaining())}
+  return {outcome, m[1] or '', m[2] or '', m[3] or '', m[4] or '', tostring(remaining()),
+    tostring(SEQ), EPOCH, tostring(EXPIRED), EXPIRED_FROM}
 end
 
 -- Returns a reservation's units: to stock (paying a deficit back first, since
@@ -49,13 +84,18 @@ end
 -- step: a reservation never reads as expired while its unit is still missing from
 -- remaining. A 'pending' one (admitted, waiting for its throttle permit) expires
 -- too, so a sidecar that died mid-admission cannot keep units forever. Returns true
--- when it expired the hold now.
+-- when it expired the hold now; the caller records the expiry in the ledger.
 local function expire_if_due(now)
+  if not ours() then
+    return false
+  end
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt')
   if (m[3] == 'active' or m[3] == 'pending') and tonumber(m[4]) <= now then
     redis.call('HSET', K.marker, 'state', 'expired')
     redis.call('ZREM', K.holds, KEY)
     give_back(m[1], tonumber(m[2]))
+    EXPIRED, EXPIRED_FROM = redis.call('INCR', K.seq), m[3]
+    redis.call('HSET', K.marker, 'seq', EXPIRED)
     return true
   end
   return false

@@ -1,10 +1,19 @@
--- replay: brings Redis in line with the ledger for one reservation that changed on
--- the fallback path. ARGV[2] user, ARGV[3] quantity, ARGV[4] the ledger's state,
--- ARGV[5] its deadline (ms). Idempotent: a reservation already in that state is left
--- alone; otherwise units move only when "holds units" changes.
+-- replay: brings one reservation in Redis forward to the ledger's record of it
+-- (after the fallback path changed it, or to rebuild a Redis that lost writes).
+-- ARGV[2] user, ARGV[3] quantity, ARGV[4] the ledger's state, ARGV[5] its deadline
+-- (ms), ARGV[6] the ledger's change number for it.
+--
+-- Only forward: pending < active < confirmed < cancelled / expired. A marker that is
+-- as far as the ledger or further is left alone (`in_line`), so an older ledger
+-- never turns a confirmed reservation back to active, and replaying twice changes
+-- nothing. Units move only when "holds units" changes.
+local rank = {pending = 0, active = 1, confirmed = 2, cancelled = 3, expired = 3}
 local target = ARGV[4]
-local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state')
-if m[3] == target then
+local m = {false, false, false}
+if ours() then
+  m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state')
+end
+if m[3] and (rank[m[3]] or 0) >= rank[target] then
   return answer('in_line')
 end
 local function holds(state)
@@ -19,8 +28,11 @@ elseif not holds(m[3]) and holds(target) then
   redis.call('INCRBY', K.held, quantity)
   redis.call('HINCRBY', K.buyers, user, quantity)
 end
+if not m[3] then
+  redis.call('DEL', K.marker)
+end
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', target,
-  'expiresAt', ARGV[5])
+  'expiresAt', ARGV[5], 'sale', SALE, 'seq', ARGV[6])
 if target == 'active' then
   redis.call('ZADD', K.holds, ARGV[5], KEY)
 else

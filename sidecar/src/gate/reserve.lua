@@ -1,21 +1,27 @@
--- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id
+-- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id, ARGV[5] ledger id
 --
--- In one atomic step: the idempotency marker, the mode and the sale window, the
--- per-user limit, the stock; then decrement, count the buyer, write the marker.
--- The marker starts 'pending': the sidecar still has to get a throttle permit, and
--- then activates it (activate.lua) or takes it back (undo.lua). A duplicate that
--- finds it pending is told so and asks again, so no one is promised a unit that
--- is then undone.
+-- In one atomic step: the mode and the gate, the idempotency marker, the sale
+-- window, the per-user limit, the stock; then decrement, count the buyer, write the
+-- marker. The marker starts 'pending': the sidecar still has to get a throttle
+-- permit and make the admission durable, and then activates it (activate.lua) or
+-- takes it back (undo.lua). A duplicate that finds it pending is told so and asks
+-- again, so no one is promised a unit that is then undone.
 local cfg = redis.call('HMGET', K.config,
   'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt')
 if not cfg[1] then
-  return {'not_found', '', '', '', '', ''}
+  return reply('not_found')
+end
+if cfg[1] ~= 'gate' then
+  return reply('mode', '', '', cfg[1])
+end
+if EPOCH == '' then
+  return reply('closed')
 end
 local user, quantity, attempt = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local now = now_ms()
 
-local owner = redis.call('HMGET', K.marker, 'user', 'quantity')
-if owner[1] then
+if ours() then
+  local owner = redis.call('HMGET', K.marker, 'user', 'quantity')
   if owner[1] == user and tonumber(owner[2]) == quantity then
     expire_if_due(now)
     if not granted() then
@@ -23,27 +29,25 @@ if owner[1] then
     end
     return answer('already_reserved')
   end
-  return {'idempotency_key_reused', '', '', '', '', tostring(remaining())}
+  return reply('idempotency_key_reused', '', '', '', '', tostring(remaining()))
 end
 
-if cfg[1] ~= 'gate' then
-  return {'mode', '', '', cfg[1], '', ''}
-end
 if cfg[3] ~= '' and now < tonumber(cfg[3]) then
-  return {'not_open', '', '', '', cfg[3], ''}
+  return reply('not_open', '', '', '', cfg[3])
 end
 if cfg[4] ~= '' and now >= tonumber(cfg[4]) then
-  return {'ended', '', '', '', cfg[4], ''}
+  return reply('ended', '', '', '', cfg[4])
 end
 
 local bought = tonumber(redis.call('HGET', K.buyers, user) or '0')
 if bought + quantity > tonumber(cfg[2]) then
-  return {'per_user_limit_exceeded', user, tostring(bought), '', cfg[2], tostring(remaining())}
+  return reply('per_user_limit_exceeded', user, tostring(bought), '', cfg[2],
+    tostring(remaining()))
 end
 
 local left = remaining()
 if left < quantity then
-  return {'sold_out', '', '', '', '', tostring(left)}
+  return reply('sold_out', '', '', '', '', tostring(left))
 end
 
 local deadline = now + tonumber(cfg[5]) * 1000
@@ -51,12 +55,15 @@ redis.call('DECRBY', K.remaining, quantity)
 redis.call('INCRBY', K.held, quantity)
 redis.call('HINCRBY', K.buyers, user, quantity)
 redis.call('ZADD', K.holds, deadline, KEY)
+redis.call('DEL', K.marker)
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
-  'expiresAt', deadline, 'attempt', attempt)
+  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE)
+bump()
+redis.call('SADD', K.ledgers, ARGV[5])
 -- The marker outlives the hold so that a late retry still reads already_reserved;
 -- the drop's other keys expire with the config when the sale has an end.
 if cfg[6] ~= '' then
-  for _, key in ipairs({K.held, K.buyers, K.holds, K.marker}) do
+  for _, key in ipairs({K.held, K.buyers, K.holds, K.marker, K.seq, K.ledgers}) do
     redis.call('PEXPIREAT', key, cfg[6])
   end
 else

@@ -6,10 +6,15 @@
 //! stock move by conditional UPDATEs (`... WHERE available >= q`). With PostgreSQL
 //! shared by every sidecar, concurrent transactions serialise on those rows, so the
 //! fallback cannot oversell either. Every change is marked for replay into Redis.
+//!
+//! Each transaction first checks that the ledger is the drop's authority (see
+//! [`super::authority`]): a sidecar still on the fallback after the gate reopened
+//! is refused.
 
 use dropgate_api::DropConfig;
 use sqlx::{Any, Row, Transaction};
 
+use super::authority::require_ledger;
 use super::{
     Change, Ledger, LedgerError, State, adjust_holdings, ensure_stock, insert_reservation,
     transition, write_event,
@@ -18,12 +23,21 @@ use crate::gate::GateReply;
 
 /// A reservation as the ledger holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Row_ {
+pub struct Recorded {
     pub key: String,
     pub user: String,
     pub quantity: i64,
     pub state: State,
     pub expires_at_ms: i64,
+    /// Redis's number for its last change on the gate (0 for fallback changes).
+    pub seq: i64,
+}
+
+/// What a fallback transaction came to.
+enum Decision {
+    Reply(GateReply),
+    /// The ledger is not the drop's authority: nothing was changed.
+    NotAuthority(String),
 }
 
 /// Attempts at a transaction that lost a race (a PostgreSQL unique or
@@ -43,17 +57,24 @@ impl Ledger {
         let change = Change {
             drop_key: drop_key.to_string(),
             limit: config.limit,
+            generation: config.generation,
             key: key.to_string(),
             user: user.to_string(),
             quantity,
             state: State::Active,
             expires_at_ms: now + config.hold_seconds * 1000,
+            seq: None,
+            epoch: 0,
+            from_pending: false,
         };
         retry(|| async {
             let mut tx = self.pool.begin().await?;
-            ensure_stock(&mut tx, drop_key, config.limit).await?;
+            if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
+                return Ok(not_authority(authority));
+            }
+            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
             if !insert_reservation(&mut tx, &change, "fallback", false, now).await? {
-                let existing = expire_if_due(&mut tx, drop_key, config.limit, key, now).await?;
+                let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
                 let reply = match existing {
                     Some(row) if row.user == user && row.quantity == quantity => {
                         answer(&mut tx, drop_key, "already_reserved", Some(&row)).await?
@@ -61,7 +82,7 @@ impl Ledger {
                     _ => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
                 };
                 tx.commit().await?;
-                return Ok(reply);
+                return Ok(Decision::Reply(reply));
             }
             sqlx::query(
                 "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
@@ -91,7 +112,7 @@ impl Ledger {
                     .await?
                     .try_get(0)?;
                 tx.rollback().await?;
-                return Ok(refusal("per_user_limit_exceeded", Some(user), Some(held), Some(config.per_user_limit), None));
+                return Ok(Decision::Reply(refusal("per_user_limit_exceeded", Some(user), Some(held), Some(config.per_user_limit), None)));
             }
             let in_stock = sqlx::query("UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3")
                 .bind(quantity)
@@ -104,13 +125,13 @@ impl Ledger {
             if !in_stock {
                 let left = available(&mut tx, drop_key).await?;
                 tx.rollback().await?;
-                return Ok(refusal("sold_out", None, None, None, Some(left)));
+                return Ok(Decision::Reply(refusal("sold_out", None, None, None, Some(left))));
             }
             write_event(&mut tx, &change, "fallback", now).await?;
             let row = read(&mut tx, drop_key, key).await?;
             let reply = answer(&mut tx, drop_key, "admitted", row.as_ref()).await?;
             tx.commit().await?;
-            Ok(reply)
+            Ok(Decision::Reply(reply))
         })
         .await
     }
@@ -126,11 +147,20 @@ impl Ledger {
     ) -> Result<GateReply, LedgerError> {
         retry(|| async {
             let mut tx = self.pool.begin().await?;
-            ensure_stock(&mut tx, drop_key, config.limit).await?;
+            if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
+                return Ok(not_authority(authority));
+            }
+            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
             let before = read(&mut tx, drop_key, key).await?;
-            let Some(row) = expire_if_due(&mut tx, drop_key, config.limit, key, now).await? else {
+            let Some(row) = expire_if_due(&mut tx, drop_key, config, key, now).await? else {
                 tx.commit().await?;
-                return Ok(refusal("not_found", None, None, None, None));
+                return Ok(Decision::Reply(refusal(
+                    "not_found",
+                    None,
+                    None,
+                    None,
+                    None,
+                )));
             };
             let expired_now = before.as_ref().is_some_and(|b| b.state == State::Active)
                 && row.state == State::Expired;
@@ -140,18 +170,22 @@ impl Ledger {
                 (Some(State::Confirmed), State::Active)
                 | (Some(State::Cancelled), State::Active | State::Confirmed) => {
                     let target = to.unwrap_or(State::Cancelled);
-                    if !transition(&mut tx, drop_key, key, target, false, now).await? {
-                        return Err(sqlx::Error::Protocol("raced; retrying".into()));
-                    }
                     let change = Change {
                         drop_key: drop_key.to_string(),
                         limit: config.limit,
+                        generation: config.generation,
                         key: key.to_string(),
                         user: row.user.clone(),
                         quantity: row.quantity,
                         state: target,
                         expires_at_ms: row.expires_at_ms,
+                        seq: None,
+                        epoch: 0,
+                        from_pending: false,
                     };
+                    if !transition(&mut tx, &change, false, now).await? {
+                        return Err(sqlx::Error::Protocol(RACED.into()));
+                    }
                     if target == State::Cancelled {
                         adjust_holdings(&mut tx, &change, 1).await?;
                     }
@@ -165,25 +199,27 @@ impl Ledger {
             let row = read(&mut tx, drop_key, key).await?;
             let reply = answer(&mut tx, drop_key, outcome, row.as_ref()).await?;
             tx.commit().await?;
-            Ok(reply)
+            Ok(Decision::Reply(reply))
         })
         .await
     }
 
-    /// Expires the drop's active holds past their deadline, each once; returns their
-    /// keys.
+    /// Expires the drop's active holds whose deadline is at or before `due`, each
+    /// once, returning their units and writing their events; returns their keys. The
+    /// fallback's sweeper (with the ledger in charge), and on the gate a repair of
+    /// holds Redis never reported expired (with `due` well in the past).
     pub async fn expire_due(
         &self,
         drop_key: &str,
-        limit: i64,
-        now: i64,
+        config: &DropConfig,
+        due: i64,
         batch: i64,
     ) -> Result<Vec<String>, LedgerError> {
         let keys: Vec<String> = sqlx::query(
             "SELECT res_key FROM reservations WHERE drop_key = $1 AND state = 'active' AND expires_at_ms <= $2 LIMIT $3",
         )
         .bind(drop_key)
-        .bind(now)
+        .bind(due)
         .bind(batch)
         .fetch_all(&self.pool)
         .await?
@@ -194,7 +230,7 @@ impl Ledger {
         for key in keys {
             let mut tx = self.pool.begin().await?;
             let before = read(&mut tx, drop_key, &key).await?;
-            let after = expire_if_due(&mut tx, drop_key, limit, &key, now).await?;
+            let after = expire_if_due(&mut tx, drop_key, config, &key, due).await?;
             tx.commit().await?;
             if before.is_some_and(|b| b.state == State::Active)
                 && after.is_some_and(|a| a.state == State::Expired)
@@ -205,10 +241,15 @@ impl Ledger {
         Ok(expired)
     }
 
-    /// Changes made on the fallback path that Redis has not seen yet.
-    pub async fn unreplayed(&self, drop_key: &str, batch: i64) -> Result<Vec<Row_>, LedgerError> {
+    /// Changes Redis has not seen yet: made on the fallback path, or recorded for an
+    /// admission whose activation in Redis failed.
+    pub async fn unreplayed(
+        &self,
+        drop_key: &str,
+        batch: i64,
+    ) -> Result<Vec<Recorded>, LedgerError> {
         let rows = sqlx::query(
-            "SELECT res_key, user_id, quantity, state, expires_at_ms FROM reservations \
+            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq FROM reservations \
              WHERE drop_key = $1 AND replayed = 0 ORDER BY updated_at_ms LIMIT $2",
         )
         .bind(drop_key)
@@ -220,12 +261,33 @@ impl Ledger {
             .collect()
     }
 
-    /// Marks every reservation of the drop for replay: Redis lost its data and is
-    /// rebuilt from the ledger (replay is idempotent, so rows Redis still has cost
-    /// one look-up each).
-    pub async fn replay_all(&self, drop_key: &str) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE reservations SET replayed = 0 WHERE drop_key = $1 AND replayed = 1")
+    /// Every reservation of the drop, `batch` at a time in key order after
+    /// `after`: what a Redis that lost writes is rebuilt from.
+    pub async fn recorded_after(
+        &self,
+        drop_key: &str,
+        after: &str,
+        batch: i64,
+    ) -> Result<Vec<Recorded>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq FROM reservations \
+             WHERE drop_key = $1 AND res_key > $2 ORDER BY res_key LIMIT $3",
+        )
+        .bind(drop_key)
+        .bind(after)
+        .bind(batch)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| to_row(row).map_err(Into::into))
+            .collect()
+    }
+
+    /// Marks a change as one Redis has not seen (its activation failed).
+    pub async fn mark_unreplayed(&self, drop_key: &str, key: &str) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE reservations SET replayed = 0 WHERE drop_key = $1 AND res_key = $2")
             .bind(drop_key)
+            .bind(key)
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -252,7 +314,7 @@ impl Ledger {
         &self,
         drop_key: &str,
         key: &str,
-    ) -> Result<Option<Row_>, LedgerError> {
+    ) -> Result<Option<Recorded>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let row = read(&mut tx, drop_key, key).await?;
         tx.commit().await?;
@@ -269,21 +331,31 @@ impl Ledger {
     }
 }
 
+/// The word a transaction that lost a race to a concurrent one fails with.
+const RACED: &str = "raced with a concurrent transaction; retrying";
+
+fn not_authority(authority: Option<super::Authority>) -> Decision {
+    Decision::NotAuthority(authority.map_or_else(
+        || "no sidecar has handed it to the ledger".into(),
+        |a| format!("the authority is {a}"),
+    ))
+}
+
 /// Runs a transaction again when it lost a race to a concurrent one.
 async fn retry<F, Fut>(mut attempt: F) -> Result<GateReply, LedgerError>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<GateReply, sqlx::Error>>,
+    Fut: std::future::Future<Output = Result<Decision, sqlx::Error>>,
 {
-    let mut last = None;
     for _ in 0..ATTEMPTS {
         match attempt().await {
-            Ok(reply) => return Ok(reply),
-            Err(e) if is_race(&e) => last = Some(e),
+            Ok(Decision::Reply(reply)) => return Ok(reply),
+            Ok(Decision::NotAuthority(why)) => return Err(LedgerError::NotAuthority(why)),
+            Err(e) if is_race(&e) => {}
             Err(e) => return Err(e.into()),
         }
     }
-    Err(last.map_or(LedgerError::WriterGone, Into::into))
+    Err(LedgerError::Contended(ATTEMPTS))
 }
 
 fn is_race(error: &sqlx::Error) -> bool {
@@ -291,7 +363,7 @@ fn is_race(error: &sqlx::Error) -> bool {
         sqlx::Error::Database(db) => {
             matches!(db.code().as_deref(), Some("23505" | "40001" | "40P01"))
         }
-        sqlx::Error::Protocol(message) => message.contains("raced"),
+        sqlx::Error::Protocol(message) => message == RACED,
         _ => false,
     }
 }
@@ -300,9 +372,9 @@ async fn read(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     key: &str,
-) -> Result<Option<Row_>, sqlx::Error> {
+) -> Result<Option<Recorded>, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT res_key, user_id, quantity, state, expires_at_ms FROM reservations WHERE drop_key = $1 AND res_key = $2",
+        "SELECT res_key, user_id, quantity, state, expires_at_ms, seq FROM reservations WHERE drop_key = $1 AND res_key = $2",
     )
     .bind(drop_key)
     .bind(key)
@@ -311,15 +383,16 @@ async fn read(
     row.as_ref().map(to_row).transpose()
 }
 
-fn to_row(row: &sqlx::any::AnyRow) -> Result<Row_, sqlx::Error> {
+fn to_row(row: &sqlx::any::AnyRow) -> Result<Recorded, sqlx::Error> {
     let state: String = row.try_get(3)?;
-    Ok(Row_ {
+    Ok(Recorded {
         key: row.try_get(0)?,
         user: row.try_get(1)?,
         quantity: row.try_get(2)?,
         state: State::parse(&state)
             .ok_or_else(|| sqlx::Error::Protocol(format!("unknown state {state:?}")))?,
         expires_at_ms: row.try_get(4)?,
+        seq: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
     })
 }
 
@@ -328,26 +401,30 @@ fn to_row(row: &sqlx::any::AnyRow) -> Result<Row_, sqlx::Error> {
 async fn expire_if_due(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
-    limit: i64,
+    config: &DropConfig,
     key: &str,
     now: i64,
-) -> Result<Option<Row_>, sqlx::Error> {
+) -> Result<Option<Recorded>, sqlx::Error> {
     let Some(row) = read(tx, drop_key, key).await? else {
         return Ok(None);
     };
     if row.state != State::Active || row.expires_at_ms > now {
         return Ok(Some(row));
     }
-    if transition(tx, drop_key, key, State::Expired, false, now).await? {
-        let change = Change {
-            drop_key: drop_key.to_string(),
-            limit,
-            key: key.to_string(),
-            user: row.user.clone(),
-            quantity: row.quantity,
-            state: State::Expired,
-            expires_at_ms: row.expires_at_ms,
-        };
+    let change = Change {
+        drop_key: drop_key.to_string(),
+        limit: config.limit,
+        generation: config.generation,
+        key: key.to_string(),
+        user: row.user.clone(),
+        quantity: row.quantity,
+        state: State::Expired,
+        expires_at_ms: row.expires_at_ms,
+        seq: None,
+        epoch: 0,
+        from_pending: false,
+    };
+    if transition(tx, &change, false, now).await? {
         adjust_holdings(tx, &change, 1).await?;
         write_event(tx, &change, "fallback", now).await?;
     }
@@ -366,16 +443,16 @@ async fn answer(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     outcome: &str,
-    row: Option<&Row_>,
+    row: Option<&Recorded>,
 ) -> Result<GateReply, sqlx::Error> {
     let remaining = available(tx, drop_key).await?;
     Ok(GateReply {
-        outcome: outcome.to_string(),
         user: row.map(|r| r.user.clone()),
         quantity: row.map(|r| r.quantity),
         state: row.map(|r| r.state.as_str().to_string()),
         when: row.map(|r| r.expires_at_ms),
         remaining: Some(remaining),
+        ..GateReply::made(outcome)
     })
 }
 
@@ -387,11 +464,10 @@ fn refusal(
     remaining: Option<i64>,
 ) -> GateReply {
     GateReply {
-        outcome: outcome.to_string(),
         user: user.map(str::to_string),
         quantity,
-        state: None,
         when,
         remaining,
+        ..GateReply::made(outcome)
     }
 }

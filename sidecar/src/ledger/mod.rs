@@ -14,13 +14,14 @@
 //! - [`outbox`]: canonical event JSON, the dispatcher, the consumer's dedup helper.
 //! - [`fences`]: lock fence high-water marks and fenced writes.
 
+pub mod authority;
 pub mod fallback;
 pub mod fences;
 pub mod outbox;
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use sqlx::any::{AnyPoolOptions, AnyRow};
+
+use crate::clock::now_ms;
 use sqlx::{Any, AnyPool, Row, Transaction};
 use tokio::sync::{mpsc, oneshot};
 
@@ -40,6 +41,34 @@ pub enum LedgerError {
     Sql(#[from] sqlx::Error),
     #[error("the ledger's writer stopped")]
     WriterGone,
+    /// The fallback gate was asked to decide while the ledger is not the drop's
+    /// authority (another sidecar reopened the gate, or never left it).
+    #[error("the ledger is not deciding admissions for this drop: {0}")]
+    NotAuthority(String),
+    #[error("the ledger lost a race {0} times in a row")]
+    Contended(usize),
+}
+
+/// Why a change the Redis gate made was not recorded. Each is about that change
+/// alone: the others of its group commit are recorded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// The ledger's authority for the drop is not the gate at the epoch the change
+    /// was made under: a stale gate (the fallback took over, or a rebuild began).
+    #[error(
+        "the gate was not the authority for this drop when it decided (epoch {epoch}; the ledger: {current})"
+    )]
+    NotAuthority { epoch: i64, current: String },
+    /// Admitting it would take the ledger's count below zero: Redis admitted a unit
+    /// that the ledger holds for someone else (Redis is behind the ledger).
+    #[error("the ledger's count has only {available} units left for this drop")]
+    SoldOut { available: i64 },
+    /// Redis numbered the change with a number the ledger already holds: it lost
+    /// acknowledged writes.
+    #[error("Redis handed out change number {0} a second time: it lost acknowledged writes")]
+    SeqReused(i64),
+    #[error("the ledger failed: {0}")]
+    Failed(String),
 }
 
 /// A reservation's state as both stores spell it.
@@ -90,24 +119,47 @@ impl State {
 /// One change of one reservation, as the Redis gate decided it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Change {
-    /// `namespace/name`.
+    /// `namespace/name/sale` ([`dropgate_api::keys::ledger_key`]).
     pub drop_key: String,
     pub limit: i64,
+    /// The drop's generation the limit comes from: an older one never moves it.
+    pub generation: i64,
     pub key: String,
     pub user: String,
     pub quantity: i64,
     pub state: State,
     pub expires_at_ms: i64,
+    /// Redis's number for the change (see [`dropgate_api::DropKeys::seq`]).
+    pub seq: Option<i64>,
+    /// The gate's epoch the change was made under.
+    pub epoch: i64,
+    /// An expiry of a hold Redis still had as pending: news only if the ledger
+    /// recorded the admission (a sidecar died between the commit and activation).
+    pub from_pending: bool,
 }
 
-type Pending = (Change, oneshot::Sender<Result<(), String>>);
+type Pending = (Change, oneshot::Sender<Result<(), RecordError>>);
+
+/// Which database is behind the `Any` pool: the few statements that differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
 
 /// An open ledger.
 #[derive(Debug, Clone)]
 pub struct Ledger {
     pool: AnyPool,
     writer: mpsc::Sender<Pending>,
+    backend: Backend,
+    /// This ledger's identity, made on first open: sidecars sharing a PostgreSQL
+    /// ledger share it, per-pod ledgers each have their own.
+    id: String,
 }
+
+pub use authority::{Authority, Holder};
+pub use fallback::Recorded;
 
 /// Most changes one group commit takes.
 const BATCH: usize = 512;
@@ -120,6 +172,11 @@ impl Ledger {
         let failed = |source| LedgerError::Open {
             url: dropgate_api::redact_url(url),
             source,
+        };
+        let backend = if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else {
+            Backend::Postgres
         };
         let (url, connections) = if url.starts_with("sqlite:") {
             // One connection: SQLite has one writer anyway, and a single connection
@@ -157,34 +214,76 @@ impl Ledger {
             .await
             .map_err(failed)?;
         sqlx::migrate!("./migrations").run(&pool).await?;
+        let id = ledger_id(&pool).await?;
         let (writer, queue) = mpsc::channel(BATCH * 4);
-        tokio::spawn(group_commit(pool.clone(), queue));
-        Ok(Self { pool, writer })
+        tokio::spawn(group_commit(pool.clone(), backend, queue));
+        Ok(Self {
+            pool,
+            writer,
+            backend,
+            id,
+        })
     }
 
     pub fn pool(&self) -> &AnyPool {
         &self.pool
     }
 
+    /// This ledger's identity (see [`dropgate_api::DropKeys::ledgers`]).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether this is a SQLite ledger: one per pod, unless only one pod sells.
+    pub fn is_per_pod(&self) -> bool {
+        self.backend == Backend::Sqlite
+    }
+
     /// Records a change the Redis gate made, with its outbox event, durably: it
     /// returns after the transaction holding it committed. Recording the same change
-    /// twice changes nothing.
-    pub async fn record(&self, change: Change) -> Result<(), LedgerError> {
+    /// twice changes nothing. In the same transaction the ledger checks that the
+    /// gate is its authority for the drop at the change's epoch, and that an
+    /// admission fits its own count of the drop's stock: a stale or wrong Redis is
+    /// refused here, whatever it answered.
+    pub async fn record(&self, change: Change) -> Result<(), RecordError> {
         let (done, wait) = oneshot::channel();
-        self.writer
-            .send((change, done))
-            .await
-            .map_err(|_| LedgerError::WriterGone)?;
-        wait.await
-            .map_err(|_| LedgerError::WriterGone)?
-            .map_err(|e| LedgerError::Sql(sqlx::Error::Protocol(e)))
+        let gone = || RecordError::Failed("the ledger's writer stopped".into());
+        self.writer.send((change, done)).await.map_err(|_| gone())?;
+        wait.await.map_err(|_| gone())?
+    }
+}
+
+/// Reads this ledger's id, making one on first open.
+async fn ledger_id(pool: &AnyPool) -> Result<String, sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO ledger_meta (name, value) VALUES ('id', $1) ON CONFLICT (name) DO NOTHING",
+    )
+    .bind(format!("{:016x}", rand::random::<u64>()))
+    .execute(pool)
+    .await?;
+    sqlx::query("SELECT value FROM ledger_meta WHERE name = 'id'")
+        .fetch_one(pool)
+        .await?
+        .try_get(0)
+}
+
+/// Why a group commit did not commit.
+enum CommitError {
+    Sql(sqlx::Error),
+    /// The batch's admissions do not fit the ledger's count of this drop's stock.
+    Overdrawn(String),
+}
+
+impl From<sqlx::Error> for CommitError {
+    fn from(error: sqlx::Error) -> Self {
+        CommitError::Sql(error)
     }
 }
 
 /// The writer task: one transaction for everything that queued up while the last
 /// commit ran. A batch that fails is retried change by change, so that one bad
 /// change cannot fail the others.
-async fn group_commit(pool: AnyPool, mut queue: mpsc::Receiver<Pending>) {
+async fn group_commit(pool: AnyPool, backend: Backend, mut queue: mpsc::Receiver<Pending>) {
     while let Some(first) = queue.recv().await {
         let mut batch = vec![first];
         while batch.len() < BATCH {
@@ -194,98 +293,205 @@ async fn group_commit(pool: AnyPool, mut queue: mpsc::Receiver<Pending>) {
             }
         }
         let changes: Vec<&Change> = batch.iter().map(|(c, _)| c).collect();
-        match commit(&pool, &changes).await {
-            Ok(()) => {
-                for (_, done) in batch {
-                    let _ = done.send(Ok(()));
+        match commit(&pool, backend, &changes).await {
+            Ok(verdicts) => {
+                for ((_, done), verdict) in batch.into_iter().zip(verdicts) {
+                    let _ = done.send(verdict);
                 }
             }
             Err(_) if batch.len() > 1 => {
                 for (change, done) in batch {
-                    let _ = done.send(commit(&pool, &[&change]).await.map_err(|e| e.to_string()));
+                    let verdict = match commit(&pool, backend, &[&change]).await {
+                        Ok(mut verdicts) => verdicts.pop().unwrap_or(Ok(())),
+                        Err(e) => Err(single_failure(&pool, &change, e).await),
+                    };
+                    let _ = done.send(verdict);
                 }
             }
             Err(e) => {
-                for (_, done) in batch {
-                    let _ = done.send(Err(e.to_string()));
+                if let Some((change, done)) = batch.pop() {
+                    let _ = done.send(Err(single_failure(&pool, &change, e).await));
                 }
             }
         }
     }
 }
 
-async fn commit(pool: &AnyPool, changes: &[&Change]) -> Result<(), sqlx::Error> {
+/// What a change that failed on its own is told.
+async fn single_failure(pool: &AnyPool, change: &Change, error: CommitError) -> RecordError {
+    match error {
+        CommitError::Overdrawn(drop_key) => {
+            let available = sqlx::query("SELECT available FROM stock WHERE drop_key = $1")
+                .bind(drop_key)
+                .fetch_optional(pool)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|row| row.try_get::<i64, _>(0).ok())
+                .unwrap_or(0);
+            RecordError::SoldOut { available }
+        }
+        CommitError::Sql(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+            RecordError::SeqReused(change.seq.unwrap_or(0))
+        }
+        CommitError::Sql(e) => RecordError::Failed(e.to_string()),
+    }
+}
+
+/// One group commit: per drop, the authority row (read with a shared lock on
+/// PostgreSQL, so a hand-over waits for commits in flight and they for it) and the
+/// stock row moved once by the batch's net units, refused if that would take it
+/// below zero; per change, the reservation row and the outbox event. Returns each
+/// change's verdict; a change from a stale epoch is refused and the rest commit.
+async fn commit(
+    pool: &AnyPool,
+    backend: Backend,
+    changes: &[&Change],
+) -> Result<Vec<Result<(), RecordError>>, CommitError> {
+    let now = now_ms();
     let mut tx = pool.begin().await?;
+    let mut drops: Vec<(&str, Option<Authority>, &Change)> = Vec::new();
     for change in changes {
-        apply_gate_change(&mut tx, change, now_ms()).await?;
+        match drops.iter_mut().find(|(key, ..)| *key == change.drop_key) {
+            Some(entry) if entry.2.generation < change.generation => entry.2 = change,
+            Some(_) => {}
+            None => {
+                let authority =
+                    authority::read_in(&mut tx, backend, &change.drop_key, true).await?;
+                drops.push((&change.drop_key, authority, change));
+            }
+        }
+    }
+    for (drop_key, _, newest) in &drops {
+        ensure_stock(&mut tx, drop_key, newest.limit, newest.generation).await?;
+    }
+    let mut verdicts = Vec::with_capacity(changes.len());
+    let mut units: Vec<(&str, i64)> = Vec::new();
+    let mut buyers: Vec<(&str, &str, i64)> = Vec::new();
+    for change in changes {
+        let authority = drops
+            .iter()
+            .find(|(key, ..)| *key == change.drop_key)
+            .and_then(|(_, authority, _)| authority.as_ref());
+        if let Err(refusal) = authority::admits_gate(authority, change.epoch) {
+            verdicts.push(Err(refusal));
+            continue;
+        }
+        let moved = apply_gate_change(&mut tx, change, now).await?;
+        if moved != 0 {
+            match units.iter_mut().find(|(key, _)| *key == change.drop_key) {
+                Some(entry) => entry.1 += moved,
+                None => units.push((&change.drop_key, moved)),
+            }
+            match buyers
+                .iter_mut()
+                .find(|(key, user, _)| *key == change.drop_key && *user == change.user)
+            {
+                Some(entry) => entry.2 -= moved,
+                None => buyers.push((&change.drop_key, &change.user, -moved)),
+            }
+        }
+        verdicts.push(Ok(()));
+    }
+    for (drop_key, moved) in units {
+        // Returns always apply (they pay a deficit back after a cut); admissions
+        // only while the count stays at or above zero.
+        let applied = sqlx::query(
+            "UPDATE stock SET available = available + $1 \
+             WHERE drop_key = $2 AND ($3 >= 0 OR available + $4 >= 0)",
+        )
+        .bind(moved)
+        .bind(drop_key)
+        .bind(moved)
+        .bind(moved)
+        .execute(&mut *tx)
+        .await?;
+        if applied.rows_affected() != 1 {
+            return Err(CommitError::Overdrawn(drop_key.to_string()));
+        }
+    }
+    for (drop_key, user, held) in buyers {
+        move_buyer(&mut tx, drop_key, user, held).await?;
     }
     crate::faults::check(crate::faults::Fault::BeforeLedgerCommit)
         .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-    tx.commit().await
+    tx.commit().await?;
+    Ok(verdicts)
 }
 
-/// Writes a change the Redis gate decided: the reservation row, the fallback stock
-/// and buyer counts kept in step, and the outbox event, all only if the change is
-/// new (a transition from a state that allows it).
+/// Writes a change the Redis gate decided: the reservation row and the outbox
+/// event, only if the change is new (a transition from a state that allows it).
+/// Returns the units it moves in the drop's stock (negative for an admission).
 async fn apply_gate_change(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
     now: i64,
-) -> Result<(), sqlx::Error> {
-    ensure_stock(tx, &change.drop_key, change.limit).await?;
-    let changed = if change.state == State::Active {
-        insert_reservation(tx, change, "gate", true, now).await?
-    } else {
-        let moved = transition(tx, &change.drop_key, &change.key, change.state, true, now).await?;
-        // A reservation this ledger never saw admitted (another pod's SQLite): keep
-        // its record, with no stock effect here.
-        if !moved && insert_reservation(tx, change, "gate", true, now).await? {
+) -> Result<i64, sqlx::Error> {
+    if change.state == State::Active {
+        if insert_reservation(tx, change, "gate", true, now).await? {
             write_event(tx, change, "gate", now).await?;
-            return Ok(());
+            return Ok(-change.quantity);
         }
-        moved
-    };
-    if changed {
-        adjust_holdings(tx, change, if change.state.holds_units() { -1 } else { 1 }).await?;
+        return Ok(0);
+    }
+    if transition(tx, change, true, now).await? {
+        write_event(tx, change, "gate", now).await?;
+        return Ok(if change.state.holds_units() {
+            0
+        } else {
+            change.quantity
+        });
+    }
+    // A reservation this ledger never saw admitted (another pod's SQLite ledger):
+    // keep its record and event, with no stock effect here. A pending admission
+    // that expired before any ledger recorded it is nobody's news.
+    if !change.from_pending && insert_reservation(tx, change, "gate", true, now).await? {
         write_event(tx, change, "gate", now).await?;
     }
-    Ok(())
+    Ok(0)
 }
 
-/// Creates the drop's stock row (limit minus what is held) or moves it to a new
-/// limit by the difference.
+/// Creates the drop's stock row (limit minus what is held) or moves it to the
+/// limit of a newer generation by the difference. A change carrying an older
+/// generation (a sidecar whose config is stale) never moves it.
 async fn ensure_stock(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     limit: i64,
+    generation: i64,
 ) -> Result<(), sqlx::Error> {
     // The row exists on every call but the first: a key look-up, not a scan.
-    let current: Option<AnyRow> = sqlx::query("SELECT lim FROM stock WHERE drop_key = $1")
+    let current: Option<AnyRow> = sqlx::query("SELECT generation FROM stock WHERE drop_key = $1")
         .bind(drop_key)
         .fetch_optional(&mut **tx)
         .await?;
     if let Some(row) = current {
-        let lim: i64 = row.try_get(0)?;
-        if lim != limit {
-            sqlx::query("UPDATE stock SET available = available + ($1 - lim), lim = $2 WHERE drop_key = $3 AND lim <> $4")
-                .bind(limit)
-                .bind(limit)
-                .bind(drop_key)
-                .bind(limit)
-                .execute(&mut **tx)
-                .await?;
+        let stored: i64 = row.try_get(0)?;
+        if generation > stored {
+            sqlx::query(
+                "UPDATE stock SET available = available + ($1 - lim), lim = $2, generation = $3 \
+                 WHERE drop_key = $4 AND generation < $5",
+            )
+            .bind(limit)
+            .bind(limit)
+            .bind(generation)
+            .bind(drop_key)
+            .bind(generation)
+            .execute(&mut **tx)
+            .await?;
         }
         return Ok(());
     }
     sqlx::query(
-        "INSERT INTO stock (drop_key, lim, available) \
-         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0) FROM reservations \
-         WHERE drop_key = $4 AND state IN ('active', 'confirmed') \
+        "INSERT INTO stock (drop_key, lim, available, generation) \
+         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4 FROM reservations \
+         WHERE drop_key = $5 AND state IN ('active', 'confirmed') \
          ON CONFLICT (drop_key) DO NOTHING",
     )
     .bind(drop_key)
     .bind(limit)
     .bind(limit)
+    .bind(generation)
     .bind(drop_key)
     .execute(&mut **tx)
     .await?;
@@ -302,8 +508,8 @@ async fn insert_reservation(
 ) -> Result<bool, sqlx::Error> {
     let inserted = sqlx::query(
         "INSERT INTO reservations \
-         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (drop_key, res_key) DO NOTHING",
+         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (drop_key, res_key) DO NOTHING",
     )
     .bind(&change.drop_key)
     .bind(&change.key)
@@ -314,38 +520,39 @@ async fn insert_reservation(
     .bind(change.expires_at_ms)
     .bind(now)
     .bind(i64::from(replayed))
+    .bind(change.seq)
     .execute(&mut **tx)
     .await?;
     Ok(inserted.rows_affected() == 1)
 }
 
-/// Moves a reservation to `to` if it is in a state that allows it (confirm and
-/// expire from active, cancel from active or confirmed); true when moved.
+/// Moves a reservation to the change's state if it is in a state that allows it
+/// (confirm and expire from active, cancel from active or confirmed); true when
+/// moved. Only forward, so a late or repeated change moves nothing.
 async fn transition(
     tx: &mut Transaction<'static, Any>,
-    drop_key: &str,
-    key: &str,
-    to: State,
+    change: &Change,
     replayed: bool,
     now: i64,
 ) -> Result<bool, sqlx::Error> {
-    let sql = match to {
+    let sql = match change.state {
         State::Active => return Ok(false),
         State::Confirmed | State::Expired => {
-            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3 \
-             WHERE drop_key = $4 AND res_key = $5 AND state = 'active'"
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
+             WHERE drop_key = $5 AND res_key = $6 AND state = 'active'"
         }
         State::Cancelled => {
-            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3 \
-             WHERE drop_key = $4 AND res_key = $5 AND state IN ('active', 'confirmed')"
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
+             WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed')"
         }
     };
     let query = sqlx::query(sql)
-        .bind(to.as_str())
+        .bind(change.state.as_str())
         .bind(now)
         .bind(i64::from(replayed))
-        .bind(drop_key)
-        .bind(key);
+        .bind(change.seq)
+        .bind(&change.drop_key)
+        .bind(&change.key);
     Ok(query.execute(&mut **tx).await?.rows_affected() == 1)
 }
 
@@ -362,25 +569,36 @@ async fn adjust_holdings(
         .bind(&change.drop_key)
         .execute(&mut **tx)
         .await?;
+    move_buyer(tx, &change.drop_key, &change.user, -units).await
+}
+
+/// Moves what `user` holds of a drop by `held` units.
+async fn move_buyer(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    user: &str,
+    held: i64,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
          ON CONFLICT (drop_key, user_id) DO NOTHING",
     )
-    .bind(&change.drop_key)
-    .bind(&change.user)
+    .bind(drop_key)
+    .bind(user)
     .execute(&mut **tx)
     .await?;
-    sqlx::query("UPDATE buyers SET held = held - $1 WHERE drop_key = $2 AND user_id = $3")
-        .bind(units)
-        .bind(&change.drop_key)
-        .bind(&change.user)
+    sqlx::query("UPDATE buyers SET held = held + $1 WHERE drop_key = $2 AND user_id = $3")
+        .bind(held)
+        .bind(drop_key)
+        .bind(user)
         .execute(&mut **tx)
         .await?;
     Ok(())
 }
 
 /// Appends the change's event to the outbox (once: the event id is the drop, the
-/// key and the transition).
+/// key and the transition). Redis's number for the change is unique per drop: a
+/// second change with the same number fails the transaction (Redis lost writes).
 async fn write_event(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
@@ -393,13 +611,18 @@ async fn write_event(
         change.key,
         change.state.event()
     );
+    let (drop, sale) = change
+        .drop_key
+        .rsplit_once('/')
+        .unwrap_or((change.drop_key.as_str(), ""));
     let payload = outbox::canonical(&serde_json::json!({
         "at": now,
-        "drop": change.drop_key,
+        "drop": drop,
         "eventId": event_id,
         "key": change.key,
         "path": path,
         "quantity": change.quantity,
+        "sale": sale,
         "type": change.state.event(),
         "user": change.user,
     }))
@@ -409,22 +632,16 @@ async fn write_event(
         .await?;
     let id: i64 = row.try_get(0)?;
     sqlx::query(
-        "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, sent_at_ms) \
-         VALUES ($1, $2, $3, $4, $5, NULL) ON CONFLICT (event_id) DO NOTHING",
+        "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, sent_at_ms, seq) \
+         VALUES ($1, $2, $3, $4, $5, NULL, $6) ON CONFLICT (event_id) DO NOTHING",
     )
     .bind(id)
     .bind(&event_id)
     .bind(&change.drop_key)
     .bind(payload)
     .bind(now)
+    .bind(change.seq)
     .execute(&mut **tx)
     .await?;
     Ok(())
-}
-
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

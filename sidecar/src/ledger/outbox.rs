@@ -7,7 +7,7 @@ use redis::aio::ConnectionManager;
 use serde_json::Value;
 use sqlx::{Any, AnyPool, Row, Transaction};
 
-use super::now_ms;
+use crate::clock::now_ms;
 use crate::faults::{self, Fault};
 
 /// Canonical JSON: keys sorted, no spaces; booleans and floats refused, so that the
@@ -61,7 +61,8 @@ pub async fn dispatch(
         let event_id: String = row.try_get(1).map_err(|e| e.to_string())?;
         let drop_key: String = row.try_get(2).map_err(|e| e.to_string())?;
         let payload: String = row.try_get(3).map_err(|e| e.to_string())?;
-        let Some((namespace, name)) = drop_key.split_once('/') else {
+        let Some((namespace, name)) = dropgate_api::keys::ledger_drop(&drop_key).split_once('/')
+        else {
             continue;
         };
         let stream = dropgate_api::DropKeys::new(namespace, name).events();

@@ -5,8 +5,6 @@ mod health;
 mod locks;
 mod reservations;
 
-pub use reservations::change_of;
-
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;

@@ -2,7 +2,6 @@
 //! look-up, on the Redis gate or, when the drop is off it, the ledger's fallback gate.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,11 +12,14 @@ use warp::reply::Response;
 use super::finish;
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
+use crate::clock::now_ms;
 use crate::drops::Drop;
 use crate::faults::{self, Fault};
 use crate::gate::{self, GateReply};
+use crate::handover::{self, Opening, Reason};
 use crate::input::{self, Reserve};
-use crate::ledger::{Change, State, now_ms};
+use crate::ledger::{LedgerError, RecordError, Recorded, State};
+use crate::record::{change_of, record_expiry};
 
 /// Seconds a throttled buyer is told to wait: permits free up as others confirm.
 const RETRY_AFTER_SECONDS: u64 = 1;
@@ -77,20 +79,105 @@ pub async fn lookup(drop: String, key: String, app: Arc<App>) -> Response {
     finish(&app, "lookup", started, answer)
 }
 
+/// Which gate decides a request, chosen once per attempt: the drop's mode, then the
+/// Redis breaker, then (after a Redis failure) the failure policy.
+enum Route {
+    Gate,
+    Fallback(Reason),
+    Refused(Answer),
+}
+
+fn route(app: &App, drop: &Drop, config: &DropConfig) -> Route {
+    match config.mode {
+        Mode::FailOpen => Route::Fallback(Reason::Mode),
+        Mode::Closed => Route::Refused(app.closed(drop)),
+        Mode::Gate => match app.redis_breaker() {
+            None => Route::Gate,
+            Some(unreachable) => after_redis_failure(app, drop, config, &unreachable),
+        },
+    }
+}
+
+/// Where a request goes when Redis failed under it.
+fn after_redis_failure(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    error: &redis::RedisError,
+) -> Route {
+    app.redis_failed(error);
+    match config.failure_policy {
+        FailurePolicy::Open => {
+            tracing::warn!(drop = %drop.name, %error, "Redis failed: fallback path");
+            Route::Fallback(Reason::Outage)
+        }
+        FailurePolicy::Closed => Route::Refused(app.redis_down(drop, error)),
+    }
+}
+
+/// How a turn on the gate ended.
+enum Turn<T> {
+    Done(T),
+    /// Go elsewhere (Redis failed, or the drop left the gate).
+    Reroute(Route),
+    /// The gate is closed or behind the ledger: open it and try again.
+    Reopen {
+        suspect: bool,
+    },
+}
+
+/// Opens the gate after a turn found it closed; `Ok` to try the gate again.
+async fn reopen(app: &App, drop: &Drop, suspect: bool) -> Result<(), Answer> {
+    match handover::open_gate(app, drop, suspect).await {
+        Opening::Open | Opening::NotGate(_) => Ok(()),
+        Opening::Busy => Err(being_rebuilt(drop)),
+        Opening::Refused(why) => Err(Answer::unavailable(why)),
+    }
+}
+
+/// 503 while another sidecar brings Redis in line with the ledger.
+fn being_rebuilt(drop: &Drop) -> Answer {
+    Answer::unavailable(format!(
+        "drop {} is being brought in line with the ledger before its gate opens: nothing was changed; retry",
+        drop.name
+    ))
+    .retry_after(RETRY_AFTER_SECONDS)
+}
+
 async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer> {
     let request = Reserve::parse(body).map_err(|e| Answer::invalid(e.0))?;
     let drop = app.find_drop(raw_drop).await?;
-    let config = drop.config();
-    if config.mode == Mode::FailOpen {
-        return admit_fallback(app, &drop, &config, &request).await;
-    }
-    if let Some(unreachable) = app.redis_breaker() {
-        return match config.failure_policy {
-            FailurePolicy::Open => admit_fallback(app, &drop, &config, &request).await,
-            FailurePolicy::Closed => Err(app.redis_down(&drop, &unreachable)),
+    let mut reopened = false;
+    loop {
+        let config = drop.config();
+        let turn = match route(app, &drop, &config) {
+            Route::Gate => admit_gate(app, &drop, &config, &request).await,
+            other => Turn::Reroute(other),
         };
+        match turn {
+            Turn::Done(answer) => return answer,
+            Turn::Reroute(Route::Fallback(reason)) => {
+                return admit_fallback(app, &drop, &config, &request, reason).await;
+            }
+            Turn::Reroute(Route::Refused(answer)) => return Err(answer),
+            Turn::Reroute(Route::Gate) => {}
+            Turn::Reopen { suspect } if !reopened => {
+                reopened = true;
+                reopen(app, &drop, suspect).await?;
+            }
+            Turn::Reopen { .. } => return Err(being_rebuilt(&drop)),
+        }
     }
-    app.replay(&drop).await;
+}
+
+/// One attempt at the Redis gate: admit pending, take a permit, make it durable in
+/// the ledger (which checks the gate's epoch and its own count), then activate.
+async fn admit_gate(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    request: &Reserve,
+) -> Turn<Result<Answer, Answer>> {
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
     let permit_wait = Duration::from_millis(config.acquire_timeout_ms);
@@ -106,89 +193,158 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
             &request.user,
             request.quantity,
             &attempt,
+            app.ledger.id(),
         )
         .await
         {
             Ok(reply) => reply,
-            Err(e) if config.failure_policy == FailurePolicy::Open => {
-                app.redis_failed(&e);
-                tracing::warn!(drop = %drop.name, error = %e, "Redis failed: fallback path");
-                return admit_fallback(app, &drop, &config, &request).await;
-            }
-            Err(e) => {
-                app.redis_failed(&e);
-                return Err(app.redis_down(&drop, &e));
-            }
+            Err(e) => return Turn::Reroute(after_redis_failure(app, drop, config, &e)),
         };
         if reply.outcome != "pending" || Instant::now() >= settle_by {
             break reply;
         }
         tokio::time::sleep(PENDING_POLL).await;
     };
+    record_expiry(app, drop, config, &request.key, &reply).await;
     match reply.outcome.as_str() {
         "admitted" => {}
-        "mode" if reply.state.as_deref() == Some("fail-open") => {
-            return admit_fallback(app, &drop, &config, &request).await;
+        "closed" => return Turn::Reopen { suspect: false },
+        "mode" => {
+            return Turn::Reroute(match reply.state.as_deref().and_then(Mode::parse) {
+                Some(Mode::FailOpen) => Route::Fallback(Reason::Mode),
+                _ => Route::Refused(app.closed(drop)),
+            });
         }
-        "mode" => return Err(app.not_gated(&drop, reply.state.as_deref().unwrap_or(""))),
         "pending" => {
-            return Err(throttled(
-                &config,
+            return Turn::Done(Err(throttled(
+                config,
                 "another request with this key is still waiting for a permit",
-            ));
+            )));
         }
-        _ => return refused(app, &drop, &request, &reply, Path::Gate),
+        _ => return Turn::Done(refused(app, drop, request, &reply, Path::Gate)),
     }
 
     let Some(permit) = drop.throttle.acquire(permit_wait).await else {
-        return match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
-            Ok(_) => Err(throttled(&config, "nothing was reserved")),
-            Err(e) => Err(Answer::unavailable(format!(
-                "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
-            ))),
-        };
+        return Turn::Done(
+            match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
+                Ok(_) => Err(throttled(config, "nothing was reserved")),
+                Err(e) => Err(Answer::unavailable(format!(
+                    "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
+                ))),
+            },
+        );
     };
     // A 201 means the admission is durable in the ledger: record it before the
-    // reservation is activated, and take it back if that fails.
-    let change = change_of(&drop, &config, &request.key, &reply, State::Active);
+    // reservation is activated, and take it back if that fails. The ledger refuses
+    // it if the gate was not its authority at this epoch, or if Redis admitted a
+    // unit the ledger's own count does not have.
+    let change = change_of(drop, config, &request.key, &reply, State::Active);
     let recorded = match faults::check(Fault::AfterRedisAdmit) {
-        Ok(()) => app.ledger.record(change).await.map_err(|e| e.to_string()),
-        Err(injected) => Err(injected.to_string()),
+        Ok(()) => app.ledger.record(change).await,
+        Err(injected) => Err(RecordError::Failed(injected.to_string())),
     };
-    if let Err(error) = recorded {
+    if let Err(refusal) = recorded {
         drop_permit(permit);
         let undone = gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await;
-        tracing::warn!(drop = %drop.name, %error, undone = undone.is_ok(), "ledger write failed");
-        return Err(Answer::unavailable(format!(
-            "the ledger could not record the reservation ({error}); nothing was reserved: retry the same key"
-        )));
+        tracing::warn!(drop = %drop.name, %refusal, undone = undone.is_ok(), "the ledger refused an admission");
+        return match refusal {
+            RecordError::NotAuthority { .. } => Turn::Reopen { suspect: false },
+            RecordError::SeqReused(_) => Turn::Reopen { suspect: true },
+            RecordError::SoldOut { available } => Turn::Done(Err(Answer::refusal(
+                StatusCode::CONFLICT,
+                "sold_out",
+                format!(
+                    "drop {} is sold out: the ledger has {} left, {} asked for",
+                    drop.name,
+                    available.max(0),
+                    request.quantity
+                ),
+            )
+            .with("remaining", available.max(0)))),
+            RecordError::Failed(error) => Turn::Done(Err(Answer::unavailable(format!(
+                "the ledger could not record the reservation ({error}); nothing was reserved: retry the same key"
+            )))),
+        };
     }
-    let active = gate::activate(&mut conn, &drop.keys, &request.key, &attempt)
-        .await
-        .map_err(|e| app.redis_down(&drop, &e))?;
+    // Durable from here on: whatever Redis does next, the buyer hears 201.
+    let active = match gate::activate(&mut conn, &drop.keys, &request.key, &attempt).await {
+        Ok(active) => active,
+        Err(error) => {
+            // Redis is in line again once the refresh replays the ledger's record
+            // (pending -> active); until then the hold still counts in Redis.
+            app.redis_failed(&error);
+            tracing::warn!(drop = %drop.name, %error, "activation failed after the ledger recorded the admission");
+            if let Err(error) = app
+                .ledger
+                .mark_unreplayed(&drop.ledger_key(), &request.key)
+                .await
+            {
+                tracing::warn!(drop = %drop.name, %error, "could not mark the admission for replay");
+            }
+            drop.throttle
+                .hold(&request.key, permit, reply.when.unwrap_or(0));
+            let shown = GateReply {
+                state: Some(State::Active.as_str().into()),
+                ..reply
+            };
+            return Turn::Done(Ok(reservation(
+                StatusCode::CREATED,
+                "admitted",
+                drop,
+                &request.key,
+                &shown,
+                Path::Gate,
+            )));
+        }
+    };
     if active.outcome != "admitted" {
-        // Redis expired it (and returned its units) while the ledger recorded it:
-        // record the expiry too, so that the two agree.
-        let expired = change_of(&drop, &config, &request.key, &active, State::Expired);
+        // Redis expired it while it waited (the expiry's caller recorded it).
+        let expired = change_of(drop, config, &request.key, &active, State::Expired);
         if let Err(error) = app.ledger.record(expired).await {
             tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
         }
-        return Err(throttled(&config, "the admission expired while it waited"));
+        return Turn::Done(Err(throttled(
+            config,
+            "the admission expired while it waited",
+        )));
     }
     drop.throttle
         .hold(&request.key, permit, active.when.unwrap_or(0));
-    Ok(reservation(
+    Turn::Done(Ok(reservation(
         StatusCode::CREATED,
         "admitted",
-        &drop,
+        drop,
         &request.key,
         &active,
         Path::Gate,
-    ))
+    )))
 }
 
 fn drop_permit(permit: tokio::sync::OwnedSemaphorePermit) {
     std::mem::drop(permit);
+}
+
+/// Runs a fallback-gate call; when the ledger is not the drop's authority yet,
+/// hands the drop to it (if it may be) and runs the call once more.
+async fn on_fallback<F, Fut>(
+    app: &App,
+    drop: &Drop,
+    reason: Reason,
+    call: F,
+) -> Result<GateReply, Answer>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<GateReply, LedgerError>>,
+{
+    match call().await {
+        Err(LedgerError::NotAuthority(_)) => {
+            handover::hand_to_ledger(app, drop, reason)
+                .await
+                .map_err(|why| Answer::unavailable(why).via_fallback())?;
+            call().await.map_err(|e| ledger_failed(drop, &e))
+        }
+        other => other.map_err(|e| ledger_failed(drop, &e)),
+    }
 }
 
 /// Reserve on the ledger's gate: same checks, same answers.
@@ -197,6 +353,7 @@ async fn admit_fallback(
     drop: &Drop,
     config: &DropConfig,
     request: &Reserve,
+    reason: Reason,
 ) -> Result<Answer, Answer> {
     let now = now_ms();
     if config.starts_at_ms.is_some_and(|start| now < start) {
@@ -214,19 +371,18 @@ async fn admit_fallback(
     let Some(permit) = drop.throttle.acquire(wait).await else {
         return Err(throttled(config, "nothing was reserved").via_fallback());
     };
-    let reply = app
-        .ledger
-        .fallback_reserve(
-            &drop.ledger_key(),
+    let ledger_key = drop.ledger_key();
+    let reply = on_fallback(app, drop, reason, || {
+        app.ledger.fallback_reserve(
+            &ledger_key,
             config,
             &request.key,
             &request.user,
             request.quantity,
             now,
         )
-        .await
-        .map_err(|e| ledger_failed(drop, &e))?;
-    drop.needs_replay.store(true, Ordering::Relaxed);
+    })
+    .await?;
     if reply.outcome == "admitted" {
         drop.throttle
             .hold(&request.key, permit, reply.when.unwrap_or(0));
@@ -253,12 +409,8 @@ fn ledger_failed(drop: &Drop, error: &crate::ledger::LedgerError) -> Answer {
 
 fn window_reply(outcome: &str, when: Option<i64>) -> GateReply {
     GateReply {
-        outcome: outcome.into(),
-        user: None,
-        quantity: None,
-        state: None,
         when,
-        remaining: None,
+        ..GateReply::made(outcome)
     }
 }
 
@@ -359,31 +511,26 @@ async fn settle(
 ) -> Result<Answer, Answer> {
     let key = input::path_id("key", raw_key).map_err(|e| Answer::invalid(e.0))?;
     let drop = app.find_drop(raw_drop).await?;
-    let config = drop.config();
-    let (reply, path) = if config.mode == Mode::FailOpen {
-        (
-            settle_fallback(app, &drop, &config, &key, to).await?,
-            Path::Fallback,
-        )
-    } else {
-        let gated = match app.redis_breaker() {
-            Some(unreachable) => Err(unreachable),
-            None => settle_gate(app, &drop, &config, &key, to).await,
+    let mut reopened = false;
+    let (config, reply, path) = loop {
+        let config = drop.config();
+        let turn = match route(app, &drop, &config) {
+            Route::Gate => settle_gate(app, &drop, &config, &key, to).await,
+            other => Turn::Reroute(other),
         };
-        match gated {
-            Ok(reply) => (reply, Path::Gate),
-            Err(e) if config.failure_policy == FailurePolicy::Open => {
-                app.redis_failed(&e);
-                tracing::warn!(drop = %drop.name, error = %e, "Redis failed: fallback path");
-                (
-                    settle_fallback(app, &drop, &config, &key, to).await?,
-                    Path::Fallback,
-                )
+        match turn {
+            Turn::Done(reply) => break (config, reply, Path::Gate),
+            Turn::Reroute(Route::Fallback(reason)) => {
+                let reply = settle_fallback(app, &drop, &config, &key, to, reason).await?;
+                break (config, reply, Path::Fallback);
             }
-            Err(e) => {
-                app.redis_failed(&e);
-                return Err(app.redis_down(&drop, &e));
+            Turn::Reroute(Route::Refused(answer)) => return Err(answer),
+            Turn::Reroute(Route::Gate) => {}
+            Turn::Reopen { suspect } if !reopened => {
+                reopened = true;
+                reopen(app, &drop, suspect).await?;
             }
+            Turn::Reopen { .. } => return Err(being_rebuilt(&drop)),
         }
     };
     if matches!(
@@ -409,9 +556,20 @@ async fn settle(
             "not_found",
             format!("no reservation with key {key} in drop {name}"),
         ))),
+        (_, "recording") => Err(Answer::unavailable(format!(
+            "reservation {key} is still being recorded: nothing was changed; retry"
+        ))
+        .retry_after(RETRY_AFTER_SECONDS)),
         (_, "expired") => refused(
             StatusCode::CONFLICT,
             format!("reservation {key} expired and its units went back to stock"),
+        ),
+        (_, "gate_record_expired") => refused(
+            StatusCode::CONFLICT,
+            format!(
+                "the gate's record of reservation {key} has expired (the ledger keeps it {}): it can no longer change",
+                reply.state.as_deref().unwrap_or("")
+            ),
         ),
         (Some(State::Confirmed), "cancelled") => refused(
             StatusCode::CONFLICT,
@@ -444,41 +602,51 @@ async fn settle_gate(
     config: &DropConfig,
     key: &str,
     to: Option<State>,
-) -> redis::RedisResult<GateReply> {
+) -> Turn<GateReply> {
     let mut conn = app.redis.clone();
-    let run = |mut conn: redis::aio::ConnectionManager| async move {
-        match to {
-            Some(State::Confirmed) => gate::confirm(&mut conn, &drop.keys, key).await,
-            Some(_) => gate::cancel(&mut conn, &drop.keys, key).await,
-            None => gate::lookup(&mut conn, &drop.keys, key).await,
-        }
+    let reply = match to {
+        Some(State::Confirmed) => gate::confirm(&mut conn, &drop.keys, key).await,
+        Some(_) => gate::cancel(&mut conn, &drop.keys, key).await,
+        None => gate::lookup(&mut conn, &drop.keys, key).await,
     };
-    app.replay(drop).await;
-    let reply = run(conn.clone()).await?;
-    if reply.outcome != "not_found" {
-        return Ok(reply);
+    let reply = match reply {
+        Ok(reply) => reply,
+        Err(e) => return Turn::Reroute(after_redis_failure(app, drop, config, &e)),
+    };
+    if reply.outcome == "closed" {
+        return Turn::Reopen { suspect: false };
     }
-    // Perhaps admitted on another sidecar's fallback path and not replayed yet.
+    record_expiry(app, drop, config, key, &reply).await;
+    if reply.outcome != "not_found" {
+        return Turn::Done(reply);
+    }
+    // Redis has no granted marker of this sale: an admission still being recorded,
+    // or a marker that outlived its TTL. Answer from the ledger's record, moving no
+    // unit: replaying it here would take its units a second time.
     match app.ledger.reservation(&drop.ledger_key(), key).await {
-        Ok(Some(row)) => {
-            gate::replay(
-                &mut conn,
-                &drop.keys,
-                key,
-                &row.user,
-                row.quantity,
-                row.state.as_str(),
-                row.expires_at_ms,
-            )
-            .await?;
-            let _ = app
-                .ledger
-                .mark_replayed(&drop.ledger_key(), key, row.state)
-                .await;
-            let _ = config;
-            run(conn).await
-        }
-        _ => Ok(reply),
+        Ok(Some(row)) => Turn::Done(from_ledger(row, to, reply.remaining)),
+        _ => Turn::Done(reply),
+    }
+}
+
+/// What the ledger's record says when Redis has no marker for the key.
+fn from_ledger(row: Recorded, to: Option<State>, remaining: Option<i64>) -> GateReply {
+    let outcome = match (to, row.state) {
+        (None, _) => "found",
+        (_, State::Active) if row.expires_at_ms > now_ms() => "recording",
+        (_, State::Active | State::Expired) => "expired",
+        (Some(State::Confirmed), State::Confirmed) => "already_confirmed",
+        (Some(State::Cancelled), State::Cancelled) => "already_cancelled",
+        (Some(State::Confirmed), State::Cancelled) => "cancelled",
+        _ => "gate_record_expired",
+    };
+    GateReply {
+        user: Some(row.user),
+        quantity: Some(row.quantity),
+        state: Some(row.state.as_str().into()),
+        when: Some(row.expires_at_ms),
+        remaining,
+        ..GateReply::made(outcome)
     }
 }
 
@@ -488,14 +656,14 @@ async fn settle_fallback(
     config: &DropConfig,
     key: &str,
     to: Option<State>,
+    reason: Reason,
 ) -> Result<GateReply, Answer> {
-    let reply = app
-        .ledger
-        .fallback_settle(&drop.ledger_key(), config, key, to, now_ms())
-        .await
-        .map_err(|e| ledger_failed(drop, &e))?;
-    drop.needs_replay.store(true, Ordering::Relaxed);
-    Ok(reply)
+    let ledger_key = drop.ledger_key();
+    on_fallback(app, drop, reason, || {
+        app.ledger
+            .fallback_settle(&ledger_key, config, key, to, now_ms())
+    })
+    .await
 }
 
 /// Records in the ledger what the Redis gate decided for a confirm or cancel (also
@@ -510,36 +678,21 @@ async fn record_settled(
     let state = match reply.outcome.as_str() {
         "confirmed" | "already_confirmed" => State::Confirmed,
         "cancelled" | "already_cancelled" => State::Cancelled,
-        "expired" => State::Expired,
         _ => return Ok(()),
     };
+    if reply.epoch.is_none() {
+        // Answered from the ledger's own record: nothing to record.
+        return Ok(());
+    }
     app.ledger
         .record(change_of(drop, config, key, reply, state))
         .await
         .map_err(|e| {
             Answer::unavailable(format!(
-                "Redis has the reservation {} but the ledger could not record it ({e}): retry",
+                "Redis has the reservation {} but the ledger did not record it ({e}): retry",
                 state.as_str()
             ))
         })
-}
-
-pub fn change_of(
-    drop: &Drop,
-    config: &DropConfig,
-    key: &str,
-    reply: &GateReply,
-    state: State,
-) -> Change {
-    Change {
-        drop_key: drop.ledger_key(),
-        limit: config.limit,
-        key: key.to_string(),
-        user: reply.user.clone().unwrap_or_default(),
-        quantity: reply.quantity.unwrap_or(0),
-        state,
-        expires_at_ms: reply.when.unwrap_or(0),
-    }
 }
 
 /// An answer that shows the reservation.

@@ -132,6 +132,17 @@ impl Sidecar {
             .expect("answers")
     }
 
+    /// The ledger key of drop `drop`'s current sale (`shop/drop/sale`).
+    pub fn ledger_key(&self, drop: &str) -> String {
+        let mut conn = self.redis.connection().expect("connect");
+        let sale: String = redis::cmd("HGET")
+            .arg(format!("dropgate:{{{NS}/{drop}}}:config"))
+            .arg("sale")
+            .query(&mut conn)
+            .expect("HGET sale");
+        dropgate_api::keys::ledger_key(NS, drop, &sale)
+    }
+
     pub fn remaining(&self, drop: &str) -> i64 {
         self.int(&format!("dropgate:{{{NS}/{drop}}}:remaining"))
     }
@@ -149,14 +160,18 @@ impl Sidecar {
             .unwrap_or(0)
     }
 
-    /// Every key with its full contents: equal snapshots mean nothing changed. The
-    /// outbox's event streams are left out: the dispatcher appends to them on its
-    /// own schedule.
+    /// Every key with its full contents: equal snapshots mean nothing changed. Left
+    /// out: the outbox's event streams (the dispatcher appends to them on its own
+    /// schedule), the gate's epoch (the first request to a drop opens its gate,
+    /// whatever it is answered) and the change counter (an undone admission leaves
+    /// a gap in the numbers, which means nothing).
     pub fn snapshot(&self) -> BTreeMap<String, String> {
         let mut conn = self.redis.connection().expect("connect");
         let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
         keys.into_iter()
-            .filter(|key| !key.ends_with(":events"))
+            .filter(|key| {
+                !key.ends_with(":events") && !key.ends_with(":gate") && !key.ends_with(":seq")
+            })
             .map(|key| {
                 let dump: Vec<u8> = redis::cmd("DUMP").arg(&key).query(&mut conn).expect("DUMP");
                 (key, format!("{dump:?}"))
@@ -229,12 +244,13 @@ pub async fn ledger_of(sidecar: &Sidecar) -> dropgate_sidecar::ledger::Ledger {
     .expect("the sidecar's ledger opens")
 }
 
-/// Each reservation's state in the ledger of drop `shop/sale`, by key.
+/// Each reservation's state in the ledger of drop `shop/sale` (any sale of it), by
+/// key.
 pub async fn ledger_states(
     ledger: &dropgate_sidecar::ledger::Ledger,
 ) -> std::collections::HashMap<String, String> {
     use sqlx::Row;
-    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key = 'shop/sale'")
+    sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key LIKE 'shop/sale/%'")
         .fetch_all(ledger.pool())
         .await
         .expect("query")

@@ -1,0 +1,335 @@
+//! Moving a drop between its two gates, one authority at a time.
+//!
+//! The ledger's authority row (see [`crate::ledger::authority`]) says who decides
+//! admissions; Redis's gate key says whether the gate is open and at which epoch.
+//! This module is the only one that moves either:
+//!
+//! - [`open_gate`]: the gate opens (or reopens after the fallback, or after Redis
+//!   lost data) only once Redis holds everything the ledger recorded: the ledger
+//!   first moves to `replaying` at a new epoch (refusing every change from an older
+//!   one), the gate is closed in Redis, every recorded reservation is replayed
+//!   forward into Redis, the change counter is raised past the ledger's, and only
+//!   then does Redis open at the new epoch.
+//! - [`hand_to_ledger`]: the fallback gate takes over (kill switch, or a Redis
+//!   outage that no peer sharing the ledger can see past), after the gate was closed
+//!   in Redis where Redis is reachable.
+//! - [`check`]: the refresh loop's look for evidence that Redis is behind the
+//!   ledger (its gate key gone, its change counter below the ledger's), which
+//!   starts a rebuild; and its note that this sidecar reached Redis.
+//!
+//! A per-pod (SQLite) ledger holds only its own pod's sales: once another ledger has
+//! been seen admitting for the drop, its fallback would oversell and its rebuild would
+//! be partial, so it refuses both and the drop is closed on this sidecar instead.
+
+use dropgate_api::Mode;
+
+use crate::app::App;
+use crate::clock::now_ms;
+use crate::drops::Drop;
+use crate::gate;
+use crate::ledger::{Authority, Holder};
+
+/// How an attempt to open the gate ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Opening {
+    /// The gate is open at the ledger's epoch: use it.
+    Open,
+    /// The drop is not on the gate any more (the operator's mode changed).
+    NotGate(Mode),
+    /// Another sidecar is bringing Redis in line right now.
+    Busy,
+    /// It cannot be opened from here; the sentence says why.
+    Refused(String),
+}
+
+/// Rows replayed per ledger read during a rebuild.
+const REBUILD_BATCH: i64 = 512;
+/// A replay that has not finished this long after it began was abandoned (its
+/// sidecar died): another sidecar may start over at a new epoch.
+const REPLAY_ABANDONED_MS: i64 = 10_000;
+
+/// Opens the gate of `drop` if it is closed or behind the ledger. With `suspect`
+/// (a sidecar saw Redis hand out a change number twice) Redis is rebuilt even if
+/// its counter looks in line.
+pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
+    let _one_at_a_time = drop.handover.lock().await;
+    match try_open(app, drop, suspect).await {
+        Ok(opening) => opening,
+        Err(why) => {
+            tracing::warn!(drop = %drop.name, %why, "the gate could not be opened");
+            Opening::Refused(why)
+        }
+    }
+}
+
+async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, String> {
+    let mut conn = app.redis.clone();
+    // The operator may have moved the drop off the gate: read its config afresh.
+    let config = match app.drops.refresh(&mut conn, &drop.name).await {
+        Ok(Some(_)) => drop.config(),
+        Ok(None) => return Err(format!("drop {} is no longer published", drop.name)),
+        Err(e) => return Err(e.to_string()),
+    };
+    if config.mode != Mode::Gate {
+        return Ok(Opening::NotGate(config.mode));
+    }
+    let key = drop.ledger_key();
+    // The ledger first: every number it holds was handed out by Redis before it was
+    // recorded, so a Redis read afterwards is at least as far unless Redis lost it.
+    let authority = app
+        .ledger
+        .authority(&key)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
+    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys)
+        .await
+        .map_err(|e| format!("Redis: {e}"))?;
+    let redis_behind = suspect || redis_seq < ledger_seq;
+    let now = now_ms();
+
+    if let (Some(a), Some(g)) = (&authority, gate)
+        && a.holder != Holder::Ledger
+        && a.epoch == g
+        && !redis_behind
+    {
+        if a.holder == Holder::Replaying {
+            // Redis opened at this epoch after its replay: only the bookkeeping
+            // was left (or its sidecar died just before it).
+            let _ = app.ledger.finish_replay(&key, g).await;
+        }
+        return Ok(Opening::Open);
+    }
+    if let Some(a) = &authority
+        && a.holder == Holder::Replaying
+        && now - a.changed_at_ms < REPLAY_ABANDONED_MS
+        && gate != Some(a.epoch)
+    {
+        return Ok(Opening::Busy);
+    }
+    let lost = authority.is_some() && (gate.is_none() || redis_behind);
+    if lost
+        && app.ledger.is_per_pod()
+        && app
+            .ledger
+            .has_peers(&key)
+            .await
+            .map_err(|e| e.to_string())?
+    {
+        return Err(format!(
+            "Redis lost writes of drop {} and this sidecar's ledger is one of several per-pod ledgers: \
+             none holds the whole sale, so the drop stays closed here (use a shared PostgreSQL ledger)",
+            drop.name
+        ));
+    }
+
+    // A gate opened by a sidecar with another ledger (per-pod ledgers), on a Redis
+    // that lost nothing: join its epoch after replaying this ledger's own rows.
+    if let Some(g) = gate
+        && authority.as_ref().is_none_or(|a| a.epoch < g)
+        && !redis_behind
+    {
+        let begun = app
+            .ledger
+            .begin_replay(&key, authority.as_ref(), g - 1, now)
+            .await
+            .map_err(|e| e.to_string())?;
+        let Some(epoch) = begun else {
+            return Ok(Opening::Busy);
+        };
+        rebuild(app, drop, &key).await?;
+        app.ledger
+            .finish_replay(&key, epoch)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(Opening::Open);
+    }
+
+    let floor = gate.unwrap_or(0);
+    let Some(epoch) = app
+        .ledger
+        .begin_replay(&key, authority.as_ref(), floor, now)
+        .await
+        .map_err(|e| e.to_string())?
+    else {
+        return Ok(Opening::Busy);
+    };
+    tracing::info!(drop = %drop.name, epoch, lost, ?gate, redis_seq, ledger_seq, ?authority, "bringing Redis in line with the ledger");
+    gate::close(&mut conn, &drop.keys, epoch)
+        .await
+        .map_err(|e| format!("Redis: {e}"))?;
+    rebuild(app, drop, &key).await?;
+    let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
+    let opened = gate::open(&mut conn, &drop.keys, epoch, ledger_seq)
+        .await
+        .map_err(|e| format!("Redis: {e}"))?;
+    if opened.outcome == "not_found" {
+        return Err(format!("drop {} is no longer published", drop.name));
+    }
+    app.ledger
+        .finish_replay(&key, epoch)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(Opening::Open)
+}
+
+/// Replays every reservation the ledger recorded for the drop into Redis, forward
+/// only: what Redis already has as far or further is left alone.
+async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, String> {
+    let mut conn = app.redis.clone();
+    let mut after = String::new();
+    let mut replayed = 0;
+    loop {
+        let rows = app
+            .ledger
+            .recorded_after(key, &after, REBUILD_BATCH)
+            .await
+            .map_err(|e| e.to_string())?;
+        let Some(last) = rows.last() else {
+            return Ok(replayed);
+        };
+        after = last.key.clone();
+        for row in &rows {
+            let reply = gate::replay(&mut conn, &drop.keys, row)
+                .await
+                .map_err(|e| format!("Redis: {e}"))?;
+            if reply.outcome == "replayed" {
+                replayed += 1;
+            }
+            app.ledger
+                .mark_replayed(key, &row.key, row.state)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+    }
+}
+
+/// Replays the ledger's changes Redis has not seen (an activation that failed
+/// after its admission was recorded), forward only.
+pub async fn replay_unseen(app: &App, drop: &Drop) -> Result<usize, String> {
+    let key = drop.ledger_key();
+    let mut conn = app.redis.clone();
+    let rows = app
+        .ledger
+        .unreplayed(&key, REBUILD_BATCH)
+        .await
+        .map_err(|e| e.to_string())?;
+    for row in &rows {
+        gate::replay(&mut conn, &drop.keys, row)
+            .await
+            .map_err(|e| format!("Redis: {e}"))?;
+        app.ledger
+            .mark_replayed(&key, &row.key, row.state)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(rows.len())
+}
+
+/// Why the fallback gate is wanted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The operator put the drop on the fallback (kill switch, or HA missing).
+    Mode,
+    /// This sidecar cannot reach Redis and the failure policy is Open.
+    Outage,
+}
+
+/// Makes the ledger the drop's authority, or says why it may not be. The ledger
+/// may decide only when it holds the whole sale (not a per-pod ledger among
+/// others) and, for an outage, when no sidecar sharing it has reached Redis lately.
+pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Authority, String> {
+    let _one_at_a_time = drop.handover.lock().await;
+    let key = drop.ledger_key();
+    let config = drop.config();
+    if app
+        .ledger
+        .has_peers(&key)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        return Err(format!(
+            "this sidecar's ledger is per pod and other sidecars with ledgers of their own sell drop {}: \
+             its fallback gate would oversell, so nothing is sold here until Redis gates again \
+             (use a shared PostgreSQL ledger)",
+            drop.name
+        ));
+    }
+    let current = app
+        .ledger
+        .authority(&key)
+        .await
+        .map_err(|e| e.to_string())?;
+    if let Some(current) = current.as_ref().filter(|a| a.holder == Holder::Ledger) {
+        return Ok(current.clone());
+    }
+    let now = now_ms();
+    let quiet_since = match reason {
+        Reason::Mode => {
+            // Stop Redis changing anything before the ledger decides. The gate is
+            // left open only if it was reopened at a later epoch than the ledger
+            // knows, which the hand-over below then refuses anyway.
+            let epoch = current.as_ref().map_or(0, |a| a.epoch);
+            let mut conn = app.redis.clone();
+            gate::close(&mut conn, &drop.keys, epoch)
+                .await
+                .map_err(|e| format!("Redis: {e}"))?;
+            None
+        }
+        Reason::Outage => Some(now - app.quiet_ms),
+    };
+    let after = app
+        .ledger
+        .hand_to_ledger(&key, config.limit, config.generation, now, quiet_since)
+        .await
+        .map_err(|e| e.to_string())?;
+    if after.holder != Holder::Ledger {
+        return Err(format!(
+            "this sidecar cannot reach Redis but other sidecars of drop {} can: it sells nothing until it reaches Redis again",
+            drop.name
+        ));
+    }
+    tracing::warn!(drop = %drop.name, epoch = after.epoch, ?reason, "the ledger's fallback gate decides admissions");
+    Ok(after)
+}
+
+/// The refresh loop's look at one drop on the gate: notes that this sidecar reached
+/// Redis, remembers other ledgers admitting for it, replays what Redis has not
+/// seen, and rebuilds Redis when it is behind the ledger.
+pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
+    let key = drop.ledger_key();
+    let mut conn = app.redis.clone();
+    let now = now_ms();
+    app.ledger
+        .note_gate_seen(&key, &app.sidecar_id, now)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ledgers = gate::ledgers(&mut conn, &drop.keys)
+        .await
+        .map_err(|e| format!("Redis: {e}"))?;
+    app.ledger
+        .note_peers(&key, &ledgers)
+        .await
+        .map_err(|e| e.to_string())?;
+    // The ledger first (see `try_open`).
+    let authority = app
+        .ledger
+        .authority(&key)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
+    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys)
+        .await
+        .map_err(|e| format!("Redis: {e}"))?;
+    let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
+    if redis_seq < ledger_seq || (authority.is_some() && !in_line) {
+        if let Opening::Refused(why) = open_gate(app, drop, redis_seq < ledger_seq).await {
+            return Err(why);
+        }
+        return Ok(());
+    }
+    if in_line {
+        replay_unseen(app, drop).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,327 @@
+//! Who decides admissions for a drop: one authority at a time.
+//!
+//! The `authority` row of a drop says `gate` (Redis admits, at this epoch),
+//! `ledger` (the fallback gate admits) or `replaying` (Redis is being brought in
+//! line with the ledger before the gate opens at this epoch). The epoch only grows.
+//! Every durable admission checks the row in its own transaction: a gate change
+//! must carry the row's epoch, a fallback change needs `ledger`. On PostgreSQL a
+//! group commit reads the row with a shared lock and a hand-over takes it
+//! exclusively, so a hand-over waits for the commits in flight and the commits after
+//! it see the new holder: a sidecar acting on a stale view is refused, not obeyed.
+
+use std::fmt;
+
+use sqlx::any::AnyRow;
+use sqlx::{Any, Row, Transaction};
+
+use super::{Backend, Ledger, LedgerError, RecordError, ensure_stock};
+
+/// Who decides admissions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holder {
+    Gate,
+    Ledger,
+    Replaying,
+}
+
+impl Holder {
+    fn as_str(self) -> &'static str {
+        match self {
+            Holder::Gate => "gate",
+            Holder::Ledger => "ledger",
+            Holder::Replaying => "replaying",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gate" => Some(Holder::Gate),
+            "ledger" => Some(Holder::Ledger),
+            "replaying" => Some(Holder::Replaying),
+            _ => None,
+        }
+    }
+}
+
+/// A drop's authority row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Authority {
+    pub holder: Holder,
+    pub epoch: i64,
+    /// When it last changed (ms since the epoch): a replay that has not finished
+    /// long after it began was abandoned by a sidecar that died.
+    pub changed_at_ms: i64,
+}
+
+impl fmt::Display for Authority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} at epoch {}", self.holder.as_str(), self.epoch)
+    }
+}
+
+/// The drop's authority row inside `tx`; `lock` takes a shared lock on PostgreSQL
+/// (SQLite has one writer: its transactions never interleave).
+pub(super) async fn read_in(
+    tx: &mut Transaction<'static, Any>,
+    backend: Backend,
+    drop_key: &str,
+    lock: bool,
+) -> Result<Option<Authority>, sqlx::Error> {
+    let sql = match (backend, lock) {
+        (Backend::Postgres, true) => {
+            "SELECT holder, epoch, changed_at_ms FROM authority WHERE drop_key = $1 FOR SHARE"
+        }
+        _ => "SELECT holder, epoch, changed_at_ms FROM authority WHERE drop_key = $1",
+    };
+    let row: Option<AnyRow> = sqlx::query(sql)
+        .bind(drop_key)
+        .fetch_optional(&mut **tx)
+        .await?;
+    row.map(|row| to_authority(&row)).transpose()
+}
+
+/// The row for exclusive use in `tx` (a hand-over).
+async fn lock_in(
+    tx: &mut Transaction<'static, Any>,
+    backend: Backend,
+    drop_key: &str,
+) -> Result<Option<Authority>, sqlx::Error> {
+    let sql = match backend {
+        Backend::Postgres => {
+            "SELECT holder, epoch, changed_at_ms FROM authority WHERE drop_key = $1 FOR UPDATE"
+        }
+        Backend::Sqlite => "SELECT holder, epoch, changed_at_ms FROM authority WHERE drop_key = $1",
+    };
+    let row: Option<AnyRow> = sqlx::query(sql)
+        .bind(drop_key)
+        .fetch_optional(&mut **tx)
+        .await?;
+    row.map(|row| to_authority(&row)).transpose()
+}
+
+fn to_authority(row: &AnyRow) -> Result<Authority, sqlx::Error> {
+    let holder: String = row.try_get(0)?;
+    Ok(Authority {
+        holder: Holder::parse(&holder)
+            .ok_or_else(|| sqlx::Error::Protocol(format!("unknown authority {holder:?}")))?,
+        epoch: row.try_get(1)?,
+        changed_at_ms: row.try_get(2)?,
+    })
+}
+
+/// Whether a change the gate made at `epoch` may be recorded. `replaying` at the
+/// same epoch admits too: Redis opens the gate at an epoch only after the replay for
+/// it finished, so a change carrying it was made on a Redis in line with the ledger.
+pub(super) fn admits_gate(authority: Option<&Authority>, epoch: i64) -> Result<(), RecordError> {
+    match authority {
+        Some(a) if a.epoch == epoch && matches!(a.holder, Holder::Gate | Holder::Replaying) => {
+            Ok(())
+        }
+        other => Err(RecordError::NotAuthority {
+            epoch,
+            current: other.map_or_else(|| "no authority yet".into(), ToString::to_string),
+        }),
+    }
+}
+
+/// Refuses a fallback transaction unless the ledger is the drop's authority.
+pub(super) async fn require_ledger(
+    tx: &mut Transaction<'static, Any>,
+    backend: Backend,
+    drop_key: &str,
+) -> Result<Result<(), Option<Authority>>, sqlx::Error> {
+    Ok(match read_in(tx, backend, drop_key, true).await? {
+        Some(a) if a.holder == Holder::Ledger => Ok(()),
+        other => Err(other),
+    })
+}
+
+impl Ledger {
+    /// The drop's authority, if any sidecar has opened its gate or fallback yet.
+    pub async fn authority(&self, drop_key: &str) -> Result<Option<Authority>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let authority = read_in(&mut tx, self.backend, drop_key, false).await?;
+        tx.commit().await?;
+        Ok(authority)
+    }
+
+    /// Hands the drop to the ledger's fallback gate at the next epoch, and returns
+    /// the authority after. With `quiet_since` (a Redis outage seen by this sidecar)
+    /// only if no sidecar sharing this ledger reached Redis since then: one sidecar's
+    /// partition does not move the others off a working gate; the authority is then
+    /// returned unchanged.
+    pub async fn hand_to_ledger(
+        &self,
+        drop_key: &str,
+        limit: i64,
+        generation: i64,
+        now: i64,
+        quiet_since: Option<i64>,
+    ) -> Result<Authority, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let current = lock_in(&mut tx, self.backend, drop_key).await?;
+        if let Some(current) = current.as_ref().filter(|a| a.holder == Holder::Ledger) {
+            tx.commit().await?;
+            return Ok(current.clone());
+        }
+        if let Some(since) = quiet_since {
+            let seen: i64 = sqlx::query(
+                "SELECT COUNT(*) FROM gate_seen WHERE drop_key = $1 AND seen_at_ms > $2",
+            )
+            .bind(drop_key)
+            .bind(since)
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get(0)?;
+            if seen > 0
+                && let Some(current) = current
+            {
+                tx.commit().await?;
+                return Ok(current);
+            }
+        }
+        ensure_stock(&mut tx, drop_key, limit, generation).await?;
+        let epoch = current.as_ref().map_or(0, |a| a.epoch) + 1;
+        put(
+            &mut tx,
+            drop_key,
+            current.as_ref(),
+            Holder::Ledger,
+            epoch,
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Authority {
+            holder: Holder::Ledger,
+            epoch,
+            changed_at_ms: now,
+        })
+    }
+
+    /// Starts bringing Redis in line with the ledger before the gate opens: moves
+    /// the authority from what the caller saw (`seen`) to `replaying` at an epoch
+    /// above both it and `floor` (the gate's epoch in Redis). `None` when another
+    /// sidecar moved it first.
+    pub async fn begin_replay(
+        &self,
+        drop_key: &str,
+        seen: Option<&Authority>,
+        floor: i64,
+        now: i64,
+    ) -> Result<Option<i64>, LedgerError> {
+        let epoch = seen.map_or(0, |a| a.epoch).max(floor) + 1;
+        let mut tx = self.pool.begin().await?;
+        let moved = put(&mut tx, drop_key, seen, Holder::Replaying, epoch, now).await?;
+        tx.commit().await?;
+        Ok(moved.then_some(epoch))
+    }
+
+    /// Ends a replay at `epoch`: the gate is the authority. False when another
+    /// sidecar took the replay over meanwhile.
+    pub async fn finish_replay(&self, drop_key: &str, epoch: i64) -> Result<bool, LedgerError> {
+        let done = sqlx::query(
+            "UPDATE authority SET holder = 'gate' WHERE drop_key = $1 AND epoch = $2 AND holder = 'replaying'",
+        )
+        .bind(drop_key)
+        .bind(epoch)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Notes that `sidecar` reached Redis for the drop at `now`.
+    pub async fn note_gate_seen(
+        &self,
+        drop_key: &str,
+        sidecar: &str,
+        now: i64,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO gate_seen (drop_key, sidecar, seen_at_ms) VALUES ($1, $2, $3) \
+             ON CONFLICT (drop_key, sidecar) DO UPDATE SET seen_at_ms = excluded.seen_at_ms",
+        )
+        .bind(drop_key)
+        .bind(sidecar)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The highest change number the ledger recorded for the drop (0 when none).
+    pub async fn max_seq(&self, drop_key: &str) -> Result<i64, LedgerError> {
+        let row = sqlx::query("SELECT MAX(seq) FROM reservations WHERE drop_key = $1")
+            .bind(drop_key)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
+    }
+
+    /// Remembers the other ledgers seen admitting for the drop.
+    pub async fn note_peers(&self, drop_key: &str, ids: &[String]) -> Result<(), LedgerError> {
+        for id in ids.iter().filter(|id| **id != self.id) {
+            sqlx::query(
+                "INSERT INTO ledger_peers (drop_key, ledger_id) VALUES ($1, $2) \
+                 ON CONFLICT (drop_key, ledger_id) DO NOTHING",
+            )
+            .bind(drop_key)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Whether another ledger was ever seen admitting for the drop: then this one
+    /// does not hold the whole sale.
+    pub async fn has_peers(&self, drop_key: &str) -> Result<bool, LedgerError> {
+        let count: i64 = sqlx::query("SELECT COUNT(*) FROM ledger_peers WHERE drop_key = $1")
+            .bind(drop_key)
+            .fetch_one(&self.pool)
+            .await?
+            .try_get(0)?;
+        Ok(count > 0)
+    }
+}
+
+/// Writes the authority row, conditional on it still being `seen`: true when this
+/// call moved it.
+async fn put(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    seen: Option<&Authority>,
+    holder: Holder,
+    epoch: i64,
+    now: i64,
+) -> Result<bool, sqlx::Error> {
+    let written = match seen {
+        None => {
+            sqlx::query(
+                "INSERT INTO authority (drop_key, holder, epoch, changed_at_ms) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (drop_key) DO NOTHING",
+            )
+            .bind(drop_key)
+            .bind(holder.as_str())
+            .bind(epoch)
+            .bind(now)
+            .execute(&mut **tx)
+            .await?
+        }
+        Some(seen) => {
+            sqlx::query(
+                "UPDATE authority SET holder = $1, epoch = $2, changed_at_ms = $3 \
+                 WHERE drop_key = $4 AND holder = $5 AND epoch = $6",
+            )
+            .bind(holder.as_str())
+            .bind(epoch)
+            .bind(now)
+            .bind(drop_key)
+            .bind(seen.holder.as_str())
+            .bind(seen.epoch)
+            .execute(&mut **tx)
+            .await?
+        }
+    };
+    Ok(written.rows_affected() == 1)
+}
