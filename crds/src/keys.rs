@@ -141,6 +141,12 @@ impl LockKeys {
     pub fn fence(&self) -> String {
         format!("{}:fence", self.prefix)
     }
+
+    /// Set: the ids of the ledgers that recorded this lock's fences. With more than
+    /// one, per-pod ledgers each hold only their own high-water mark.
+    pub fn ledgers(&self) -> String {
+        format!("{}:ledgers", self.prefix)
+    }
 }
 
 /// Whether `s` can name a lock: 1 to 256 bytes, no braces (they would break the

@@ -29,6 +29,10 @@ pub struct App {
     /// it: after a connection failure, every request would otherwise wait out a
     /// reconnect attempt before its failure policy applied.
     redis_down_until: AtomicI64,
+    /// When Redis last answered this sidecar (ms since the epoch): a Redis outage
+    /// hands a drop to the ledger only once this sidecar, too, has not reached Redis
+    /// for a while.
+    redis_reached_at: AtomicI64,
     /// This process, in the ledger's record of which sidecars reach Redis.
     pub sidecar_id: String,
     /// How long no sidecar sharing the ledger may have reached Redis before a Redis
@@ -57,6 +61,7 @@ impl App {
             ledger: Ledger::open(&settings.database_url).await?,
             metrics: Metrics::new(),
             redis_down_until: AtomicI64::new(0),
+            redis_reached_at: AtomicI64::new(0),
             sidecar_id: format!("{:016x}", rand::random::<u64>()),
             quiet_ms: i64::try_from(settings.refresh_ms.saturating_mul(4))
                 .unwrap_or(i64::MAX)
@@ -89,6 +94,12 @@ impl App {
     /// Notes that Redis answered: requests go to it again.
     pub fn redis_answered(&self) {
         self.redis_down_until.store(0, Ordering::Release);
+        self.redis_reached_at.store(now_ms(), Ordering::Release);
+    }
+
+    /// When Redis last answered (ms since the epoch; 0 never).
+    pub fn redis_reached_at(&self) -> i64 {
+        self.redis_reached_at.load(Ordering::Acquire)
     }
 
     /// The drop named by a path segment, or the answer that ends the request.

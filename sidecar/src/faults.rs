@@ -9,6 +9,9 @@ pub enum Fault {
     AfterRedisAdmit,
     /// Inside the ledger write, before its transaction commits.
     BeforeLedgerCommit,
+    /// After the ledger recorded an admission, in place of its activation in Redis
+    /// (the activation fails).
+    AfterLedgerCommit,
     /// After an event was published to its stream, before it is marked sent.
     AfterPublishBeforeAck,
 }

@@ -235,59 +235,77 @@ pub enum Reason {
     Outage,
 }
 
+/// Why the ledger may not decide for a drop.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The operator has the drop on the gate again: this sidecar's view was stale.
+    BackOnGate,
+    /// The sentence says why.
+    Refused(String),
+}
+
 /// Makes the ledger the drop's authority, or says why it may not be. The ledger
 /// may decide only when it holds the whole sale (not a per-pod ledger among
-/// others) and, for an outage, when no sidecar sharing it has reached Redis lately.
-pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Authority, String> {
+/// others); for the operator's mode, only when the config read afresh still says
+/// so; for an outage, only when no sidecar sharing the ledger reached Redis lately.
+pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Authority, Refusal> {
+    let refused = |e: &dyn std::fmt::Display| Refusal::Refused(e.to_string());
     let _one_at_a_time = drop.handover.lock().await;
     let key = drop.ledger_key();
-    let config = drop.config();
-    if app
-        .ledger
-        .has_peers(&key)
-        .await
-        .map_err(|e| e.to_string())?
-    {
-        return Err(format!(
+    if app.ledger.has_peers(&key).await.map_err(|e| refused(&e))? {
+        return Err(Refusal::Refused(format!(
             "this sidecar's ledger is per pod and other sidecars with ledgers of their own sell drop {}: \
              its fallback gate would oversell, so nothing is sold here until Redis gates again \
              (use a shared PostgreSQL ledger)",
             drop.name
-        ));
+        )));
     }
-    let current = app
-        .ledger
-        .authority(&key)
-        .await
-        .map_err(|e| e.to_string())?;
+    let current = app.ledger.authority(&key).await.map_err(|e| refused(&e))?;
     if let Some(current) = current.as_ref().filter(|a| a.holder == Holder::Ledger) {
         return Ok(current.clone());
     }
     let now = now_ms();
+    let mut conn = app.redis.clone();
     let quiet_since = match reason {
-        Reason::Mode => {
-            // Stop Redis changing anything before the ledger decides. The gate is
-            // left open only if it was reopened at a later epoch than the ledger
-            // knows, which the hand-over below then refuses anyway.
-            let epoch = current.as_ref().map_or(0, |a| a.epoch);
-            let mut conn = app.redis.clone();
-            gate::close(&mut conn, &drop.keys, epoch)
-                .await
-                .map_err(|e| format!("Redis: {e}"))?;
-            None
-        }
+        Reason::Mode => match app.drops.refresh(&mut conn, &drop.name).await {
+            Ok(Some(fresh)) if fresh.config().mode == Mode::Gate => {
+                return Err(Refusal::BackOnGate);
+            }
+            Ok(_) => {
+                // Stop Redis changing anything before the ledger decides. A gate
+                // reopened at a later epoch than the ledger knows is left open, and
+                // the hand-over below is then refused by the ledger's row.
+                let epoch = current.as_ref().map_or(0, |a| a.epoch);
+                gate::close(&mut conn, &drop.keys, epoch)
+                    .await
+                    .map_err(|e| refused(&e))?;
+                None
+            }
+            // Redis cannot be asked: the outage rule decides.
+            Err(_) => Some(now - app.quiet_ms),
+        },
         Reason::Outage => Some(now - app.quiet_ms),
     };
+    if let Some(since) = quiet_since
+        && (app.redis_reached_at() > since
+            || current.as_ref().is_some_and(|a| a.changed_at_ms > since))
+    {
+        return Err(Refusal::Refused(format!(
+            "Redis failed for drop {} a moment after it answered: nothing is sold until it answers again or stays away for {} ms",
+            drop.name, app.quiet_ms
+        )));
+    }
+    let config = drop.config();
     let after = app
         .ledger
         .hand_to_ledger(&key, config.limit, config.generation, now, quiet_since)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| refused(&e))?;
     if after.holder != Holder::Ledger {
-        return Err(format!(
+        return Err(Refusal::Refused(format!(
             "this sidecar cannot reach Redis but other sidecars of drop {} can: it sells nothing until it reaches Redis again",
             drop.name
-        ));
+        )));
     }
     tracing::warn!(drop = %drop.name, epoch = after.epoch, ?reason, "the ledger's fallback gate decides admissions");
     Ok(after)

@@ -76,7 +76,8 @@ async fn refresh_configs(app: &App) {
             Mode::Gate => handover::check(app, &drop).await,
             Mode::FailOpen => handover::hand_to_ledger(app, &drop, Reason::Mode)
                 .await
-                .map(|_| ()),
+                .map(|_| ())
+                .map_err(|refusal| format!("{refusal:?}")),
             Mode::Closed => Ok(()),
         };
         if let Err(error) = checked {

@@ -6,10 +6,12 @@
 
 mod http_client;
 mod postgres;
+mod proxy;
 mod redis_server;
 
 pub use http_client::{HttpClient, Reply};
 pub use postgres::PostgresServer;
+pub use proxy::TcpProxy;
 pub use redis_server::RedisServer;
 
 use std::net::TcpListener;

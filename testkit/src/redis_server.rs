@@ -114,6 +114,42 @@ impl RedisServer {
         self.stop();
         self.spawn(&[])
     }
+
+    /// Freezes the process (SIGSTOP): a replica that falls behind its primary.
+    pub fn pause(&self) -> std::io::Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Lets a paused process run again (SIGCONT).
+    pub fn resume(&self) -> std::io::Result<()> {
+        self.signal("-CONT")
+    }
+
+    /// Makes a replica a primary (`REPLICAOF NO ONE`), as a failover does.
+    pub fn promote(&self) -> redis::RedisResult<()> {
+        let mut conn = self.connection()?;
+        redis::cmd("REPLICAOF")
+            .arg("NO")
+            .arg("ONE")
+            .query(&mut conn)
+    }
+
+    fn signal(&self, signal: &str) -> std::io::Result<()> {
+        let Some(child) = self.child.as_ref() else {
+            return Err(std::io::Error::other("redis-server is not running"));
+        };
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "kill {signal} failed: {status}"
+            )))
+        }
+    }
 }
 
 impl Drop for RedisServer {

@@ -23,6 +23,7 @@ local old_sale = redis.call('HGET', KEYS[1], 'sale')
 local sale = ARGV[3]
 local old_limit = redis.call('HGET', KEYS[1], 'limit')
 local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
+local old_generation = redis.call('HGET', KEYS[1], 'generation')
 if old_sale and old_sale ~= sale then
   for i = 2, #KEYS do
     redis.call('DEL', KEYS[i])
@@ -40,6 +41,17 @@ elseif old_limit then
   end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+-- Outside Kubernetes there is no metadata.generation (it is published as 0). The
+-- ledgers order limit changes by generation, so a manifest's limit change gets one
+-- that only grows: the seed time, also across a Redis that lost its data.
+if redis.call('HGET', KEYS[1], 'generation') == '0' then
+  local t = redis.call('TIME')
+  local generation = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if created == 0 and moved == 0 and old_generation then
+    generation = old_generation
+  end
+  redis.call('HSET', KEYS[1], 'generation', generation)
+end
 if created == 1 then
   -- Fresh stock (a new drop, or a Redis that lost its data in a failover). The gate
   -- key went with it, so no sidecar admits until one has rebuilt the drop from its

@@ -15,9 +15,10 @@ pub async fn high_water(pool: &AnyPool, lock: &str) -> Result<i64, sqlx::Error> 
     }
 }
 
-/// Raises the high-water mark of `lock` to `fence` (never lowers it).
-pub async fn record(pool: &AnyPool, lock: &str, fence: i64) -> Result<(), sqlx::Error> {
-    sqlx::query(
+/// Raises the high-water mark of `lock` to `fence`; false (and nothing changed)
+/// when `fence` is not above it: a fence is handed out once.
+pub async fn record(pool: &AnyPool, lock: &str, fence: i64) -> Result<bool, sqlx::Error> {
+    let recorded = sqlx::query(
         "INSERT INTO lock_fences (lock_name, fence) VALUES ($1, $2) \
          ON CONFLICT (lock_name) DO UPDATE SET fence = excluded.fence \
          WHERE lock_fences.fence < excluded.fence",
@@ -26,12 +27,14 @@ pub async fn record(pool: &AnyPool, lock: &str, fence: i64) -> Result<(), sqlx::
     .bind(fence)
     .execute(pool)
     .await?;
-    Ok(())
+    Ok(recorded.rows_affected() == 1)
 }
 
 /// Writes `value` to `resource` on behalf of the holder of `fence`, unless a holder
-/// with a higher fence already wrote: the check that makes a paused, expired
-/// holder's late write harmless. Returns whether the write was accepted.
+/// with this fence or a higher one already wrote: the check that makes a paused,
+/// expired holder's late write harmless (an equal fence is refused too: fences
+/// never repeat, so an equal one is a replayed or forged write). Returns whether the
+/// write was accepted.
 pub async fn fenced_write(
     pool: &AnyPool,
     resource: &str,
@@ -41,7 +44,7 @@ pub async fn fenced_write(
     let written = sqlx::query(
         "INSERT INTO fenced_writes (resource, fence, value) VALUES ($1, $2, $3) \
          ON CONFLICT (resource) DO UPDATE SET fence = excluded.fence, value = excluded.value \
-         WHERE fenced_writes.fence <= excluded.fence",
+         WHERE fenced_writes.fence < excluded.fence",
     )
     .bind(resource)
     .bind(fence)

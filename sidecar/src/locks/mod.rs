@@ -39,6 +39,23 @@ pub enum LockError {
     Redis(#[from] redis::RedisError),
     #[error("ledger: {0}")]
     Ledger(#[from] sqlx::Error),
+    /// Sidecars with per-pod ledgers share this lock: no ledger holds the fence
+    /// high-water mark of all of them, so after Redis lost the counter a fence could
+    /// repeat. Refused rather than risked.
+    #[error(
+        "sidecars with per-pod ledgers share this lock, so its fences could repeat after Redis loses its counter: give them a shared PostgreSQL ledger"
+    )]
+    PerPodLedgers,
+}
+
+/// The ledger a lock's fences are recorded in.
+#[derive(Clone, Copy, Debug)]
+pub struct FenceLedger<'a> {
+    pub pool: &'a AnyPool,
+    /// The ledger's id (see [`LockKeys::ledgers`]).
+    pub id: &'a str,
+    /// Whether it is a per-pod (SQLite) ledger.
+    pub per_pod: bool,
 }
 
 /// Tries to take the lock until `wait` is spent, sleeping between attempts with
@@ -46,36 +63,54 @@ pub enum LockError {
 /// contenders spread out instead of retrying in lockstep. `Ok(None)`: still busy.
 pub async fn acquire(
     conn: &mut ConnectionManager,
-    ledger: &AnyPool,
+    ledger: FenceLedger<'_>,
     keys: &LockKeys,
     ledger_name: &str,
     ttl_ms: i64,
     wait: Duration,
 ) -> Result<Option<Held>, LockError> {
-    let floor = fences::high_water(ledger, ledger_name).await?;
     let token = format!("{:032x}", rand::random::<u128>());
     let deadline = Instant::now() + wait;
     let mut step = BACKOFF_BASE;
     loop {
-        let (granted, fence, when): (i64, i64, i64) = ACQUIRE
+        // Read on every attempt: another holder may have raised it meanwhile.
+        let floor = fences::high_water(ledger.pool, ledger_name).await?;
+        let (granted, fence, when, ledgers): (i64, i64, i64, i64) = ACQUIRE
             .key(keys.lock())
             .key(keys.fence())
+            .key(keys.ledgers())
             .arg(&token)
             .arg(ttl_ms)
             .arg(floor)
+            .arg(ledger.id)
             .invoke_async(conn)
             .await?;
         if granted == 1 {
-            // The fence is durable before anyone may use it.
-            if let Err(e) = fences::record(ledger, ledger_name, fence).await {
+            if ledger.per_pod && ledgers > 1 {
                 let _ = release(conn, keys, &token).await;
-                return Err(e.into());
+                return Err(LockError::PerPodLedgers);
             }
-            return Ok(Some(Held {
-                token,
-                fence,
-                expires_at_ms: when,
-            }));
+            // The fence is durable, and above every fence recorded before it, before
+            // anyone may use it; one that is not (a Redis that lost its counter
+            // raced a holder whose fence the ledger has) is given back and the
+            // attempt made again above the new floor.
+            match fences::record(ledger.pool, ledger_name, fence).await {
+                Ok(true) => {
+                    return Ok(Some(Held {
+                        token,
+                        fence,
+                        expires_at_ms: when,
+                    }));
+                }
+                Ok(false) => {
+                    let _ = release(conn, keys, &token).await;
+                    continue;
+                }
+                Err(e) => {
+                    let _ = release(conn, keys, &token).await;
+                    return Err(e.into());
+                }
+            }
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {

@@ -73,16 +73,12 @@ async fn take(app: &App, raw: &str, body: &[u8]) -> Result<Answer, Answer> {
     let (name, keys, ledger_name) = lock_of(app, raw)?;
     let mut conn = app.redis.clone();
     let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
-    match locks::acquire(
-        &mut conn,
-        app.ledger.pool(),
-        &keys,
-        &ledger_name,
-        ttl_ms,
-        wait,
-    )
-    .await
-    {
+    let ledger = locks::FenceLedger {
+        pool: app.ledger.pool(),
+        id: app.ledger.id(),
+        per_pod: app.ledger.is_per_pod(),
+    };
+    match locks::acquire(&mut conn, ledger, &keys, &ledger_name, ttl_ms, wait).await {
         Ok(Some(held)) => {
             tracing::debug!(lock = %name, %owner, fence = held.fence, "lock acquired");
             Ok(Answer::new(StatusCode::OK, "acquired")

@@ -16,7 +16,7 @@ use crate::clock::now_ms;
 use crate::drops::Drop;
 use crate::faults::{self, Fault};
 use crate::gate::{self, GateReply};
-use crate::handover::{self, Opening, Reason};
+use crate::handover::{self, Opening, Reason, Refusal};
 use crate::input::{self, Reserve};
 use crate::ledger::{LedgerError, RecordError, Recorded, State};
 use crate::record::{change_of, record_expiry};
@@ -157,7 +157,9 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Result<Answer, Answer>
         match turn {
             Turn::Done(answer) => return answer,
             Turn::Reroute(Route::Fallback(reason)) => {
-                return admit_fallback(app, &drop, &config, &request, reason).await;
+                if let Some(answer) = admit_fallback(app, &drop, &config, &request, reason).await {
+                    return answer;
+                }
             }
             Turn::Reroute(Route::Refused(answer)) => return Err(answer),
             Turn::Reroute(Route::Gate) => {}
@@ -200,6 +202,7 @@ async fn admit_gate(
             Ok(reply) => reply,
             Err(e) => return Turn::Reroute(after_redis_failure(app, drop, config, &e)),
         };
+        app.redis_answered();
         if reply.outcome != "pending" || Instant::now() >= settle_by {
             break reply;
         }
@@ -267,7 +270,15 @@ async fn admit_gate(
         };
     }
     // Durable from here on: whatever Redis does next, the buyer hears 201.
-    let active = match gate::activate(&mut conn, &drop.keys, &request.key, &attempt).await {
+    let activated = match faults::check(Fault::AfterLedgerCommit) {
+        Ok(()) => gate::activate(&mut conn, &drop.keys, &request.key, &attempt).await,
+        Err(injected) => Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "injected",
+            injected.to_string(),
+        ))),
+    };
+    let active = match activated {
         Ok(active) => active,
         Err(error) => {
             // Redis is in line again once the refresh replays the ledger's record
@@ -325,54 +336,60 @@ fn drop_permit(permit: tokio::sync::OwnedSemaphorePermit) {
 }
 
 /// Runs a fallback-gate call; when the ledger is not the drop's authority yet,
-/// hands the drop to it (if it may be) and runs the call once more.
+/// hands the drop to it (if it may be) and runs the call once more. `Ok(None)`: the
+/// drop is back on the gate (this sidecar's view was stale), nothing was done.
 async fn on_fallback<F, Fut>(
     app: &App,
     drop: &Drop,
     reason: Reason,
     call: F,
-) -> Result<GateReply, Answer>
+) -> Result<Option<GateReply>, Answer>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<GateReply, LedgerError>>,
 {
     match call().await {
         Err(LedgerError::NotAuthority(_)) => {
-            handover::hand_to_ledger(app, drop, reason)
-                .await
-                .map_err(|why| Answer::unavailable(why).via_fallback())?;
-            call().await.map_err(|e| ledger_failed(drop, &e))
+            match handover::hand_to_ledger(app, drop, reason).await {
+                Ok(_) => {}
+                Err(Refusal::BackOnGate) => return Ok(None),
+                Err(Refusal::Refused(why)) => {
+                    return Err(Answer::unavailable(why).via_fallback());
+                }
+            }
+            call().await.map(Some).map_err(|e| ledger_failed(drop, &e))
         }
-        other => other.map_err(|e| ledger_failed(drop, &e)),
+        other => other.map(Some).map_err(|e| ledger_failed(drop, &e)),
     }
 }
 
-/// Reserve on the ledger's gate: same checks, same answers.
+/// Reserve on the ledger's gate: same checks, same answers. `None`: the drop is
+/// back on the gate, try there.
 async fn admit_fallback(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
     request: &Reserve,
     reason: Reason,
-) -> Result<Answer, Answer> {
+) -> Option<Result<Answer, Answer>> {
     let now = now_ms();
     if config.starts_at_ms.is_some_and(|start| now < start) {
         let reply = window_reply("not_open", config.starts_at_ms);
-        return refused(app, drop, request, &reply, Path::Fallback);
+        return Some(refused(app, drop, request, &reply, Path::Fallback));
     }
     if config.ends_at_ms.is_some_and(|end| now >= end) {
         let reply = window_reply("ended", config.ends_at_ms);
-        return refused(app, drop, request, &reply, Path::Fallback);
+        return Some(refused(app, drop, request, &reply, Path::Fallback));
     }
     // The permit comes first here: a ledger admission cannot be taken back as if it
     // never happened once its event may have been published, so one that finds no
     // permit never starts.
     let wait = Duration::from_millis(config.acquire_timeout_ms);
     let Some(permit) = drop.throttle.acquire(wait).await else {
-        return Err(throttled(config, "nothing was reserved").via_fallback());
+        return Some(Err(throttled(config, "nothing was reserved").via_fallback()));
     };
     let ledger_key = drop.ledger_key();
-    let reply = on_fallback(app, drop, reason, || {
+    let reply = match on_fallback(app, drop, reason, || {
         app.ledger.fallback_reserve(
             &ledger_key,
             config,
@@ -382,11 +399,16 @@ async fn admit_fallback(
             now,
         )
     })
-    .await?;
+    .await
+    {
+        Ok(Some(reply)) => reply,
+        Ok(None) => return None,
+        Err(answer) => return Some(Err(answer)),
+    };
     if reply.outcome == "admitted" {
         drop.throttle
             .hold(&request.key, permit, reply.when.unwrap_or(0));
-        return Ok(reservation(
+        return Some(Ok(reservation(
             StatusCode::CREATED,
             "admitted",
             drop,
@@ -394,9 +416,9 @@ async fn admit_fallback(
             &reply,
             Path::Fallback,
         )
-        .via_fallback());
+        .via_fallback()));
     }
-    refused(app, drop, request, &reply, Path::Fallback)
+    Some(refused(app, drop, request, &reply, Path::Fallback))
 }
 
 /// The answer when the fallback gate's ledger fails: there is no third gate.
@@ -521,8 +543,9 @@ async fn settle(
         match turn {
             Turn::Done(reply) => break (config, reply, Path::Gate),
             Turn::Reroute(Route::Fallback(reason)) => {
-                let reply = settle_fallback(app, &drop, &config, &key, to, reason).await?;
-                break (config, reply, Path::Fallback);
+                if let Some(reply) = settle_fallback(app, &drop, &config, &key, to, reason).await? {
+                    break (config, reply, Path::Fallback);
+                }
             }
             Turn::Reroute(Route::Refused(answer)) => return Err(answer),
             Turn::Reroute(Route::Gate) => {}
@@ -613,6 +636,7 @@ async fn settle_gate(
         Ok(reply) => reply,
         Err(e) => return Turn::Reroute(after_redis_failure(app, drop, config, &e)),
     };
+    app.redis_answered();
     if reply.outcome == "closed" {
         return Turn::Reopen { suspect: false };
     }
@@ -657,7 +681,7 @@ async fn settle_fallback(
     key: &str,
     to: Option<State>,
     reason: Reason,
-) -> Result<GateReply, Answer> {
+) -> Result<Option<GateReply>, Answer> {
     let ledger_key = drop.ledger_key();
     on_fallback(app, drop, reason, || {
         app.ledger

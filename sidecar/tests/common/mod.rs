@@ -28,6 +28,12 @@ pub struct Peer {
 
 impl Peer {
     pub async fn start(redis_url: &str, database_url: &str) -> Self {
+        Self::start_with(redis_url, database_url, 100).await
+    }
+
+    /// A sidecar that re-reads configs only every `refresh_ms` (a long one keeps a
+    /// stale view of a drop).
+    pub async fn start_with(redis_url: &str, database_url: &str, refresh_ms: u64) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind port 0");
@@ -37,7 +43,7 @@ impl Peer {
             redis_url: redis_url.into(),
             namespace: NS.into(),
             database_url: database_url.into(),
-            refresh_ms: 100,
+            refresh_ms,
             sweep_ms: 100,
         };
         let (stop, stopped) = oneshot::channel::<()>();
@@ -61,6 +67,20 @@ impl Peer {
 
     pub async fn reserve(&self, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
         reserve(&self.http, drop, key, user, quantity).await
+    }
+
+    pub async fn settle(&self, drop: &str, key: &str, op: &str) -> Reply {
+        self.http
+            .post(&format!("/v1/drops/{drop}/reservations/{key}/{op}"), "")
+            .await
+            .expect("answers")
+    }
+
+    pub async fn lookup(&self, drop: &str, key: &str) -> Reply {
+        self.http
+            .get(&format!("/v1/drops/{drop}/reservations/{key}"))
+            .await
+            .expect("answers")
     }
 
     pub async fn shutdown(mut self) {
@@ -103,15 +123,7 @@ impl Sidecar {
     /// Publishes and seeds drop `name` with the given spec lines (YAML, indented
     /// two spaces), through the operator's `apply`.
     pub async fn seed(&self, name: &str, spec: &str) {
-        let manifest = manifest(name, spec);
-        let done = dropgate_operator::apply::apply(
-            &manifest,
-            Some(&self.redis.url()),
-            &dropgate_operator::memorystore::Memorystore::default(),
-        )
-        .await
-        .expect("apply succeeds");
-        assert!(done.not_ready.is_none(), "{:?}", done.not_ready);
+        seed(&self.redis.url(), name, spec).await;
     }
 
     pub async fn reserve(&self, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
@@ -257,6 +269,24 @@ pub async fn ledger_states(
         .iter()
         .map(|row| (row.get::<String, _>(0), row.get::<String, _>(1)))
         .collect()
+}
+
+/// Publishes and seeds drop `name` in the Redis at `redis_url` through the
+/// operator's `apply`.
+pub async fn seed(redis_url: &str, name: &str, spec: &str) {
+    apply(redis_url, &manifest(name, spec)).await;
+}
+
+/// Runs the operator's `apply` of `manifest` against the Redis at `redis_url`.
+pub async fn apply(redis_url: &str, manifest: &str) {
+    let done = dropgate_operator::apply::apply(
+        manifest,
+        Some(redis_url),
+        &dropgate_operator::memorystore::Memorystore::default(),
+    )
+    .await
+    .expect("apply succeeds");
+    assert!(done.not_ready.is_none(), "{:?}", done.not_ready);
 }
 
 pub fn manifest(name: &str, spec: &str) -> String {

@@ -1,0 +1,465 @@
+//! Never oversold, across the failures the gate exists for: mode switches in both
+//! directions, a sidecar cut off from Redis while its peers are not, stale configs,
+//! restarts, Redis losing some or all of its writes, limit changes, a drop
+//! re-created under its name. Each scenario is one a user met; each checks the
+//! ledger's record and Redis's against the limit, and what the buyers were told.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::{NS, Peer, manifest, seed};
+use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
+use futures::future::join_all;
+use sqlx::Row;
+
+fn spec(limit: i64, extra: &str) -> String {
+    format!(
+        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{extra}"
+    )
+}
+
+const GATE_OFF: &str = "  gate: {enabled: false}\n";
+
+/// How many answers had each outcome.
+fn tally(replies: &[Reply]) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for reply in replies {
+        *counts.entry(reply.outcome().to_string()).or_default() += 1;
+    }
+    counts
+}
+
+fn admitted(replies: &[Reply]) -> usize {
+    replies.iter().filter(|r| r.status == 201).count()
+}
+
+/// `n` buyers named `{prefix}-{i}`, each reserving one unit through a peer chosen
+/// round-robin, all at once.
+async fn buyers(peers: &[&Peer], drop: &str, prefix: &str, n: usize) -> Vec<Reply> {
+    join_all((0..n).map(|i| {
+        let peer = peers[i % peers.len()];
+        async move {
+            peer.reserve(drop, &format!("{prefix}-{i}"), &format!("{prefix}-{i}"), 1)
+                .await
+        }
+    }))
+    .await
+}
+
+/// What a ledger holds for a drop (every sale of it): units held by active or
+/// confirmed reservations, and its stock row's limit and count.
+struct LedgerView {
+    held: i64,
+    limit: i64,
+    available: i64,
+}
+
+async fn ledger_view(database_url: &str, drop: &str) -> LedgerView {
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(database_url)
+        .await
+        .expect("the ledger opens");
+    let pattern = format!("{NS}/{drop}/%");
+    let held: i64 = sqlx::query(
+        "SELECT CAST(COALESCE(SUM(quantity), 0) AS BIGINT) FROM reservations \
+         WHERE drop_key LIKE $1 AND state IN ('active', 'confirmed')",
+    )
+    .bind(&pattern)
+    .fetch_one(&pool)
+    .await
+    .expect("sum")
+    .get(0);
+    let (limit, available) = sqlx::query("SELECT lim, available FROM stock WHERE drop_key LIKE $1")
+        .bind(&pattern)
+        .fetch_optional(&pool)
+        .await
+        .expect("stock")
+        .map_or((0, 0), |row| (row.get(0), row.get(1)));
+    pool.close().await;
+    LedgerView {
+        held,
+        limit,
+        available,
+    }
+}
+
+/// `remaining` and `held` as Redis has them.
+fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
+    let mut conn = redis.connection().expect("connect");
+    let get = |conn: &mut redis::Connection, key: String| -> i64 {
+        redis::cmd("GET")
+            .arg(key)
+            .query::<Option<i64>>(conn)
+            .expect("GET")
+            .unwrap_or(0)
+    };
+    (
+        get(&mut conn, format!("dropgate:{{{NS}/{drop}}}:remaining")),
+        get(&mut conn, format!("dropgate:{{{NS}/{drop}}}:held")),
+    )
+}
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    for _ in 0..100 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// The invariant of a quiet drop: Redis and the ledger agree, and nothing was sold
+/// beyond the limit in either.
+async fn assert_settled(redis: &RedisServer, database_url: &str, drop: &str, limit: i64) {
+    let ledger = ledger_view(database_url, drop).await;
+    let (remaining, held) = redis_counts(redis, drop);
+    assert!(
+        ledger.held <= limit,
+        "the ledger holds {} of {limit}",
+        ledger.held
+    );
+    assert_eq!(
+        ledger.available + ledger.held,
+        ledger.limit,
+        "the ledger's count"
+    );
+    assert_eq!(
+        held, ledger.held,
+        "Redis and the ledger hold the same units"
+    );
+    assert_eq!(
+        remaining + held,
+        limit,
+        "remaining {remaining} + held {held}"
+    );
+}
+
+fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
+    format!("sqlite://{}", dir.path().join(name).display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_fallback_sidecar_cannot_sell_beside_the_reopened_gate() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    seed(&redis.url(), "sale", &spec(10, GATE_OFF)).await;
+    let fresh = Peer::start(&redis.url(), &postgres.url()).await;
+    // Re-reads its configs once in ten minutes: it keeps believing the kill switch.
+    let stale = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
+    let early = buyers(&[&fresh, &stale], "sale", "early", 4).await;
+    assert_eq!(admitted(&early), 4, "{:?}", tally(&early));
+    assert!(early.iter().all(|r| r.body["path"] == "fallback"));
+
+    seed(&redis.url(), "sale", &spec(10, "")).await;
+    eventually("the fresh sidecar to see the gate again", async || {
+        fresh
+            .http
+            .get("/v1/drops/sale")
+            .await
+            .is_ok_and(|r| r.body["mode"] == "gate")
+    })
+    .await;
+    let first = fresh.reserve("sale", "first", "first", 1).await;
+    assert_eq!(first.status, 201, "{}", first.text);
+    assert_eq!(first.body["path"], "gate", "the gate reopened");
+
+    let rush = buyers(&[&fresh, &stale], "sale", "rush", 40).await;
+    let counts = tally(&rush);
+    assert_eq!(admitted(&rush), 5, "10 units, 5 sold before: {counts:?}");
+    assert!(
+        rush.iter()
+            .filter(|r| r.status == 201)
+            .all(|r| r.body["path"] == "gate"),
+        "the stale sidecar's fallback was refused, not obeyed: {counts:?}"
+    );
+    assert_settled(&redis, &postgres.url(), "sale", 10).await;
+    fresh.shutdown().await;
+    stale.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sidecar_cut_off_from_redis_is_refused_while_its_peers_reach_it() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    let proxy = TcpProxy::start(redis.port()).await.expect("proxy");
+    seed(&redis.url(), "sale", &spec(10, "")).await;
+    let connected = Peer::start(&redis.url(), &postgres.url()).await;
+    let partitioned = Peer::start(&proxy.redis_url(), &postgres.url()).await;
+    assert_eq!(connected.reserve("sale", "a", "a", 1).await.status, 201);
+    assert_eq!(partitioned.reserve("sale", "b", "b", 1).await.status, 201);
+
+    proxy.cut().await;
+    let (cut_side, ok_side) = ([&partitioned], [&connected]);
+    let (cut_off, reachable) = tokio::join!(
+        buyers(&cut_side, "sale", "cut", 20),
+        buyers(&ok_side, "sale", "ok", 20)
+    );
+    for reply in &cut_off {
+        assert_eq!(reply.outcome(), "unavailable", "{}", reply.text);
+    }
+    assert_eq!(admitted(&reachable), 8, "{:?}", tally(&reachable));
+    assert_settled(&redis, &postgres.url(), "sale", 10).await;
+
+    proxy.heal();
+    eventually("the partitioned sidecar to reach Redis again", async || {
+        partitioned
+            .reserve("sale", "late", "late", 1)
+            .await
+            .outcome()
+            == "sold_out"
+    })
+    .await;
+    connected.shutdown().await;
+    partitioned.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reopening_the_gate_waits_until_the_fallback_sales_are_in_redis() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&redis.url(), "sale", &spec(300, GATE_OFF)).await;
+    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    let on_fallback = buyers(&[&sidecar], "sale", "fb", 150).await;
+    assert_eq!(admitted(&on_fallback), 150);
+
+    // The gate comes back while buyers keep arriving.
+    let only = [&sidecar];
+    let (rush, ()) = tokio::join!(buyers(&only, "sale", "rush", 400), async {
+        seed(&redis.url(), "sale", &spec(300, "")).await;
+    });
+    let counts = tally(&rush);
+    assert_eq!(
+        admitted(&rush),
+        150,
+        "300 units, 150 sold before: {counts:?}"
+    );
+    let more = buyers(&[&sidecar], "sale", "after", 50).await;
+    assert_eq!(admitted(&more), 0, "{:?}", tally(&more));
+    assert_settled(&redis, &ledger, "sale", 300).await;
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_that_lost_the_last_writes_resells_nothing() {
+    let mut primary = RedisServer::start().expect("redis-server");
+    let replica = RedisServer::start_replica_of(&primary).expect("replica");
+    let proxy = TcpProxy::start(primary.port()).await.expect("proxy");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&primary.url(), "sale", &spec(10, "")).await;
+    let sidecar = Peer::start(&proxy.redis_url(), &ledger).await;
+    let early = buyers(&[&sidecar], "sale", "early", 5).await;
+    assert_eq!(admitted(&early), 5);
+    eventually("the replica to catch up", async || {
+        redis_counts(&replica, "sale").1 == 5
+    })
+    .await;
+
+    // The replica falls behind; the primary acknowledges more; the primary dies and
+    // the replica, without those writes, is promoted in its place.
+    replica.pause().expect("SIGSTOP");
+    let late = buyers(&[&sidecar], "sale", "late", 5).await;
+    assert_eq!(admitted(&late), 5);
+    assert_eq!(
+        sidecar.settle("sale", "late-0", "confirm").await.outcome(),
+        "confirmed"
+    );
+    primary.stop();
+    replica.resume().expect("SIGCONT");
+    replica.promote().expect("REPLICAOF NO ONE");
+    proxy.point_to(replica.port()).await;
+
+    let rush = buyers(&[&sidecar], "sale", "rush", 30).await;
+    assert_eq!(
+        admitted(&rush),
+        0,
+        "nothing left to sell: {:?}",
+        tally(&rush)
+    );
+    let confirm = sidecar.settle("sale", "late-1", "confirm").await;
+    assert_eq!(confirm.outcome(), "confirmed", "{}", confirm.text);
+    assert_eq!(
+        sidecar.lookup("sale", "late-0").await.body["state"],
+        "confirmed"
+    );
+    assert_settled(&replica, &ledger, "sale", 10).await;
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_that_lost_everything_sells_nothing_before_its_rebuild() {
+    let mut redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&redis.url(), "sale", &spec(2, "")).await;
+    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    assert_eq!(admitted(&buyers(&[&sidecar], "sale", "first", 2).await), 2);
+
+    redis.restart().expect("restarts empty");
+    seed(&redis.url(), "sale", &spec(2, "")).await;
+    let rush = buyers(&[&sidecar], "sale", "rush", 20).await;
+    assert_eq!(admitted(&rush), 0, "{:?}", tally(&rush));
+    eventually("the rebuild", async || {
+        redis_counts(&redis, "sale") == (0, 2)
+    })
+    .await;
+    let after = buyers(&[&sidecar], "sale", "after", 20).await;
+    assert_eq!(
+        tally(&after).get("sold_out"),
+        Some(&20),
+        "{:?}",
+        tally(&after)
+    );
+    assert_settled(&redis, &ledger, "sale", 2).await;
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restart_never_turns_a_confirmed_reservation_back() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&redis.url(), "sale", &spec(30, "  holdSeconds: 1\n")).await;
+    let before = Peer::start(&redis.url(), &ledger).await;
+    assert_eq!(admitted(&buyers(&[&before], "sale", "b", 20).await), 20);
+    before.shutdown().await;
+
+    let after = Peer::start(&redis.url(), &ledger).await;
+    let confirms = join_all((0..20).map(|i| {
+        let after = &after;
+        async move { after.settle("sale", &format!("b-{i}"), "confirm").await }
+    }))
+    .await;
+    assert!(
+        confirms.iter().all(|r| r.outcome() == "confirmed"),
+        "{:?}",
+        tally(&confirms)
+    );
+    // Past the holds' deadline and several refreshes: nothing expired them.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for i in 0..20 {
+        let reply = after.lookup("sale", &format!("b-{i}")).await;
+        assert_eq!(reply.body["state"], "confirmed", "b-{i}: {}", reply.text);
+    }
+    assert_eq!(admitted(&buyers(&[&after], "sale", "c", 20).await), 10);
+    assert_settled(&redis, &ledger, "sale", 30).await;
+    after.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&redis.url(), "sale", &spec(10, "")).await;
+    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
+    // The marker lived out its TTL.
+    let mut conn = redis.connection().expect("connect");
+    let _: () = redis::cmd("DEL")
+        .arg(format!("dropgate:{{{NS}/sale}}:res:k"))
+        .query(&mut conn)
+        .expect("DEL");
+
+    for _ in 0..4 {
+        let reply = sidecar.lookup("sale", "k").await;
+        assert_eq!((reply.status.as_u16(), reply.outcome()), (200, "found"));
+        assert_eq!(reply.body["state"], "active");
+    }
+    assert_eq!(redis_counts(&redis, "sale"), (9, 1), "no unit taken again");
+    let again = sidecar.reserve("sale", "k2", "alice", 1).await;
+    assert_eq!(again.outcome(), "per_user_limit_exceeded");
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_look_up_during_an_admission_changes_nothing() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&redis.url(), "sale", &spec(10, "")).await;
+    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
+    // As it stands between the ledger's commit and the activation in Redis.
+    let marker = format!("dropgate:{{{NS}/sale}}:res:k");
+    let mut conn = redis.connection().expect("connect");
+    let _: () = redis::cmd("HSET")
+        .arg(&marker)
+        .arg("state")
+        .arg("pending")
+        .query(&mut conn)
+        .expect("HSET");
+
+    let reply = sidecar.lookup("sale", "k").await;
+    assert_eq!(reply.body["state"], "active", "{}", reply.text);
+    let state: String = redis::cmd("HGET")
+        .arg(&marker)
+        .arg("state")
+        .query(&mut conn)
+        .expect("HGET");
+    assert_eq!(
+        state, "pending",
+        "the look-up left the admission to its request"
+    );
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_config_never_writes_an_old_limit_back() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    seed(&redis.url(), "sale", &spec(10, "")).await;
+    let fresh = Peer::start(&redis.url(), &postgres.url()).await;
+    let stale = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
+    assert_eq!(fresh.reserve("sale", "a", "a", 1).await.status, 201);
+    assert_eq!(stale.reserve("sale", "b", "b", 1).await.status, 201);
+
+    seed(&redis.url(), "sale", &spec(4, "")).await;
+    eventually("the cut to reach the fresh sidecar", async || {
+        fresh
+            .http
+            .get("/v1/drops/sale")
+            .await
+            .is_ok_and(|r| r.body["limit"] == 4)
+    })
+    .await;
+    assert_eq!(fresh.reserve("sale", "c", "c", 1).await.status, 201);
+    let rush = buyers(&[&stale, &fresh], "sale", "rush", 20).await;
+    assert_eq!(admitted(&rush), 1, "4 units, 3 sold: {:?}", tally(&rush));
+    let ledger = ledger_view(&postgres.url(), "sale").await;
+    assert_eq!((ledger.limit, ledger.available), (4, 0));
+    assert_settled(&redis, &postgres.url(), "sale", 4).await;
+    fresh.shutdown().await;
+    stale.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drop_re_created_under_its_name_is_a_new_sale() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    let with_uid = |uid: &str| {
+        manifest("sale", &spec(3, "")).replace(
+            "metadata: {name: sale,",
+            &format!("metadata: {{uid: {uid}, name: sale,"),
+        )
+    };
+    common::apply(&redis.url(), &with_uid("first-sale")).await;
+    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    assert_eq!(admitted(&buyers(&[&sidecar], "sale", "k", 3).await), 3);
+
+    // Deleted with its keys left behind (skip-cleanup), and created again.
+    common::apply(&redis.url(), &with_uid("second-sale")).await;
+    eventually("the sidecar to see the new sale", async || {
+        sidecar.reserve("sale", "k-0", "k-0", 1).await.status == 201
+    })
+    .await;
+    assert_eq!(redis_counts(&redis, "sale"), (2, 1), "fresh stock");
+    assert_eq!(admitted(&buyers(&[&sidecar], "sale", "n", 5).await), 2);
+    sidecar.shutdown().await;
+}
