@@ -55,6 +55,16 @@ impl SidecarProcess {
         namespace: &str,
         database_url: &str,
     ) -> Result<Self, String> {
+        Self::start_with(redis_url, namespace, database_url, &[]).await
+    }
+
+    /// Same, with more command-line flags.
+    pub async fn start_with(
+        redis_url: &str,
+        namespace: &str,
+        database_url: &str,
+        extra: &[&str],
+    ) -> Result<Self, String> {
         let port = dropgate_testkit::free_port().map_err(|e| e.to_string())?;
         let listen = format!("127.0.0.1:{port}");
         let child = Command::new(binary("dropgate-sidecar"))
@@ -67,6 +77,7 @@ impl SidecarProcess {
                 namespace,
             ])
             .args(["--database-url", database_url])
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("DROPGATE_E2E_LOG")

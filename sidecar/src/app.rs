@@ -12,6 +12,7 @@ use crate::clock::now_ms;
 use crate::drops::{Drop, Drops, LookupError};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
+use crate::replicas::Replicas;
 use crate::settings::Settings;
 use crate::{Error, input};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -25,6 +26,8 @@ pub struct App {
     pub redis: ConnectionManager,
     pub ledger: Ledger,
     pub metrics: Metrics,
+    /// Replica acknowledgements an admission waits for (`--wait-replicas`).
+    pub replicas: Replicas,
     /// Until when (ms since the epoch) Redis is taken as unreachable without asking
     /// it: after a connection failure, every request would otherwise wait out a
     /// reconnect attempt before its failure policy applied.
@@ -60,6 +63,7 @@ impl App {
             redis,
             ledger: Ledger::open(&settings.database_url).await?,
             metrics: Metrics::new(),
+            replicas: Replicas::new(settings.wait_replicas, settings.wait_timeout_ms),
             redis_down_until: AtomicI64::new(0),
             redis_reached_at: AtomicI64::new(0),
             sidecar_id: format!("{:016x}", rand::random::<u64>()),

@@ -26,7 +26,7 @@ use dropgate_api::Mode;
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::Drop;
-use crate::gate;
+use crate::gate::{self, Gate};
 use crate::ledger::{Authority, Holder};
 
 /// How an attempt to open the gate ended.
@@ -82,9 +82,13 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
         .await
         .map_err(|e| e.to_string())?;
     let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
-    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys)
+    let (standing, redis_seq) = gate::standing(&mut conn, &drop.keys)
         .await
         .map_err(|e| format!("Redis: {e}"))?;
+    if standing == Gate::Lost {
+        return Err(lost_sale(drop));
+    }
+    let gate = standing.epoch();
     let redis_behind = suspect || redis_seq < ledger_seq;
     let now = now_ms();
 
@@ -116,11 +120,12 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
             .await
             .map_err(|e| e.to_string())?
     {
-        return Err(format!(
-            "Redis lost writes of drop {} and this sidecar's ledger is one of several per-pod ledgers: \
-             none holds the whole sale, so the drop stays closed here (use a shared PostgreSQL ledger)",
-            drop.name
-        ));
+        // No ledger can rebuild the sale; a ledger new to it could not even tell
+        // that it was lost. The tombstone keeps every sidecar's gate closed.
+        gate::condemn(&mut conn, &drop.keys)
+            .await
+            .map_err(|e| format!("Redis: {e}"))?;
+        return Err(lost_sale(drop));
     }
 
     // A gate opened by a sidecar with another ledger (per-pod ledgers), on a Redis
@@ -155,22 +160,37 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
         return Ok(Opening::Busy);
     };
     tracing::info!(drop = %drop.name, epoch, lost, ?gate, redis_seq, ledger_seq, ?authority, "bringing Redis in line with the ledger");
-    gate::close(&mut conn, &drop.keys, epoch)
+    let closed = gate::close(&mut conn, &drop.keys, epoch)
         .await
         .map_err(|e| format!("Redis: {e}"))?;
+    if closed.outcome == "lost" {
+        return Err(lost_sale(drop));
+    }
     rebuild(app, drop, &key).await?;
     let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
     let opened = gate::open(&mut conn, &drop.keys, epoch, ledger_seq)
         .await
         .map_err(|e| format!("Redis: {e}"))?;
-    if opened.outcome == "not_found" {
-        return Err(format!("drop {} is no longer published", drop.name));
+    match opened.outcome.as_str() {
+        "not_found" => return Err(format!("drop {} is no longer published", drop.name)),
+        "lost" => return Err(lost_sale(drop)),
+        _ => {}
     }
     app.ledger
         .finish_replay(&key, epoch)
         .await
         .map_err(|e| e.to_string())?;
     Ok(Opening::Open)
+}
+
+fn lost_sale(drop: &Drop) -> String {
+    format!(
+        "Redis lost writes of drop {} and its record is spread over per-pod ledgers, none of which \
+         holds the whole sale: its gate stays closed rather than sell units it may not have \
+         (settle its reservations from the ledgers, then re-create the drop as a new sale; \
+         use a shared PostgreSQL ledger to survive this)",
+        drop.name
+    )
 }
 
 /// Replays every reservation the ledger recorded for the drop into Redis, forward
@@ -252,20 +272,39 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
     let refused = |e: &dyn std::fmt::Display| Refusal::Refused(e.to_string());
     let _one_at_a_time = drop.handover.lock().await;
     let key = drop.ledger_key();
-    if app.ledger.has_peers(&key).await.map_err(|e| refused(&e))? {
-        return Err(Refusal::Refused(format!(
-            "this sidecar's ledger is per pod and other sidecars with ledgers of their own sell drop {}: \
-             its fallback gate would oversell, so nothing is sold here until Redis gates again \
-             (use a shared PostgreSQL ledger)",
-            drop.name
-        )));
-    }
+    let mut conn = app.redis.clone();
     let current = app.ledger.authority(&key).await.map_err(|e| refused(&e))?;
+    if app.ledger.is_per_pod() {
+        // A per-pod ledger holds the whole sale only if its sidecar sells alone: no
+        // other ledger ever registered for the drop, as seen by a registration
+        // now (of two sidecars registering, the later sees the earlier) or, with
+        // Redis unreachable, by the refresh's last one, which counts only for a
+        // ledger that took part in the sale before (one new to it cannot tell).
+        let registered = match gate::register(&mut conn, &drop.keys, app.ledger.id()).await {
+            Ok(ledgers) => {
+                app.ledger
+                    .note_peers(&key, &ledgers)
+                    .await
+                    .map_err(|e| refused(&e))?;
+                true
+            }
+            Err(_) => false,
+        };
+        let alone = (registered || current.is_some())
+            && !app.ledger.has_peers(&key).await.map_err(|e| refused(&e))?;
+        if !alone {
+            return Err(Refusal::Refused(format!(
+                "this sidecar's ledger is per pod and it cannot know that it sells drop {} alone: \
+                 its fallback gate could oversell, so nothing is sold here until Redis gates again \
+                 (use a shared PostgreSQL ledger)",
+                drop.name
+            )));
+        }
+    }
     if let Some(current) = current.as_ref().filter(|a| a.holder == Holder::Ledger) {
         return Ok(current.clone());
     }
     let now = now_ms();
-    let mut conn = app.redis.clone();
     let quiet_since = match reason {
         Reason::Mode => match app.drops.refresh(&mut conn, &drop.name).await {
             Ok(Some(fresh)) if fresh.config().mode == Mode::Gate => {
@@ -312,8 +351,9 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
 }
 
 /// The refresh loop's look at one drop on the gate: notes that this sidecar reached
-/// Redis, remembers other ledgers admitting for it, replays what Redis has not
-/// seen, and rebuilds Redis when it is behind the ledger.
+/// Redis, registers its ledger and remembers the other ones serving the drop,
+/// replays what Redis has not seen, and rebuilds Redis when it is behind the
+/// ledger.
 pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
     let key = drop.ledger_key();
     let mut conn = app.redis.clone();
@@ -322,7 +362,7 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
         .note_gate_seen(&key, &app.sidecar_id, now)
         .await
         .map_err(|e| e.to_string())?;
-    let ledgers = gate::ledgers(&mut conn, &drop.keys)
+    let ledgers = gate::register(&mut conn, &drop.keys, app.ledger.id())
         .await
         .map_err(|e| format!("Redis: {e}"))?;
     app.ledger
@@ -336,9 +376,13 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
-    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys)
+    let (standing, redis_seq) = gate::standing(&mut conn, &drop.keys)
         .await
         .map_err(|e| format!("Redis: {e}"))?;
+    if standing == Gate::Lost {
+        return Err(lost_sale(drop));
+    }
+    let gate = standing.epoch();
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
     if redis_seq < ledger_seq || (authority.is_some() && !in_line) {
         if let Opening::Refused(why) = open_gate(app, drop, redis_seq < ledger_seq).await {

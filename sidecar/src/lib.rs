@@ -17,6 +17,8 @@
 //!   everything the ledger recorded (also rebuilding a Redis that lost writes), and
 //!   handing a drop to the ledger's fallback gate.
 //! - [`record`]: what the gate decided, as the ledger records it.
+//! - [`replicas`]: waiting for Redis replicas to acknowledge admissions
+//!   (`--wait-replicas`).
 //! - [`clock`]: the wall clock in milliseconds.
 //! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
@@ -42,6 +44,7 @@ pub mod locks;
 pub mod maintenance;
 pub mod metrics;
 pub mod record;
+pub mod replicas;
 pub mod routes;
 pub mod server;
 pub mod settings;

@@ -34,8 +34,12 @@ pub struct Metrics {
     pub latency: Family<Route, Histogram>,
     /// Throttle permits held for unconfirmed reservations, by drop.
     pub permits_in_use: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
-    /// Holds the sweeper expired.
+    /// Holds expired (by the sweeper, or by a request that found one past its
+    /// deadline).
     pub expired: Counter<u64, AtomicU64>,
+    /// Admissions answered 201 before the replicas `--wait-replicas` asks for
+    /// acknowledged them (durable in the ledger all the same).
+    pub replica_wait_timeouts: Counter<u64, AtomicU64>,
 }
 
 impl Metrics {
@@ -47,6 +51,7 @@ impl Metrics {
         });
         let permits_in_use = Family::default();
         let expired = Counter::default();
+        let replica_wait_timeouts = Counter::default();
         registry.register("answers", "Answers by route and outcome", answers.clone());
         registry.register(
             "request_duration_seconds",
@@ -60,8 +65,13 @@ impl Metrics {
         );
         registry.register(
             "expired_holds",
-            "Holds expired by the sweeper",
+            "Holds expired past their deadline",
             expired.clone(),
+        );
+        registry.register(
+            "replica_wait_timeouts",
+            "Admissions answered before the replicas asked for acknowledged them",
+            replica_wait_timeouts.clone(),
         );
         Self {
             registry,
@@ -69,6 +79,7 @@ impl Metrics {
             latency,
             permits_in_use,
             expired,
+            replica_wait_timeouts,
         }
     }
 

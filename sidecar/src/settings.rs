@@ -32,6 +32,16 @@ pub struct Settings {
     /// How often due holds are expired.
     #[arg(long, env = "DROPGATE_SWEEP_MS", default_value_t = 250)]
     pub sweep_ms: u64,
+    /// Redis replicas that must acknowledge an admission (Redis WAIT) before it is
+    /// answered 201. 0 does not wait: the ledger makes every 201 durable anyway, and
+    /// a failover that loses writes is rebuilt from it; waiting narrows that window
+    /// at the cost of a replication round trip.
+    #[arg(long, env = "DROPGATE_WAIT_REPLICAS", default_value_t = 0)]
+    pub wait_replicas: u32,
+    /// How long an admission waits for those acknowledgements (ms); past it the
+    /// 201 is sent anyway (the admission is durable in the ledger) and counted.
+    #[arg(long, env = "DROPGATE_WAIT_TIMEOUT_MS", default_value_t = 100)]
+    pub wait_timeout_ms: u64,
 }
 
 impl Settings {

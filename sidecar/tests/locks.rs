@@ -216,6 +216,10 @@ async fn storage_refuses_the_late_write_of_a_paused_holder() {
         .await
         .expect("write");
     assert!(!late, "the stale holder's write is refused");
+    let replayed = fences::fenced_write(pool, "inventory-file", new_fence, "new v1 again")
+        .await
+        .expect("write");
+    assert!(!replayed, "an equal fence is refused: fences never repeat");
     assert_eq!(
         fences::read(pool, "inventory-file").await.expect("read"),
         Some((new_fence, "new v1".to_string()))
@@ -325,4 +329,89 @@ async fn bad_lock_requests_are_refused_and_change_nothing() {
         assert!(message.contains(word), "{method} {path} {body}: {message}");
         assert_eq!(sidecar.snapshot(), before, "{method} {path} {body}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_acquire_reads_the_fence_floor_on_every_attempt() {
+    let sidecar = Sidecar::start().await;
+    let first = acquire(&sidecar, "floor", "first", 300, 0).await;
+    assert_eq!(first.body["fence"], 1);
+    let waiting = {
+        let http = sidecar.http.clone();
+        tokio::spawn(async move {
+            http.post(
+                "/v1/locks/floor",
+                r#"{"owner":"second","ttlMs":10000,"waitMs":3000}"#,
+            )
+            .await
+            .expect("answers")
+        })
+    };
+    // While the second waits, another pod sharing the ledger hands out fence 50, and
+    // Redis loses its counter.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let ledger = common::ledger_of(&sidecar).await;
+    assert!(
+        fences::record(ledger.pool(), "shop/floor", 50)
+            .await
+            .expect("record")
+    );
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let _: () = redis::cmd("DEL")
+        .arg(dropgate_api::LockKeys::new("shop", "floor").fence())
+        .query(&mut conn)
+        .expect("DEL");
+    let second = waiting.await.expect("joins");
+    assert_eq!(second.outcome(), "acquired", "{}", second.text);
+    assert_eq!(
+        second.body["fence"], 51,
+        "above the floor recorded meanwhile"
+    );
+    assert!(
+        !fences::record(ledger.pool(), "shop/floor", 51)
+            .await
+            .expect("record"),
+        "a fence not above the high-water is not recorded twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_pod_ledgers_sharing_a_lock_are_refused_rather_than_risk_a_repeated_fence() {
+    let sidecar = Sidecar::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let other_pod = common::Peer::start(
+        &sidecar.redis.url(),
+        &format!("sqlite://{}", dir.path().join("other.db").display()),
+    )
+    .await;
+    let mine = acquire(&sidecar, "shared", "me", 100, 0).await;
+    assert_eq!(mine.outcome(), "acquired");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let theirs = other_pod
+        .http
+        .post(
+            "/v1/locks/shared",
+            r#"{"owner":"them","ttlMs":100,"waitMs":0}"#,
+        )
+        .await
+        .expect("answers");
+    assert_eq!(
+        (theirs.status.as_u16(), theirs.outcome()),
+        (503, "unavailable"),
+        "{}",
+        theirs.text
+    );
+    assert!(
+        theirs.text.contains("shared PostgreSQL ledger"),
+        "{}",
+        theirs.text
+    );
+    let free = acquire(&sidecar, "shared", "me", 100, 0).await;
+    assert_eq!(
+        free.outcome(),
+        "unavailable",
+        "refused from either pod now: {}",
+        free.text
+    );
+    other_pod.shutdown().await;
 }

@@ -238,6 +238,10 @@ async fn reopening_the_gate_waits_until_the_fallback_sales_are_in_redis() {
         150,
         "300 units, 150 sold before: {counts:?}"
     );
+    eventually("the gate to reopen with every sale in Redis", async || {
+        redis_counts(&redis, "sale") == (0, 300)
+    })
+    .await;
     let more = buyers(&[&sidecar], "sale", "after", 50).await;
     assert_eq!(admitted(&more), 0, "{:?}", tally(&more));
     assert_settled(&redis, &ledger, "sale", 300).await;
@@ -461,5 +465,56 @@ async fn a_drop_re_created_under_its_name_is_a_new_sale() {
     .await;
     assert_eq!(redis_counts(&redis, "sale"), (2, 1), "fresh stock");
     assert_eq!(admitted(&buyers(&[&sidecar], "sale", "n", 5).await), 2);
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
+    let redis = RedisServer::start().expect("redis-server");
+    let replica = RedisServer::start_replica_of(&redis).expect("replica");
+    let dir = tempfile::tempdir().expect("temp dir");
+    seed(&redis.url(), "sale", &spec(10, "")).await;
+    eventually("the replica to sync", async || {
+        let mut conn = replica.connection().expect("connect");
+        redis::cmd("EXISTS")
+            .arg(format!("dropgate:{{{NS}/sale}}:config"))
+            .query::<i64>(&mut conn)
+            .is_ok_and(|n| n == 1)
+    })
+    .await;
+    let sidecar = Peer::start_custom(&redis.url(), &sqlite_url(&dir, "ledger.db"), |s| {
+        s.wait_replicas = 1;
+        s.wait_timeout_ms = 5000;
+    })
+    .await;
+    for i in 0..5 {
+        let reply = sidecar
+            .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
+            .await;
+        assert_eq!(reply.status, 201, "{}", reply.text);
+        // The replica had it before the buyer heard 201.
+        assert_eq!(redis_counts(&replica, "sale"), (9 - i, 1 + i));
+    }
+    sidecar.shutdown().await;
+
+    // Without a replica to wait for, the 201 still comes (the ledger has it) once
+    // the wait times out, and is counted.
+    let alone = RedisServer::start().expect("redis-server");
+    seed(&alone.url(), "sale", &spec(10, "")).await;
+    let sidecar = Peer::start_custom(&alone.url(), &sqlite_url(&dir, "alone.db"), |s| {
+        s.wait_replicas = 1;
+        s.wait_timeout_ms = 50;
+    })
+    .await;
+    let reply = sidecar.reserve("sale", "k", "u", 1).await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
+    let metrics = sidecar.http.get("/metrics").await.expect("metrics");
+    assert!(
+        metrics
+            .text
+            .contains("dropgate_sidecar_replica_wait_timeouts_total 1"),
+        "{}",
+        metrics.text
+    );
     sidecar.shutdown().await;
 }

@@ -52,6 +52,9 @@ impl RedisServer {
         let child = Command::new(&self.binary)
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            // A replica gets its first copy at once, not after the default 5 s wait
+            // for more replicas to share it.
+            .args(["--repl-diskless-sync-delay", "0"])
             .arg("--dir")
             .arg(self.dir.path())
             .args(extra)

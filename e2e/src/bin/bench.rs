@@ -133,6 +133,37 @@ async fn run(cli: &Cli) -> Result<(), String> {
         p99,
     });
 
+    // The same reserve from a sidecar that waits for a replica's acknowledgement
+    // (--wait-replicas 1) before each 201.
+    let replica = RedisServer::start_replica_of(&redis).map_err(|e| e.to_string())?;
+    let waiting_ledger = format!("sqlite://{}", dir.path().join("waiting.db").display());
+    let waiting = SidecarProcess::start_with(
+        &redis.url(),
+        "shop",
+        &waiting_ledger,
+        &["--wait-replicas", "1", "--wait-timeout-ms", "1000"],
+    )
+    .await?;
+    let waiting_http = HttpClient::new(waiting.base.clone());
+    for i in 0..n {
+        let body = format!(r#"{{"key":"w{i}","user":"w{i}","quantity":1}}"#);
+        let started = Instant::now();
+        let reply = waiting_http
+            .post("/v1/drops/bench/reservations", &body)
+            .await
+            .map_err(|e| e.to_string())?;
+        timings.push(started.elapsed());
+        if reply.status != 201 {
+            return Err(format!("reserve with WAIT answered {}", reply.text));
+        }
+    }
+    let (p50, p99) = percentiles(std::mem::take(&mut timings));
+    rows.push(Row {
+        name: "reserve, WAIT 1 replica",
+        p50,
+        p99,
+    });
+
     let floor = rows[1].p50.as_secs_f64();
     let ping = rows[0].p50.as_secs_f64();
     println!(
@@ -188,9 +219,29 @@ async fn run(cli: &Cli) -> Result<(), String> {
         reserve_rate,
         reserve_rate / healthz_rate
     );
-    let status = sidecar.terminate()?;
-    if !status.success() {
-        return Err(format!("sidecar exited with {status}"));
+    let waiting_rate = throughput(cli.clients, per_client, |c, i| {
+        let http = waiting_http.clone();
+        async move {
+            let body = format!(r#"{{"key":"wc{c}-{i}","user":"wc{c}-{i}","quantity":1}}"#);
+            http.post("/v1/drops/bench/reservations", &body)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+    })
+    .await?;
+    println!(
+        "{:<28} {:>10.0} {:>10.2}",
+        "reserve, WAIT 1 replica",
+        waiting_rate,
+        waiting_rate / healthz_rate
+    );
+    drop(replica);
+    for process in [sidecar, waiting] {
+        let status = process.terminate()?;
+        if !status.success() {
+            return Err(format!("sidecar exited with {status}"));
+        }
     }
     Ok(())
 }

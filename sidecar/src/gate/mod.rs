@@ -245,34 +245,77 @@ pub async fn open(
     run(&OPEN, conn, keys, "", &[&epoch, &floor]).await
 }
 
-/// Closes the gate unless it was reopened after `epoch`: `closed`, or `open`.
+/// Closes the gate unless it was reopened after `epoch`: `closed`, `open`, or
+/// `lost` (the tombstone is there).
 pub async fn close(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     epoch: i64,
 ) -> RedisResult<GateReply> {
-    run(&CLOSE, conn, keys, "", &[&epoch.to_string()]).await
+    run(&CLOSE, conn, keys, "", &[&epoch.to_string(), ""]).await
 }
 
-/// The gate's epoch and change counter, as Redis holds them now.
-pub async fn standing(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-) -> RedisResult<(Option<i64>, i64)> {
-    let (gate, seq): (Option<i64>, Option<i64>) = redis::pipe()
+/// Closes the gate for good: Redis lost a sale whose record is spread over per-pod
+/// ledgers, none of which can rebuild it.
+pub async fn condemn(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<GateReply> {
+    run(&CLOSE, conn, keys, "", &["0", "lost"]).await
+}
+
+/// Where Redis's gate stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    Closed,
+    Open(i64),
+    /// The tombstone (see [`condemn`]).
+    Lost,
+}
+
+impl Gate {
+    pub fn epoch(self) -> Option<i64> {
+        match self {
+            Gate::Open(epoch) => Some(epoch),
+            _ => None,
+        }
+    }
+}
+
+/// The gate and the change counter, as Redis holds them now.
+pub async fn standing(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<(Gate, i64)> {
+    let (gate, seq): (Option<String>, Option<i64>) = redis::pipe()
         .get(keys.gate())
         .get(keys.seq())
         .query_async(conn)
         .await?;
+    let gate = match gate.as_deref() {
+        None => Gate::Closed,
+        Some("lost") => Gate::Lost,
+        Some(epoch) => epoch.parse().map(Gate::Open).map_err(|_| {
+            redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "the gate key holds neither an epoch nor the tombstone",
+                epoch.to_string(),
+            ))
+        })?,
+    };
     Ok((gate, seq.unwrap_or(0)))
 }
 
-/// Every ledger that admitted for the drop (see [`DropKeys::ledgers`]).
-pub async fn ledgers(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<Vec<String>> {
-    redis::cmd("SMEMBERS")
-        .arg(keys.ledgers())
+/// Registers `ledger` among the ledgers of sidecars that serve the drop (see
+/// [`DropKeys::ledgers`]) and returns them all, in one atomic step: of two
+/// sidecars registering, the later one sees the earlier.
+pub async fn register(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    ledger: &str,
+) -> RedisResult<Vec<String>> {
+    let (ledgers,): (Vec<String>,) = redis::pipe()
+        .atomic()
+        .sadd(keys.ledgers(), ledger)
+        .ignore()
+        .smembers(keys.ledgers())
         .query_async(conn)
-        .await
+        .await?;
+    Ok(ledgers)
 }
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.

@@ -10,6 +10,9 @@ end
 if tonumber(redis.call('GET', K.seq) or '0') < tonumber(ARGV[3]) then
   redis.call('SET', K.seq, ARGV[3])
 end
+if LOST then
+  return reply('lost')
+end
 if EPOCH ~= '' and tonumber(EPOCH) >= epoch then
   return reply('open')
 end

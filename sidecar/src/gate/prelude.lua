@@ -19,8 +19,13 @@ local KEY = ARGV[1]
 -- name is nobody's reservation in this one.
 local SALE = redis.call('HGET', K.config, 'sale') or ''
 -- Absent while the gate is closed (never opened, being rebuilt, or lost with the
--- rest of Redis's data): nothing changes then.
+-- rest of Redis's data): nothing changes then. 'lost' is a tombstone: Redis lost a
+-- sale whose record is spread over per-pod ledgers, and the gate stays closed.
 local EPOCH = redis.call('GET', K.gate) or ''
+local LOST = EPOCH == 'lost'
+if LOST then
+  EPOCH = ''
+end
 local SEQ = ''
 local EXPIRED, EXPIRED_FROM = '', ''
 

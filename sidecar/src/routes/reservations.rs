@@ -321,6 +321,17 @@ async fn admit_gate(
     }
     drop.throttle
         .hold(&request.key, permit, active.when.unwrap_or(0));
+    match app.replicas.acknowledged(&mut conn).await {
+        Ok(true) => {}
+        Ok(false) => {
+            app.metrics.replica_wait_timeouts.inc();
+            tracing::debug!(drop = %drop.name, "replicas did not acknowledge in time; the ledger has the admission");
+        }
+        Err(error) => {
+            app.metrics.replica_wait_timeouts.inc();
+            tracing::warn!(drop = %drop.name, %error, "WAIT failed; the ledger has the admission");
+        }
+    }
     Turn::Done(Ok(reservation(
         StatusCode::CREATED,
         "admitted",

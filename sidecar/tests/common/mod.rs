@@ -34,18 +34,33 @@ impl Peer {
     /// A sidecar that re-reads configs only every `refresh_ms` (a long one keeps a
     /// stale view of a drop).
     pub async fn start_with(redis_url: &str, database_url: &str, refresh_ms: u64) -> Self {
+        Self::start_custom(redis_url, database_url, |settings| {
+            settings.refresh_ms = refresh_ms;
+        })
+        .await
+    }
+
+    /// A sidecar with settings of the test's choosing.
+    pub async fn start_custom(
+        redis_url: &str,
+        database_url: &str,
+        customize: impl FnOnce(&mut dropgate_sidecar::Settings),
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
-        let settings = dropgate_sidecar::Settings {
+        let mut settings = dropgate_sidecar::Settings {
             listen: addr,
             redis_url: redis_url.into(),
             namespace: NS.into(),
             database_url: database_url.into(),
-            refresh_ms,
+            refresh_ms: 100,
             sweep_ms: 100,
+            wait_replicas: 0,
+            wait_timeout_ms: 100,
         };
+        customize(&mut settings);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(dropgate_sidecar::run(listener, settings, async {
             let _ = stopped.await;
