@@ -93,13 +93,14 @@ pub struct DropConfig {
     /// late confirms and refunds still find their reservations.
     pub expire_at_ms: Option<i64>,
     /// When the seed script last created the stock key (ms since the epoch). Written
-    /// by the script itself, never by [`DropConfig::to_fields`]: a change tells the
-    /// sidecars that Redis lost its data and must be rebuilt from the ledger.
+    /// by the script itself, never by [`DropConfig::to_fields`]; for people reading
+    /// the hash (the sidecars learn of a Redis that lost its data from the gate key
+    /// and the change counter, see [`crate::DropKeys::gate`]).
     pub seeded_at_ms: Option<i64>,
-    /// The sale's identity: the InventoryDrop's uid, or (outside Kubernetes, where
-    /// there is none) kept from the previous publication or set to the seed time by
-    /// the seed script. A new sale under the same name starts from fresh stock and
-    /// its own ledger rows; markers of an earlier sale are not its reservations.
+    /// The sale's identity: the InventoryDrop's uid (outside Kubernetes, the
+    /// manifest's `metadata.uid`, else a fixed word: the name is the sale). A new
+    /// sale under the same name starts from fresh stock and its own ledger rows;
+    /// markers of an earlier sale are not its reservations.
     pub sale: String,
 }
 

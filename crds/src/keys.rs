@@ -80,15 +80,23 @@ impl DropKeys {
         format!("{}:seq", self.prefix)
     }
 
-    /// Set: the ids of the ledgers whose sidecars admitted for this drop. More than
-    /// one means per-pod ledgers, none of which holds the whole sale.
+    /// Set: the ids of the ledgers of the sidecars serving this drop (each registers
+    /// on every refresh and every admission). More than one means per-pod ledgers,
+    /// none of which holds the whole sale.
     pub fn ledgers(&self) -> String {
         format!("{}:ledgers", self.prefix)
     }
 
+    /// Sorted set: idempotency keys of admissions still pending (admitted, not yet
+    /// durable), scored by when they become overdue: an admission its sidecar never
+    /// finished (it died) is resolved then, not at the end of its hold.
+    pub fn pending(&self) -> String {
+        format!("{}:pending", self.prefix)
+    }
+
     /// Every fixed key of the drop, config first: deleting in this order stops
     /// sidecars from admitting before the stock disappears.
-    pub fn fixed(&self) -> [String; 9] {
+    pub fn fixed(&self) -> [String; 10] {
         [
             self.config(),
             self.gate(),
@@ -96,6 +104,7 @@ impl DropKeys {
             self.held(),
             self.buyers(),
             self.holds(),
+            self.pending(),
             self.seq(),
             self.ledgers(),
             self.events(),
@@ -104,8 +113,9 @@ impl DropKeys {
 }
 
 /// A drop's key in the SQL ledger: `namespace/name/sale`. The sale (the
-/// InventoryDrop's uid, or its seed time outside Kubernetes) makes a drop deleted and
-/// re-created under the same name a new sale with rows of its own.
+/// InventoryDrop's uid; outside Kubernetes the manifest's `metadata.uid`, or a fixed
+/// word) makes a drop deleted and re-created under the same name a new sale with
+/// rows of its own.
 pub fn ledger_key(namespace: &str, name: &str, sale: &str) -> String {
     format!("{namespace}/{name}/{sale}")
 }

@@ -103,6 +103,12 @@ impl SidecarProcess {
         Err("dropgate-sidecar did not answer /healthz within 5s".into())
     }
 
+    /// SIGKILL, then wait: the process dies wherever it is, as `kill -9` does.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, then wait: the sidecar drains in-flight requests and exits 0.
     pub fn terminate(mut self) -> Result<std::process::ExitStatus, String> {
         let pid = self.child.id().to_string();

@@ -54,6 +54,7 @@ pub async fn seed(
         .key(keys.held())
         .key(keys.buyers())
         .key(keys.holds())
+        .key(keys.pending())
         .key(keys.seq())
         .key(keys.ledgers());
     invocation.arg(config.limit);

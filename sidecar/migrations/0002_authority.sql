@@ -23,8 +23,8 @@ CREATE TABLE gate_seen (
     PRIMARY KEY (drop_key, sidecar)
 );
 
--- Other ledgers seen admitting for a drop (per-pod ledgers): with any, this ledger
--- does not hold the whole sale, and its fallback gate would oversell.
+-- Other ledgers seen serving a drop (per-pod ledgers): with any, this ledger does
+-- not hold the whole sale, and its fallback gate would oversell.
 CREATE TABLE ledger_peers (
     drop_key  TEXT NOT NULL,
     ledger_id TEXT NOT NULL,

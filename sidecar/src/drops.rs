@@ -41,7 +41,12 @@ impl Drop {
 
     /// `namespace/name/sale`, the drop's key in the ledger (of the sale last read).
     pub fn ledger_key(&self) -> String {
-        dropgate_api::keys::ledger_key(&self.namespace, &self.name, &self.config().sale)
+        self.ledger_key_of(&self.config().sale)
+    }
+
+    /// The drop's key in the ledger for `sale`.
+    pub fn ledger_key_of(&self, sale: &str) -> String {
+        dropgate_api::keys::ledger_key(&self.namespace, &self.name, sale)
     }
 
     /// The config as last read.

@@ -277,9 +277,7 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
     if app.ledger.is_per_pod() {
         // A per-pod ledger holds the whole sale only if its sidecar sells alone: no
         // other ledger ever registered for the drop, as seen by a registration
-        // now (of two sidecars registering, the later sees the earlier) or, with
-        // Redis unreachable, by the refresh's last one, which counts only for a
-        // ledger that took part in the sale before (one new to it cannot tell).
+        // now (of two sidecars registering, the later sees the earlier).
         let registered = match gate::register(&mut conn, &drop.keys, app.ledger.id()).await {
             Ok(ledgers) => {
                 app.ledger
@@ -290,7 +288,11 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
             }
             Err(_) => false,
         };
-        let alone = (registered || current.is_some())
+        // Without a registration now (Redis unreachable) a per-pod ledger cannot
+        // know that no pod joined the sale since its last look: a Redis outage
+        // closes the drop on it rather than risk selling beside a gate.
+        let alone = registered
+            && reason == Reason::Mode
             && !app.ledger.has_peers(&key).await.map_err(|e| refused(&e))?;
         if !alone {
             return Err(Refusal::Refused(format!(
@@ -384,7 +386,7 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
     }
     let gate = standing.epoch();
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
-    if redis_seq < ledger_seq || (authority.is_some() && !in_line) {
+    if redis_seq < ledger_seq || !in_line {
         if let Opening::Refused(why) = open_gate(app, drop, redis_seq < ledger_seq).await {
             return Err(why);
         }

@@ -22,8 +22,12 @@
 //! - [`clock`]: the wall clock in milliseconds.
 //! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
-//! - [`maintenance`]: background config refresh with replay of fallback changes
-//!   into Redis, the hold sweepers, and the outbox dispatcher.
+//! - [`app`]: what every request shares: the drops, the Redis connection and its
+//!   breaker, the ledger, the metrics.
+//! - [`maintenance`]: background work: the config refresh that keeps each drop with
+//!   its authority (hand-overs, rebuilds, replays), the hold sweepers (with the
+//!   settling of admissions a dead sidecar left pending, and the ledger's repair
+//!   from Redis), and the outbox dispatcher.
 //! - [`answer`]: the JSON answer type (`outcome`, `message`, headers).
 //! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
 //!   its outbox, the fallback gate, lock fences.

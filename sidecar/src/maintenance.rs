@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dropgate_api::Mode;
+use dropgate_api::{DropConfig, Mode};
 
 use tokio::sync::watch;
 
@@ -13,8 +13,9 @@ use crate::clock::now_ms;
 use crate::gate;
 use crate::handover::{self, Reason};
 use crate::ledger::Holder;
+use crate::ledger::State;
 use crate::metrics::DropLabel;
-use crate::record::record_expiry;
+use crate::record::{change_of, record_expiry};
 
 /// Due holds expired per drop per sweep; the rest wait for the next sweep.
 const SWEEP_BATCH: isize = 256;
@@ -112,6 +113,7 @@ async fn expire_due_holds(app: &App) {
             Ok(Some(authority)) if authority.holder == Holder::Ledger
         );
         if !ledger_decides && config.mode == Mode::Gate {
+            resolve_overdue(app, &drop, now).await;
             match gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
                 Ok(due) => {
                     for key in due {
@@ -126,23 +128,22 @@ async fn expire_due_holds(app: &App) {
                 Err(error) => tracing::debug!(drop = %drop.name, %error, "sweep failed"),
             }
         }
-        let due = if ledger_decides {
-            now
-        } else {
-            now - LEDGER_REPAIR_GRACE_MS
-        };
-        match app
-            .ledger
-            .expire_due(&drop.ledger_key(), &config, due, SWEEP_BATCH as i64)
-            .await
-        {
-            Ok(expired) => {
-                for key in &expired {
-                    app.metrics.expired.inc();
-                    drop.throttle.release(key);
+        if ledger_decides {
+            match app
+                .ledger
+                .expire_due(&drop.ledger_key(), &config, now, SWEEP_BATCH as i64)
+                .await
+            {
+                Ok(expired) => {
+                    for key in &expired {
+                        app.metrics.expired.inc();
+                        drop.throttle.release(key);
+                    }
                 }
+                Err(error) => tracing::debug!(drop = %drop.name, %error, "ledger sweep failed"),
             }
-            Err(error) => tracing::debug!(drop = %drop.name, %error, "ledger sweep failed"),
+        } else if config.mode == Mode::Gate {
+            heal_from_redis(app, &drop, &config, now - LEDGER_REPAIR_GRACE_MS).await;
         }
         drop.throttle.release_due(now);
         app.metrics
@@ -152,6 +153,100 @@ async fn expire_due_holds(app: &App) {
             })
             .set(drop.throttle.in_use() as i64);
     }
+}
+
+/// Settles admissions their sidecar never finished (it died between the gate's
+/// admit and its answer): one the ledger recorded is activated by replaying the
+/// record; one it did not goes back to stock. Either way within the pending bound,
+/// not at the end of the hold.
+async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
+    let mut conn = app.redis.clone();
+    let overdue = match gate::overdue(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
+        Ok(overdue) => overdue,
+        Err(error) => {
+            tracing::debug!(drop = %drop.name, %error, "overdue sweep failed");
+            return;
+        }
+    };
+    for key in overdue {
+        let settled = match app.ledger.reservation(&drop.ledger_key(), &key).await {
+            Ok(Some(row)) => gate::replay(&mut conn, &drop.keys, &row).await.map(|_| ()),
+            Ok(None) => gate::abandon(&mut conn, &drop.keys, &key).await.map(|_| ()),
+            Err(error) => {
+                tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
+                continue;
+            }
+        };
+        if let Err(error) = settled {
+            tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
+        }
+    }
+}
+
+/// Holds the ledger still has active well past their deadline while Redis decides:
+/// Redis's word was lost on the way (a record that failed). Redis is asked, and the
+/// ledger records what it says; a hold Redis no longer has at all expires in the
+/// ledger (Redis lost it; its rebuild follows the ledger).
+async fn heal_from_redis(app: &App, drop: &crate::drops::Drop, config: &DropConfig, due: i64) {
+    let key_of = drop.ledger_key();
+    let keys = match app
+        .ledger
+        .active_due(&key_of, due, SWEEP_BATCH as i64)
+        .await
+    {
+        Ok(keys) => keys,
+        Err(error) => {
+            tracing::debug!(drop = %drop.name, %error, "ledger repair sweep failed");
+            return;
+        }
+    };
+    let mut conn = app.redis.clone();
+    for key in keys {
+        let reply = match gate::lookup(&mut conn, &drop.keys, &key).await {
+            Ok(reply) => reply,
+            Err(error) => {
+                tracing::debug!(drop = %drop.name, %error, "ledger repair: Redis failed");
+                return;
+            }
+        };
+        record_expiry(app, drop, config, &key, &reply).await;
+        let healed = match (reply.outcome.as_str(), reply.state.as_deref()) {
+            ("closed", _) => return,
+            ("not_found", _) => app
+                .ledger
+                .expire_one(&key_of, config, &key, due)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            (_, Some("confirmed")) => {
+                record_state(app, drop, config, &key, &reply, State::Confirmed).await
+            }
+            (_, Some("cancelled")) => {
+                record_state(app, drop, config, &key, &reply, State::Cancelled).await
+            }
+            (_, Some("expired")) if reply.expired.is_none() => {
+                record_state(app, drop, config, &key, &reply, State::Expired).await
+            }
+            _ => Ok(()),
+        };
+        if let Err(error) = healed {
+            tracing::debug!(drop = %drop.name, %error, "ledger repair failed");
+        }
+    }
+}
+
+async fn record_state(
+    app: &App,
+    drop: &crate::drops::Drop,
+    config: &DropConfig,
+    key: &str,
+    reply: &crate::gate::GateReply,
+    state: State,
+) -> Result<(), String> {
+    app.ledger
+        .record(change_of(drop, config, key, reply, state))
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// How long past its deadline a hold the ledger has active waits for Redis to report

@@ -7,7 +7,9 @@ use crate::drops::Drop;
 use crate::gate::GateReply;
 use crate::ledger::{Change, State};
 
-/// The ledger change for what a gate script answered about `key`.
+/// The ledger change for what a gate script answered about `key`: recorded under
+/// the sale Redis named in the same step, so a sidecar whose config is older than
+/// a re-created drop never records into the earlier sale.
 pub fn change_of(
     drop: &Drop,
     config: &DropConfig,
@@ -15,10 +17,17 @@ pub fn change_of(
     reply: &GateReply,
     state: State,
 ) -> Change {
+    let sale = reply.sale.as_deref().unwrap_or(&config.sale);
     Change {
-        drop_key: drop.ledger_key(),
+        drop_key: drop.ledger_key_of(sale),
         limit: config.limit,
-        generation: config.generation,
+        // A config of another sale says nothing about this one's limit: generation
+        // 0 never moves the stock row.
+        generation: if sale == config.sale {
+            config.generation
+        } else {
+            0
+        },
         key: key.to_string(),
         user: reply.user.clone().unwrap_or_default(),
         quantity: reply.quantity.unwrap_or(0),

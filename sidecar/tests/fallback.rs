@@ -203,7 +203,10 @@ async fn redis_down_under_policy_closed_admits_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_under_policy_open_sells_through_the_ledger() {
-    let mut sidecar = Sidecar::start().await;
+    // A shared ledger: a per-pod one cannot know that it sells alone while it
+    // cannot reach Redis, and closes instead (below).
+    let postgres = PostgresServer::start().expect("PostgreSQL starts");
+    let mut sidecar = Sidecar::start_with_database(Some(postgres.url())).await;
     sidecar.seed("sale", &spec(5, "")).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     sidecar.redis.stop();
@@ -335,4 +338,21 @@ async fn the_throttle_holds_on_the_fallback_path_too() {
         (drop.body["mode"].as_str(), drop.body["remaining"].as_i64()),
         (Some("fail-open"), Some(7))
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_pod_ledger_closes_rather_than_fail_open_when_redis_is_down() {
+    let mut sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(5, "")).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    sidecar.redis.stop();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let reply = sidecar.reserve("sale", "k", "u", 1).await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.outcome()),
+        (503, "unavailable"),
+        "{}",
+        reply.text
+    );
+    assert!(reply.text.contains("per pod"), "{}", reply.text);
 }

@@ -1,10 +1,10 @@
 -- Publishes a drop's config and seeds or restocks its stock, in one atomic step.
 --
 -- KEYS[1] config hash, KEYS[2] remaining, KEYS[3..] the drop's other state keys
---   (gate, held, buyers, holds, seq, ledgers)
+--   (gate, held, buyers, holds, pending, seq, ledgers)
 -- ARGV[1] the new limit
 -- ARGV[2] when the keys expire (ms since the epoch), or '' to keep them
--- ARGV[3] the sale's identity (the object's uid)
+-- ARGV[3] the sale's identity (the object's uid, or a fixed word outside Kubernetes)
 -- ARGV[4..] the config hash's field/value pairs (limit and sale among them)
 --
 -- Fresh stock is SET NX, so stock in use is never overwritten. When the config hash

@@ -1,14 +1,14 @@
 -- activate: the admission ARGV[2] got its throttle permit and is durable in the
--- ledger; its pending marker becomes an active reservation. Anything else (expired
--- meanwhile, or already activated by a replay from the ledger) is reported as it is.
+-- ledger; its pending marker becomes an active reservation. Anything else is
+-- reported as it is: `gone` with the marker as it stands (expired meanwhile, taken
+-- over by a retry, activated by a replay from the ledger, or no marker at all).
 local m = redis.call('HMGET', K.marker, 'attempt', 'state')
-if not ours() or m[1] ~= ARGV[2] then
+if not ours() then
   return answer('gone')
 end
-if m[2] == 'pending' then
+if m[2] == 'pending' and m[1] == ARGV[2] then
   redis.call('HSET', K.marker, 'state', 'active')
-  return answer('admitted')
-elseif m[2] == 'active' then
+  redis.call('ZREM', K.pending, KEY)
   return answer('admitted')
 end
 return answer('gone')

@@ -29,6 +29,7 @@ static UNDO: LazyLock<Script> = gate_script!("undo.lua");
 static ACTIVATE: LazyLock<Script> = gate_script!("activate.lua");
 static REPLAY: LazyLock<Script> = gate_script!("replay.lua");
 static OPEN: LazyLock<Script> = gate_script!("open.lua");
+static ABANDON: LazyLock<Script> = gate_script!("abandon.lua");
 static CLOSE: LazyLock<Script> = gate_script!("close.lua");
 
 /// What a gate script answered. `outcome` is the script's word (`admitted`,
@@ -54,6 +55,9 @@ pub struct GateReply {
     /// expiry's number and the state it expired from (`active` or `pending`). The
     /// caller records it in the ledger, whatever the outcome.
     pub expired: Option<(i64, String)>,
+    /// The sale the drop's config names in Redis as the script ran: the one its
+    /// change belongs to, whatever the caller's cached config says.
+    pub sale: Option<String>,
 }
 
 impl GateReply {
@@ -69,6 +73,7 @@ impl GateReply {
             seq: None,
             epoch: None,
             expired: None,
+            sale: None,
         }
     }
 
@@ -84,7 +89,8 @@ impl GateReply {
             epoch,
             expired,
             expired_from,
-        ]: [String; 10] = parts.try_into().map_err(|got: Vec<String>| {
+            sale,
+        ]: [String; 11] = parts.try_into().map_err(|got: Vec<String>| {
             redis::RedisError::from((
                 redis::ErrorKind::Parse,
                 "gate script answered with the wrong arity",
@@ -103,6 +109,7 @@ impl GateReply {
             seq: int(&seq),
             epoch: int(&epoch),
             expired: int(&expired).map(|seq| (seq, expired_from)),
+            sale: text(sale),
         })
     }
 }
@@ -124,6 +131,7 @@ async fn run(
         .key(keys.gate())
         .key(keys.seq())
         .key(keys.ledgers())
+        .key(keys.pending())
         .arg(key);
     for arg in args {
         invocation.arg(*arg);
@@ -133,9 +141,12 @@ async fn run(
 
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending
 /// reservation, or says why not. `attempt` identifies this admission for
-/// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it.
-/// `pending` means a concurrent attempt with the same key is still waiting for its
-/// permit: ask again shortly. `closed`: the gate is not open (see [`open`]).
+/// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it;
+/// an admission still pending `pending_bound_ms` later is overdue (its sidecar
+/// died), and a retry of the same key by the same buyer takes it over. `pending`
+/// means a concurrent attempt with the same key is still within its bound: ask
+/// again shortly. `closed`: the gate is not open (see [`open`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn reserve(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
@@ -144,16 +155,45 @@ pub async fn reserve(
     quantity: i64,
     attempt: &str,
     ledger: &str,
+    pending_bound_ms: u64,
 ) -> RedisResult<GateReply> {
-    let quantity = quantity.to_string();
+    let (quantity, bound) = (quantity.to_string(), pending_bound_ms.to_string());
     run(
         &RESERVE,
         conn,
         keys,
         key,
-        &[user, &quantity, attempt, ledger],
+        &[user, &quantity, attempt, ledger, &bound],
     )
     .await
+}
+
+/// Takes back an overdue pending admission the ledger has not recorded:
+/// `abandoned`, or `not_overdue` when a retry took it over or it moved on.
+pub async fn abandon(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+) -> RedisResult<GateReply> {
+    run(&ABANDON, conn, keys, key, &[]).await
+}
+
+/// Keys of pending admissions overdue at `now_ms`, at most `limit`.
+pub async fn overdue(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    now_ms: i64,
+    limit: isize,
+) -> RedisResult<Vec<String>> {
+    redis::cmd("ZRANGEBYSCORE")
+        .arg(keys.pending())
+        .arg("-inf")
+        .arg(now_ms)
+        .arg("LIMIT")
+        .arg(0)
+        .arg(limit)
+        .query_async(conn)
+        .await
 }
 
 pub async fn confirm(

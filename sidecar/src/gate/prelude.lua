@@ -3,16 +3,18 @@
 -- Every script takes the same keys, all in the drop's one hash slot:
 --   KEYS[1] config   KEYS[2] remaining   KEYS[3] held   KEYS[4] buyers
 --   KEYS[5] holds    KEYS[6] the reservation marker     KEYS[7] gate (its epoch)
---   KEYS[8] seq      KEYS[9] ledgers
+--   KEYS[8] seq      KEYS[9] ledgers  KEYS[10] pending
 -- and ARGV[1], the idempotency key.
 --
 -- Every script answers {outcome, user, quantity, state, expiresAt, remaining, seq,
--- epoch, expiredSeq, expiredFrom} as strings, '' where there is nothing to say:
--- seq numbers the change the call made, epoch is the gate's, and expiredSeq /
--- expiredFrom tell of a hold the call expired on the way (the caller records it).
+-- epoch, expiredSeq, expiredFrom, sale} as strings, '' where there is nothing to
+-- say: seq numbers the change the call made, epoch is the gate's, expiredSeq /
+-- expiredFrom tell of a hold the call expired on the way (the caller records it),
+-- and sale is the sale the change belongs to (the caller's config may be older).
 local K = {
   config = KEYS[1], remaining = KEYS[2], held = KEYS[3], buyers = KEYS[4],
   holds = KEYS[5], marker = KEYS[6], gate = KEYS[7], seq = KEYS[8], ledgers = KEYS[9],
+  pending = KEYS[10],
 }
 local KEY = ARGV[1]
 -- The sale the config belongs to: a marker left by an earlier sale under the same
@@ -62,7 +64,7 @@ end
 -- An answer about no reservation in particular.
 local function reply(outcome, user, quantity, state, when, left)
   return {outcome, user or '', quantity or '', state or '', when or '', left or '',
-    '', EPOCH, '', ''}
+    '', EPOCH, '', '', SALE}
 end
 
 -- An answer that shows KEY's reservation.
@@ -72,7 +74,7 @@ local function answer(outcome)
   end
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt')
   return {outcome, m[1] or '', m[2] or '', m[3] or '', m[4] or '', tostring(remaining()),
-    tostring(SEQ), EPOCH, tostring(EXPIRED), EXPIRED_FROM}
+    tostring(SEQ), EPOCH, tostring(EXPIRED), EXPIRED_FROM, SALE}
 end
 
 -- Returns a reservation's units: to stock (paying a deficit back first, since
@@ -98,6 +100,7 @@ local function expire_if_due(now)
   if (m[3] == 'active' or m[3] == 'pending') and tonumber(m[4]) <= now then
     redis.call('HSET', K.marker, 'state', 'expired')
     redis.call('ZREM', K.holds, KEY)
+    redis.call('ZREM', K.pending, KEY)
     give_back(m[1], tonumber(m[2]))
     EXPIRED, EXPIRED_FROM = redis.call('INCR', K.seq), m[3]
     redis.call('HSET', K.marker, 'seq', EXPIRED)

@@ -38,6 +38,7 @@ if target == 'active' then
 else
   redis.call('ZREM', K.holds, KEY)
 end
+redis.call('ZREM', K.pending, KEY)
 local expire_at = redis.call('HGET', K.config, 'expireAt')
 if expire_at and expire_at ~= '' then
   redis.call('PEXPIREAT', K.marker, expire_at)

@@ -1,4 +1,6 @@
--- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id, ARGV[5] ledger id
+-- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id, ARGV[5] ledger id,
+-- ARGV[6] the pending bound (ms): how long an admission may stay pending before it
+-- is overdue (its permit wait plus the ledger's commit).
 --
 -- In one atomic step: the mode and the gate, the idempotency marker, the sale
 -- window, the per-user limit, the stock; then decrement, count the buyer, write the
@@ -25,6 +27,14 @@ if ours() then
   if owner[1] == user and tonumber(owner[2]) == quantity then
     expire_if_due(now)
     if not granted() then
+      if redis.call('HGET', K.marker, 'state') == 'pending'
+        and tonumber(redis.call('HGET', K.marker, 'overdueAt')) <= now then
+        -- Its sidecar never finished it (it died): this retry of the same buyer
+        -- takes the admission over, with the unit it already holds.
+        redis.call('HSET', K.marker, 'attempt', attempt, 'overdueAt', now + tonumber(ARGV[6]))
+        redis.call('ZADD', K.pending, now + tonumber(ARGV[6]), KEY)
+        return answer('admitted')
+      end
       return answer('pending')
     end
     return answer('already_reserved')
@@ -57,13 +67,15 @@ redis.call('HINCRBY', K.buyers, user, quantity)
 redis.call('ZADD', K.holds, deadline, KEY)
 redis.call('DEL', K.marker)
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
-  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE)
+  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE,
+  'overdueAt', now + tonumber(ARGV[6]))
+redis.call('ZADD', K.pending, now + tonumber(ARGV[6]), KEY)
 bump()
 redis.call('SADD', K.ledgers, ARGV[5])
 -- The marker outlives the hold so that a late retry still reads already_reserved;
 -- the drop's other keys expire with the config when the sale has an end.
 if cfg[6] ~= '' then
-  for _, key in ipairs({K.held, K.buyers, K.holds, K.marker, K.seq, K.ledgers}) do
+  for _, key in ipairs({K.held, K.buyers, K.holds, K.pending, K.marker, K.seq, K.ledgers}) do
     redis.call('PEXPIREAT', key, cfg[6])
   end
 else

@@ -8,6 +8,7 @@ if not ours() or m[1] ~= ARGV[2] or m[2] ~= 'pending' then
   return answer('gone')
 end
 redis.call('ZREM', K.holds, KEY)
+redis.call('ZREM', K.pending, KEY)
 give_back(m[3], tonumber(m[4]))
 redis.call('DEL', K.marker)
 return reply('undone', '', '', '', '', tostring(remaining()))

@@ -206,8 +206,7 @@ impl Ledger {
 
     /// Expires the drop's active holds whose deadline is at or before `due`, each
     /// once, returning their units and writing their events; returns their keys. The
-    /// fallback's sweeper (with the ledger in charge), and on the gate a repair of
-    /// holds Redis never reported expired (with `due` well in the past).
+    /// fallback's sweeper, with the ledger in charge.
     pub async fn expire_due(
         &self,
         drop_key: &str,
@@ -215,7 +214,23 @@ impl Ledger {
         due: i64,
         batch: i64,
     ) -> Result<Vec<String>, LedgerError> {
-        let keys: Vec<String> = sqlx::query(
+        let mut expired = Vec::new();
+        for key in self.active_due(drop_key, due, batch).await? {
+            if self.expire_one(drop_key, config, &key, due).await? {
+                expired.push(key);
+            }
+        }
+        Ok(expired)
+    }
+
+    /// Keys of the drop's active holds whose deadline is at or before `due`.
+    pub async fn active_due(
+        &self,
+        drop_key: &str,
+        due: i64,
+        batch: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        let keys = sqlx::query(
             "SELECT res_key FROM reservations WHERE drop_key = $1 AND state = 'active' AND expires_at_ms <= $2 LIMIT $3",
         )
         .bind(drop_key)
@@ -226,19 +241,24 @@ impl Ledger {
         .iter()
         .map(|row| row.try_get(0))
         .collect::<Result<_, _>>()?;
-        let mut expired = Vec::new();
-        for key in keys {
-            let mut tx = self.pool.begin().await?;
-            let before = read(&mut tx, drop_key, &key).await?;
-            let after = expire_if_due(&mut tx, drop_key, config, &key, due).await?;
-            tx.commit().await?;
-            if before.is_some_and(|b| b.state == State::Active)
-                && after.is_some_and(|a| a.state == State::Expired)
-            {
-                expired.push(key);
-            }
-        }
-        Ok(expired)
+        Ok(keys)
+    }
+
+    /// Expires the hold of `key` if it is active with a deadline at or before
+    /// `due`, returning its units and writing its event; true when it did.
+    pub async fn expire_one(
+        &self,
+        drop_key: &str,
+        config: &DropConfig,
+        key: &str,
+        due: i64,
+    ) -> Result<bool, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let before = read(&mut tx, drop_key, key).await?;
+        let after = expire_if_due(&mut tx, drop_key, config, key, due).await?;
+        tx.commit().await?;
+        Ok(before.is_some_and(|b| b.state == State::Active)
+            && after.is_some_and(|a| a.state == State::Expired))
     }
 
     /// Changes Redis has not seen yet: made on the fallback path, or recorded for an
@@ -368,7 +388,7 @@ fn is_race(error: &sqlx::Error) -> bool {
     }
 }
 
-async fn read(
+pub(super) async fn read(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     key: &str,

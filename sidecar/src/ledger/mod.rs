@@ -10,7 +10,10 @@
 //!   with its outbox event in one transaction. Concurrent records share one
 //!   transaction (group commit: a writer task takes everything that arrived while
 //!   the previous commit ran), so durability costs one commit per batch.
-//! - [`fallback`]: the ledger's own gate, used when Redis is not.
+//! - [`authority`]: who decides admissions for each drop (the gate at an epoch, or
+//!   the ledger), checked by every durable admission.
+//! - [`fallback`]: the ledger's own gate, used when Redis is not, and the reads
+//!   that replay and rebuild Redis from the ledger.
 //! - [`outbox`]: canonical event JSON, the dispatcher, the consumer's dedup helper.
 //! - [`fences`]: lock fence high-water marks and fenced writes.
 
@@ -39,8 +42,6 @@ pub enum LedgerError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("the ledger failed: {0}")]
     Sql(#[from] sqlx::Error),
-    #[error("the ledger's writer stopped")]
-    WriterGone,
     /// The fallback gate was asked to decide while the ledger is not the drop's
     /// authority (another sidecar reopened the gate, or never left it).
     #[error("the ledger is not deciding admissions for this drop: {0}")]
@@ -63,6 +64,11 @@ pub enum RecordError {
     /// that the ledger holds for someone else (Redis is behind the ledger).
     #[error("the ledger's count has only {available} units left for this drop")]
     SoldOut { available: i64 },
+    /// The key's record in the ledger says something else than the change (the
+    /// key was used by another reservation, or the record moved on): the ledger's
+    /// word stands, and nothing was written.
+    #[error("the ledger's record of this key says {}", state.as_str())]
+    KeyUsed { state: State },
     /// Redis numbered the change with a number the ledger already holds: it lost
     /// acknowledged writes.
     #[error("Redis handed out change number {0} a second time: it lost acknowledged writes")]
@@ -377,7 +383,13 @@ async fn commit(
             verdicts.push(Err(refusal));
             continue;
         }
-        let moved = apply_gate_change(&mut tx, change, now).await?;
+        let moved = match apply_gate_change(&mut tx, change, now).await? {
+            Ok(moved) => moved,
+            Err(refusal) => {
+                verdicts.push(Err(refusal));
+                continue;
+            }
+        };
         if moved != 0 {
             match units.iter_mut().find(|(key, _)| *key == change.drop_key) {
                 Some(entry) => entry.1 += moved,
@@ -421,34 +433,61 @@ async fn commit(
 
 /// Writes a change the Redis gate decided: the reservation row and the outbox
 /// event, only if the change is new (a transition from a state that allows it).
-/// Returns the units it moves in the drop's stock (negative for an admission).
+/// Returns the units it moves in the drop's stock (negative for an admission), or
+/// why it cannot be recorded: the key's record says something else (Redis forgot
+/// it, as after its marker's TTL, or was never told), and then nothing is written.
 async fn apply_gate_change(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
     now: i64,
-) -> Result<i64, sqlx::Error> {
+) -> Result<Result<i64, RecordError>, sqlx::Error> {
     if change.state == State::Active {
         if insert_reservation(tx, change, "gate", true, now).await? {
             write_event(tx, change, "gate", now).await?;
-            return Ok(-change.quantity);
+            return Ok(Ok(-change.quantity));
         }
-        return Ok(0);
+        // The key has a record. The same admission recorded again (a retry that
+        // took over a dead sidecar's admission carries no number of its own) is
+        // nothing new; anything else is another reservation under a used key.
+        let existing = fallback::read(tx, &change.drop_key, &change.key).await?;
+        let same = existing.as_ref().is_some_and(|row| {
+            row.user == change.user
+                && row.quantity == change.quantity
+                && row.state.holds_units()
+                && change.seq.is_none_or(|seq| row.seq == seq)
+        });
+        return Ok(if same {
+            Ok(0)
+        } else {
+            Err(RecordError::KeyUsed {
+                state: existing.map_or(State::Expired, |row| row.state),
+            })
+        });
     }
     if transition(tx, change, true, now).await? {
         write_event(tx, change, "gate", now).await?;
-        return Ok(if change.state.holds_units() {
+        return Ok(Ok(if change.state.holds_units() {
             0
         } else {
             change.quantity
-        });
+        }));
     }
-    // A reservation this ledger never saw admitted (another pod's SQLite ledger):
-    // keep its record and event, with no stock effect here. A pending admission
-    // that expired before any ledger recorded it is nobody's news.
-    if !change.from_pending && insert_reservation(tx, change, "gate", true, now).await? {
-        write_event(tx, change, "gate", now).await?;
+    match fallback::read(tx, &change.drop_key, &change.key).await? {
+        // Recorded before (a healing record of an earlier answer): nothing new.
+        Some(row) if row.state == change.state => Ok(Ok(0)),
+        // The ledger's record went elsewhere (it expired a hold whose confirm Redis
+        // made but could not record): the ledger's word stands.
+        Some(row) => Ok(Err(RecordError::KeyUsed { state: row.state })),
+        // A reservation this ledger never saw admitted (another pod's SQLite
+        // ledger): keep its record and event, with no stock effect here. A pending
+        // admission that expired before any ledger recorded it is nobody's news.
+        None => {
+            if !change.from_pending && insert_reservation(tx, change, "gate", true, now).await? {
+                write_event(tx, change, "gate", now).await?;
+            }
+            Ok(Ok(0))
+        }
     }
-    Ok(0)
 }
 
 /// Creates the drop's stock row (limit minus what is held) or moves it to the

@@ -27,6 +27,10 @@ const RETRY_AFTER_SECONDS: u64 = 1;
 const PENDING_POLL: Duration = Duration::from_millis(2);
 /// Slack beyond the permit wait for that other request to activate or undo.
 const PENDING_GRACE: Duration = Duration::from_millis(250);
+/// How long the ledger's commit of an admission may take before the admission is
+/// overdue: past its permit wait plus this, a pending admission is one its sidecar
+/// never finished (it died), and a retry of the same key takes it over.
+const PENDING_COMMIT_MS: u64 = 2_000;
 
 /// Which gate answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,6 +200,7 @@ async fn admit_gate(
             request.quantity,
             &attempt,
             app.ledger.id(),
+            config.acquire_timeout_ms + PENDING_COMMIT_MS,
         )
         .await
         {
@@ -210,6 +215,12 @@ async fn admit_gate(
     };
     record_expiry(app, drop, config, &request.key, &reply).await;
     match reply.outcome.as_str() {
+        "admitted" if reply.sale.as_deref() != Some(config.sale.as_str()) => {
+            // The drop was re-created since this sidecar read its config: admit
+            // again with the new sale's config, never record under the old one.
+            let _ = gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await;
+            return Turn::Reopen { suspect: false };
+        }
         "admitted" => {}
         "closed" => return Turn::Reopen { suspect: false },
         "mode" => {
@@ -221,7 +232,7 @@ async fn admit_gate(
         "pending" => {
             return Turn::Done(Err(throttled(
                 config,
-                "another request with this key is still waiting for a permit",
+                "an earlier attempt with this key is unresolved; it is settled or taken over within a few seconds",
             )));
         }
         _ => return Turn::Done(refused(app, drop, request, &reply, Path::Gate)),
@@ -264,6 +275,7 @@ async fn admit_gate(
                 ),
             )
             .with("remaining", available.max(0)))),
+            RecordError::KeyUsed { .. } => Turn::Done(from_ledger_record(app, drop, request).await),
             RecordError::Failed(error) => Turn::Done(Err(Answer::unavailable(format!(
                 "the ledger could not record the reservation ({error}); nothing was reserved: retry the same key"
             )))),
@@ -308,17 +320,43 @@ async fn admit_gate(
             )));
         }
     };
-    if active.outcome != "admitted" {
-        // Redis expired it while it waited (the expiry's caller recorded it).
-        let expired = change_of(drop, config, &request.key, &active, State::Expired);
-        if let Err(error) = app.ledger.record(expired).await {
-            tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+    let active = match active.state.as_deref() {
+        _ if active.outcome == "admitted" => active,
+        // A retry took the admission over (this request was taken for dead), or a
+        // replay from the ledger activated it: the same reservation, durable.
+        Some("pending" | "active" | "confirmed") => GateReply {
+            state: Some(State::Active.as_str().into()),
+            ..active
+        },
+        Some(_) => {
+            // Redis expired it while it waited; the expiry's caller recorded it
+            // too, and this record of it is a no-op then (the same transition).
+            let expired = change_of(drop, config, &request.key, &active, State::Expired);
+            if let Err(error) = app.ledger.record(expired).await {
+                tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+            }
+            return Turn::Done(Err(throttled(
+                config,
+                "the admission expired while it waited",
+            )));
         }
-        return Turn::Done(Err(throttled(
-            config,
-            "the admission expired while it waited",
-        )));
-    }
+        None => {
+            // The sweeper took it for an admission its sidecar never finished just
+            // before the commit landed: the ledger has it, and the refresh replays
+            // it into Redis.
+            if let Err(error) = app
+                .ledger
+                .mark_unreplayed(&drop.ledger_key(), &request.key)
+                .await
+            {
+                tracing::warn!(drop = %drop.name, %error, "could not mark the admission for replay");
+            }
+            GateReply {
+                state: Some(State::Active.as_str().into()),
+                ..reply
+            }
+        }
+    };
     drop.throttle
         .hold(&request.key, permit, active.when.unwrap_or(0));
     match app.replicas.acknowledged(&mut conn).await {
@@ -719,15 +757,84 @@ async fn record_settled(
         // Answered from the ledger's own record: nothing to record.
         return Ok(());
     }
-    app.ledger
-        .record(change_of(drop, config, key, reply, state))
-        .await
-        .map_err(|e| {
-            Answer::unavailable(format!(
-                "Redis has the reservation {} but the ledger did not record it ({e}): retry",
-                state.as_str()
+    let change = change_of(drop, config, key, reply, state);
+    let mut recorded = app.ledger.record(change.clone()).await;
+    if matches!(recorded, Err(RecordError::NotAuthority { .. })) {
+        // This ledger is behind the gate's epoch (it never joined it, or a peer
+        // with a ledger of its own reopened the gate): join, then record.
+        if handover::open_gate(app, drop, false).await == Opening::Open {
+            recorded = app.ledger.record(change).await;
+        }
+    }
+    match recorded {
+        Ok(()) => Ok(()),
+        Err(RecordError::KeyUsed { state: recorded }) => {
+            // The ledger's record went elsewhere: its word stands, and Redis is
+            // brought in line with it by the refresh's replay.
+            if let Err(error) = app
+                .ledger
+                .mark_unreplayed(&change_key(drop, reply), key)
+                .await
+            {
+                tracing::warn!(drop = %drop.name, %error, "could not mark a record for replay");
+            }
+            Err(Answer::refusal(
+                StatusCode::CONFLICT,
+                recorded.as_str(),
+                format!(
+                    "reservation {key} is {} in the ledger: it cannot be {}",
+                    recorded.as_str(),
+                    state.as_str()
+                ),
             ))
-        })
+        }
+        Err(e) => Err(Answer::unavailable(format!(
+            "Redis has the reservation {} but the ledger did not record it ({e}): retry",
+            state.as_str()
+        ))),
+    }
+}
+
+/// The ledger key a gate reply's change belongs to.
+fn change_key(drop: &Drop, reply: &GateReply) -> String {
+    reply
+        .sale
+        .as_deref()
+        .map_or_else(|| drop.ledger_key(), |sale| drop.ledger_key_of(sale))
+}
+
+/// The answer for a reserve whose key the ledger already holds for a reservation
+/// Redis no longer knows (its marker outlived its TTL): the ledger's word.
+async fn from_ledger_record(app: &App, drop: &Drop, request: &Reserve) -> Result<Answer, Answer> {
+    match app
+        .ledger
+        .reservation(&drop.ledger_key(), &request.key)
+        .await
+    {
+        Ok(Some(row)) if row.user == request.user && row.quantity == request.quantity => {
+            let reply = from_ledger(row, None, None);
+            Ok(reservation(
+                StatusCode::OK,
+                "already_reserved",
+                drop,
+                &request.key,
+                &reply,
+                Path::Gate,
+            ))
+        }
+        Ok(Some(_)) => Err(Answer::refusal(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency_key_reused",
+            format!(
+                "key {} was already used in drop {} for a different user or quantity",
+                request.key, drop.name
+            ),
+        )),
+        _ => Err(Answer::unavailable(format!(
+            "the ledger holds another record of key {}: nothing was reserved; retry",
+            request.key
+        ))),
+    }
 }
 
 /// An answer that shows the reservation.

@@ -1,0 +1,396 @@
+package suite
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Bounds: every command, request and wait of the suite ends by itself.
+const (
+	commandTimeout = 2 * time.Minute
+	// waitTimeout is a generous deadline for what the system does by itself
+	// (reconciles, resyncs, config refreshes): the suite polls, it never asserts
+	// that something happened within a given time.
+	waitTimeout  = 2 * time.Minute
+	pollInterval = 250 * time.Millisecond
+	stopTimeout  = 15 * time.Second
+)
+
+const (
+	release       = "dropgate"
+	operatorNS    = "dropgate-system"
+	operatorSA    = "dropgate-operator"
+	operatorID    = "e2e-operator"
+	finalizerName = "dropgate.io/cleanup"
+	// resyncSeconds keeps REMAINING current in status; the suite only polls for it.
+	resyncSeconds = "2"
+)
+
+// env is what the scenarios share: the cluster, the Redis, and the processes that
+// the suite starts once (the chart release and the operator).
+type env struct {
+	repo, bin, work      string
+	kubeconfig, redisURL string
+	databaseURL          string // a shared ledger for the sidecars; "" = SQLite each
+	helmSet              string
+
+	installed bool
+	operator  *process
+	saConfig  string // kubeconfig holding the operator ServiceAccount's token
+	procs     []*process
+}
+
+// run runs a command with the cluster's kubeconfig, bounded by commandTimeout.
+func (e *env) run(name string, args ...string) (string, error) {
+	return e.runIn("", name, args...)
+}
+
+func (e *env) runIn(stdin, name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+e.kubeconfig,
+		// kubectl's discovery cache and helm's folders stay in this run's work
+		// folder: nothing from an earlier cluster on the same port is reused.
+		"KUBECACHEDIR="+filepath.Join(e.work, "kube-cache"),
+		"HELM_CACHE_HOME="+filepath.Join(e.work, "helm", "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(e.work, "helm", "config"),
+		"HELM_DATA_HOME="+filepath.Join(e.work, "helm", "data"))
+	cmd.Dir = e.repo
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	err := cmd.Run()
+	if err != nil {
+		return stdout.String(), fmt.Errorf("%s %s: %v: %s%s", name, strings.Join(args, " "), err, stderr.String(), stdout.String())
+	}
+	return stdout.String(), nil
+}
+
+// must runs a command and fails the test when it fails.
+func (e *env) must(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := e.run(name, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func (e *env) kubectl(t *testing.T, args ...string) string {
+	t.Helper()
+	return e.must(t, "kubectl", args...)
+}
+
+// kubectlIn pipes a manifest into kubectl (for example `apply -f -`).
+func (e *env) kubectlIn(t *testing.T, manifest string, args ...string) string {
+	t.Helper()
+	out, err := e.runIn(manifest, "kubectl", args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func (e *env) redisCLI(t *testing.T, args ...string) string {
+	t.Helper()
+	return e.must(t, "redis-cli", append([]string{"-u", e.redisURL}, args...)...)
+}
+
+// path is a file of the repository.
+func (e *env) path(rel string) string { return filepath.Join(e.repo, rel) }
+
+// ensureNamespace creates a namespace unless it exists.
+func (e *env) ensureNamespace(t *testing.T, ns string) {
+	t.Helper()
+	manifest := e.kubectl(t, "create", "namespace", ns, "--dry-run=client", "-o", "yaml")
+	e.kubectlIn(t, manifest, "apply", "-f", "-")
+}
+
+// installChart installs (or upgrades) charts/dropgate once per run.
+func (e *env) installChart(t *testing.T) {
+	t.Helper()
+	if e.installed {
+		return
+	}
+	// The operator's namespace enforces Pod Security "restricted", as a careful
+	// cluster does: the chart's Pods must pass it to be stored.
+	e.ensureNamespace(t, operatorNS)
+	e.kubectl(t, "label", "--overwrite", "namespace", operatorNS, "pod-security.kubernetes.io/enforce=restricted")
+	args := []string{"upgrade", "--install", release, e.path("charts/dropgate"),
+		"--namespace", operatorNS, "--create-namespace"}
+	if e.helmSet != "" {
+		args = append(args, "--set", e.helmSet)
+	}
+	e.must(t, "helm", args...)
+	e.installed = true
+}
+
+// startOperator runs `dropgate-operator run` once per run, as the chart's
+// ServiceAccount: its kubeconfig holds a token from `kubectl create token`, so
+// the chart's RBAC is all that it may do.
+func (e *env) startOperator(t *testing.T) {
+	t.Helper()
+	e.installChart(t)
+	if e.operator != nil {
+		return
+	}
+	token := strings.TrimSpace(e.kubectl(t, "-n", operatorNS, "create", "token", operatorSA, "--duration=2h"))
+	server := e.kubectl(t, "config", "view", "--raw", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}")
+	ca := e.kubectl(t, "config", "view", "--raw", "--minify", "-o", "jsonpath={.clusters[0].cluster.certificate-authority-data}")
+	e.saConfig = filepath.Join(e.work, "operator.kubeconfig")
+	config := fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {server: %q, certificate-authority-data: %q}
+users:
+- name: %s
+  user: {token: %q}
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: %s}
+current-context: e2e
+`, server, ca, operatorSA, token, operatorSA)
+	if err := os.WriteFile(e.saConfig, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	adminPort := freePort(t)
+	e.operator = e.start(t, "operator", filepath.Join(e.bin, "dropgate-operator"), []string{"run"}, []string{
+		"KUBECONFIG=" + e.saConfig,
+		"POD_NAME=" + operatorID,
+		"POD_NAMESPACE=" + operatorNS,
+		"DROPGATE_ADMIN_LISTEN=" + fmt.Sprintf("127.0.0.1:%d", adminPort),
+		"DROPGATE_RESYNC_SECONDS=" + resyncSeconds,
+		"DROPGATE_LEASE_SECONDS=15",
+		// Every drop's Redis is the suite's; nothing is sent anywhere else.
+		"DROPGATE_REDIS_URL=" + e.redisURL,
+		"DROPGATE_MEMORYSTORE_ENDPOINT=http://127.0.0.1:9",
+		"DROPGATE_METADATA_ENDPOINT=http://127.0.0.1:9",
+		"RUST_LOG=info",
+	})
+	// It leads once the Lease names it.
+	e.eventually(t, "the operator holds the leader Lease", func() (bool, string) {
+		holder, err := e.run("kubectl", "-n", operatorNS, "get", "lease", "dropgate-operator",
+			"-o", "jsonpath={.spec.holderIdentity}")
+		return err == nil && holder == operatorID, fmt.Sprintf("holder %q, %v", holder, err)
+	})
+}
+
+// process is a program the suite started, with its output in a log file.
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+	err  error
+}
+
+// start runs a program in the background; it is stopped at the end of the run
+// (stopAll) or by stop.
+func (e *env) start(t *testing.T, name, program string, args, envVars []string) *process {
+	t.Helper()
+	logPath := filepath.Join(e.work, name+".log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(program, args...)
+	cmd.Env = append(os.Environ(), envVars...)
+	cmd.Dir = e.work
+	cmd.Stdout = logFile
+	cmd.Stderr = logFile
+	cmd.SysProcAttr = childAttrs()
+	if err := cmd.Start(); err != nil {
+		logFile.Close()
+		t.Fatalf("start %s: %v", name, err)
+	}
+	p := &process{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		logFile.Close()
+		close(p.done)
+	}()
+	e.procs = append(e.procs, p)
+	return p
+}
+
+// stop sends SIGTERM, waits (bounded), then kills.
+func (p *process) stop() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(stopTimeout):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+func (p *process) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (e *env) stopAll() {
+	for i := len(e.procs) - 1; i >= 0; i-- {
+		e.procs[i].stop()
+	}
+}
+
+// dumpLogs shows the end of every process log after a failure.
+func (e *env) dumpLogs(t *testing.T) {
+	for _, p := range e.procs {
+		b, err := os.ReadFile(p.log)
+		if err != nil {
+			continue
+		}
+		lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+		if len(lines) > 40 {
+			lines = lines[len(lines)-40:]
+		}
+		t.Logf("--- last lines of %s (%s):\n%s", p.name, p.log, strings.Join(lines, "\n"))
+	}
+}
+
+// eventually polls check until it holds, failing the test with the last
+// observation after waitTimeout. Deadlines are generous on purpose: the suite
+// checks what happens, not how fast.
+func (e *env) eventually(t *testing.T, what string, check func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	last := ""
+	for {
+		ok, seen := check()
+		if ok {
+			return
+		}
+		last = seen
+		if e.operator != nil && e.operator.exited() {
+			t.Fatalf("waiting for %s: the operator exited (%v); last seen: %s", what, e.operator.err, last)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up waiting for %s after %s; last seen: %s", what, waitTimeout, last)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// jsonpath reads one field of an object with kubectl.
+func (e *env) jsonpath(t *testing.T, ns, object, path string) string {
+	t.Helper()
+	return e.kubectl(t, "-n", ns, "get", object, "-o", "jsonpath="+path)
+}
+
+// waitField polls a field of an object until it equals want.
+func (e *env) waitField(t *testing.T, ns, object, path, want string) {
+	t.Helper()
+	e.eventually(t, fmt.Sprintf("%s %s == %q", object, path, want), func() (bool, string) {
+		got, err := e.run("kubectl", "-n", ns, "get", object, "-o", "jsonpath="+path)
+		if err != nil {
+			return false, err.Error()
+		}
+		return got == want, fmt.Sprintf("%q", got)
+	})
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// answer is one HTTP answer of the sidecar.
+type answer struct {
+	status int
+	header http.Header
+	body   map[string]any
+	raw    string
+}
+
+func (a answer) String() string { return fmt.Sprintf("%d %s", a.status, a.raw) }
+
+func (a answer) field(name string) string {
+	v, ok := a.body[name]
+	if !ok {
+		return ""
+	}
+	if s, ok := v.(string); ok {
+		return s
+	}
+	b, _ := json.Marshal(v)
+	return string(b)
+}
+
+var httpClient = &http.Client{Timeout: 10 * time.Second}
+
+// call sends one request to a loopback address.
+func call(method, url string, body any) (answer, error) {
+	var reader io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return answer{}, err
+		}
+		reader = bytes.NewReader(b)
+	}
+	req, err := http.NewRequest(method, url, reader)
+	if err != nil {
+		return answer{}, err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		return answer{}, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return answer{}, err
+	}
+	a := answer{status: resp.StatusCode, header: resp.Header, raw: strings.TrimSpace(string(raw))}
+	_ = json.Unmarshal(raw, &a.body)
+	return a, nil
+}
+
+// mustCall sends one request and fails the test unless the status is want.
+func mustCall(t *testing.T, method, url string, body any, want int) answer {
+	t.Helper()
+	a, err := call(method, url, body)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, url, err)
+	}
+	if a.status != want {
+		t.Fatalf("%s %s: want %d, got %s", method, url, want, a)
+	}
+	return a
+}

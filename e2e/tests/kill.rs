@@ -1,0 +1,142 @@
+//! `kill -9` in the middle of a flash sale, on two sidecar processes that share a
+//! PostgreSQL ledger: every acknowledged reservation survives, nothing is sold
+//! beyond the limit, and once the killed sidecar is back Redis and the ledger agree.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use dropgate_e2e::processes::{SidecarProcess, apply};
+use dropgate_testkit::{HttpClient, PostgresServer, RedisServer, Reply};
+use futures::future::join_all;
+
+const LIMIT: usize = 60;
+
+async fn reserve(http: &HttpClient, i: usize) -> Option<Reply> {
+    let body = format!(r#"{{"key":"k{i}","user":"u{i}","quantity":1}}"#);
+    // A connection cut by the kill is an answer the buyer never got.
+    http.post("/v1/drops/sale/reservations", &body).await.ok()
+}
+
+fn get(redis: &RedisServer, name: &str) -> i64 {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("GET")
+        .arg(format!("dropgate:{{shop/sale}}:{name}"))
+        .query::<Option<i64>>(&mut conn)
+        .expect("GET")
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_nothing() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    let manifest = dir.path().join("drop.yaml");
+    std::fs::write(
+        &manifest,
+        format!(
+            "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: sale, namespace: shop}}\n\
+             spec:\n  sku: X\n  limitedQuantity: {LIMIT}\n  redis: {{url: redis://unused:1}}\n  throttle: {{permits: 1000}}\n"
+        ),
+    )
+    .expect("manifest");
+    apply(&manifest, &redis.url()).expect("apply");
+    let steady = SidecarProcess::start(&redis.url(), "shop", &postgres.url())
+        .await
+        .expect("sidecar");
+    let doomed = SidecarProcess::start(&redis.url(), "shop", &postgres.url())
+        .await
+        .expect("sidecar");
+    let (steady_http, doomed_http) = (
+        HttpClient::new(steady.base.clone()),
+        HttpClient::new(doomed.base.clone()),
+    );
+
+    let buyers = join_all((0..300).map(|i| {
+        let http = if i % 2 == 0 {
+            steady_http.clone()
+        } else {
+            doomed_http.clone()
+        };
+        async move { (i, reserve(&http, i).await) }
+    }));
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        doomed.kill();
+    };
+    let (replies, ()) = tokio::join!(buyers, killer);
+    let acknowledged: HashSet<usize> = replies
+        .iter()
+        .filter(|(_, reply)| reply.as_ref().is_some_and(|r| r.status == 201))
+        .map(|(i, _)| *i)
+        .collect();
+    assert!(
+        acknowledged.len() <= LIMIT,
+        "{} admitted",
+        acknowledged.len()
+    );
+
+    // The killed sidecar comes back on the same ledger; every buyer retries.
+    let back = SidecarProcess::start(&redis.url(), "shop", &postgres.url())
+        .await
+        .expect("sidecar restarts");
+    let back_http = HttpClient::new(back.base.clone());
+    let mut admitted = HashSet::new();
+    for _ in 0..20 {
+        let retries = join_all((0..300).map(|i| {
+            let http = if i % 2 == 0 {
+                steady_http.clone()
+            } else {
+                back_http.clone()
+            };
+            async move { (i, reserve(&http, i).await) }
+        }))
+        .await;
+        admitted = retries
+            .iter()
+            .filter(|(_, r)| {
+                r.as_ref()
+                    .is_some_and(|r| r.status == 201 || r.outcome() == "already_reserved")
+            })
+            .map(|(i, _)| *i)
+            .collect();
+        let unresolved = retries
+            .iter()
+            .filter(|(_, r)| r.as_ref().is_none_or(|r| r.status == 503))
+            .count();
+        if let Some((i, r)) = retries
+            .iter()
+            .find(|(_, r)| r.as_ref().is_none_or(|r| r.status == 503))
+        {
+            eprintln!(
+                "unresolved {unresolved}: k{i}: {:?}",
+                r.as_ref().map(|r| r.text.clone())
+            );
+        }
+        if unresolved == 0 {
+            let mut tally = std::collections::HashMap::new();
+            for (_, r) in &retries {
+                if let Some(r) = r {
+                    *tally.entry(r.outcome().to_string()).or_insert(0) += 1;
+                }
+            }
+            eprintln!(
+                "final retry: {tally:?} held {} remaining {}",
+                get(&redis, "held"),
+                get(&redis, "remaining")
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        acknowledged.is_subset(&admitted),
+        "every acknowledged reservation survives the kill"
+    );
+    assert_eq!(admitted.len(), LIMIT, "the whole stock, once");
+    assert_eq!(get(&redis, "held") as usize, LIMIT);
+    assert_eq!(get(&redis, "remaining"), 0);
+    for sidecar in [steady, back] {
+        assert!(sidecar.terminate().expect("stops").success());
+    }
+}

@@ -1,0 +1,271 @@
+//! Interleavings a hostile review of "one authority at a time" found: each failed
+//! before its fix (per-pod ledgers, a marker past its TTL, a pod new to a sale, a
+//! drop re-created under a stale sidecar) and holds now.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{NS, Peer, seed};
+use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
+use futures::future::join_all;
+
+fn spec(limit: i64, extra: &str) -> String {
+    format!(
+        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{extra}"
+    )
+}
+
+fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
+    format!("sqlite://{}", dir.path().join(name).display())
+}
+
+fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
+    let mut conn = redis.connection().expect("connect");
+    let mut get = |key: String| -> i64 {
+        redis::cmd("GET")
+            .arg(key)
+            .query::<Option<i64>>(&mut conn)
+            .expect("GET")
+            .unwrap_or(0)
+    };
+    (
+        get(format!("dropgate:{{{NS}/{drop}}}:remaining")),
+        get(format!("dropgate:{{{NS}/{drop}}}:held")),
+    )
+}
+
+fn marker_state(redis: &RedisServer, drop: &str, key: &str) -> Option<String> {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("HGET")
+        .arg(format!("dropgate:{{{NS}/{drop}}}:res:{key}"))
+        .arg("state")
+        .query(&mut conn)
+        .expect("HGET")
+}
+
+fn show(r: &Reply) -> String {
+    format!("{} {}", r.status, r.text)
+}
+
+/// Per-pod SQLite ledgers (two pods, one Redis): a hold admitted through pod A and
+/// confirmed through pod B (the shop's load balancer picks any pod) stays `active`
+/// in A's ledger. 30 s past the deadline A's "ledger repair" expires it in A's
+/// ledger and the refresh replays `expired` into Redis, which ranks above
+/// `confirmed`: the confirmed unit goes back to stock and is sold again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_confirm_through_another_pod_is_never_reverted_or_resold() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    seed(&redis.url(), "sale", &spec(2, "  holdSeconds: 1\n")).await;
+    let a = Peer::start(&redis.url(), &sqlite_url(&dir, "a.db")).await;
+    let b = Peer::start(&redis.url(), &sqlite_url(&dir, "b.db")).await;
+    let r = a.reserve("sale", "k", "alice", 1).await;
+    assert_eq!(r.status, 201, "{}", show(&r));
+    let r = b.reserve("sale", "j", "bob", 1).await;
+    assert_eq!(r.status, 201, "{}", show(&r));
+    let c = b.settle("sale", "k", "confirm").await;
+    assert_eq!(c.outcome(), "confirmed", "{}", show(&c));
+    let c = b.settle("sale", "j", "confirm").await;
+    assert_eq!(c.outcome(), "confirmed", "{}", show(&c));
+    assert_eq!(redis_counts(&redis, "sale"), (0, 2));
+
+    // Past the hold's deadline and LEDGER_REPAIR_GRACE_MS (30 s).
+    tokio::time::sleep(Duration::from_millis(34_000)).await;
+    let state = marker_state(&redis, "sale", "k");
+    let late = b.reserve("sale", "late", "carol", 1).await;
+    let counts = redis_counts(&redis, "sale");
+    let look = b.lookup("sale", "k").await;
+    eprintln!(
+        "k in Redis: {state:?}; late reserve: {}; counts {counts:?}; lookup k: {}",
+        show(&late),
+        show(&look)
+    );
+    assert_eq!(
+        state.as_deref(),
+        Some("confirmed"),
+        "alice's acknowledged confirm was reverted"
+    );
+    assert_ne!(late.status, 201, "oversold: 3 units held for a limit of 2");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// Per-pod SQLite: a pod whose ledger has not yet joined the drop's epoch (fresh
+/// emptyDir after a restart, or a pod that only confirms) confirms / cancels in
+/// Redis and then answers 503 because its own ledger has no authority row; a
+/// retry is 503 again. Redis changed (the cancel returned the unit, and it can
+/// be sold), yet the buyer was told nothing happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_through_a_pod_new_to_the_sale_is_recorded() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    seed(&redis.url(), "sale", &spec(1, "")).await;
+    let a = Peer::start(&redis.url(), &sqlite_url(&dir, "a.db")).await;
+    let b = Peer::start(&redis.url(), &sqlite_url(&dir, "b.db")).await;
+    let r = a.reserve("sale", "k", "alice", 1).await;
+    assert_eq!(r.status, 201, "{}", show(&r));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let first = b.settle("sale", "k", "cancel").await;
+    let again = b.settle("sale", "k", "cancel").await;
+    let state = marker_state(&redis, "sale", "k");
+    eprintln!(
+        "cancel: {}; retry: {}; Redis marker {state:?}; counts {:?}",
+        show(&first),
+        show(&again),
+        redis_counts(&redis, "sale")
+    );
+    assert!(
+        first.status.is_success() || state.as_deref() == Some("active"),
+        "answered {} but Redis has the reservation {state:?}",
+        first.status
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+async fn buyers(peer: &Peer, drop: &str, prefix: &str, n: usize) -> Vec<Reply> {
+    join_all((0..n).map(|i| async move {
+        peer.reserve(drop, &format!("{prefix}-{i}"), &format!("{prefix}-{i}"), 1)
+            .await
+    }))
+    .await
+}
+
+fn admitted(replies: &[Reply]) -> usize {
+    replies.iter().filter(|r| r.status == 201).count()
+}
+
+/// Per-pod SQLite, failurePolicy Open: pod A was alone when it last reached Redis,
+/// then lost Redis (a partition of its own). Pod B starts meanwhile (scale-up,
+/// rolling update) and reaches Redis. A's "alone" is a stale view (its
+/// ledger_peers were learnt before B registered; the quiet rule only sees A's own
+/// gate_seen), so A hands the drop to its own ledger while B joins the gate:
+/// both sell the same units.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partitioned_per_pod_sidecar_never_sells_beside_the_gate() {
+    let redis = RedisServer::start().expect("redis-server");
+    let proxy = TcpProxy::start(redis.port()).await.expect("proxy");
+    let dir = tempfile::tempdir().expect("temp dir");
+    seed(&redis.url(), "sale", &spec(3, "")).await;
+    let a = Peer::start(&proxy.redis_url(), &sqlite_url(&dir, "a.db")).await;
+    let r = a.reserve("sale", "a0", "a0", 1).await;
+    assert_eq!(r.status, 201, "{}", show(&r));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    proxy.cut().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let b = Peer::start(&redis.url(), &sqlite_url(&dir, "b.db")).await;
+    let (on_a, on_b) = tokio::join!(buyers(&a, "sale", "pa", 5), buyers(&b, "sale", "pb", 5));
+    let sold = 1 + admitted(&on_a) + admitted(&on_b);
+    eprintln!(
+        "A (partitioned): {:?}\nB (on the gate): {:?}",
+        on_a.iter()
+            .map(|r| format!("{} {}", r.status, r.body["path"]))
+            .collect::<Vec<_>>(),
+        on_b.iter()
+            .map(|r| format!("{} {}", r.status, r.body["path"]))
+            .collect::<Vec<_>>()
+    );
+    assert!(sold <= 3, "oversold: {sold} admitted for a limit of 3");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A drop re-created under its name (new uid, new sale; Kubernetes restarts
+/// metadata.generation at 1) while one sidecar still caches the old sale's config
+/// (old sale, old limit 10, generation 3). HEAD records that sidecar's gate
+/// admission under the OLD sale's ledger key (its epoch 1 matches the old sale's
+/// authority row), so the new sale's ledger never counts it; with the uncommitted
+/// "sale in the reply" fix it is recorded under the new sale but with the stale
+/// limit and generation 3, which moves the new sale's stock row to limit 10 for
+/// good (generation 1/2 never moves it back). Either way the fallback then sells
+/// more than the new limit of 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_sidecar_never_records_into_a_re_created_sale() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    let manifest = |uid: &str, generation: i64, limit: i64, extra: &str| {
+        common::manifest("sale", &spec(limit, extra)).replace(
+            "metadata: {name: sale,",
+            &format!("metadata: {{uid: {uid}, generation: {generation}, name: sale,"),
+        )
+    };
+    common::apply(&redis.url(), &manifest("first", 3, 10, "")).await;
+    let fresh = Peer::start(&redis.url(), &postgres.url()).await;
+    let stale = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
+    assert_eq!(fresh.reserve("sale", "o1", "o1", 1).await.status, 201);
+    assert_eq!(stale.reserve("sale", "o2", "o2", 1).await.status, 201);
+
+    common::apply(&redis.url(), &manifest("second", 1, 4, "")).await;
+    for _ in 0..100 {
+        let d = fresh.http.get("/v1/drops/sale").await.expect("answers");
+        if d.body["limit"] == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let f1 = fresh.reserve("sale", "n1", "n1", 1).await;
+    assert_eq!(f1.status, 201, "{}", show(&f1));
+    let s1 = stale.reserve("sale", "n2", "n2", 1).await;
+    eprintln!("stale sidecar's admission in the new sale: {}", show(&s1));
+
+    // The operator puts the new sale on the fallback (kill switch).
+    common::apply(
+        &redis.url(),
+        &manifest("second", 2, 4, "  gate: {enabled: false}\n"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let rush = buyers(&fresh, "sale", "rush", 10).await;
+    let sold = 1 + usize::from(s1.status == 201) + admitted(&rush);
+    eprintln!(
+        "rush on the fallback: {:?}",
+        rush.iter()
+            .map(|r| format!("{} {}", r.status, r.outcome()))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        sold <= 4,
+        "oversold: {sold} admitted in the new sale for a limit of 4"
+    );
+    fresh.shutdown().await;
+    stale.shutdown().await;
+}
+
+/// A marker that lived out its TTL (deadline + 7 days on a sale without an end)
+/// and a late retry of the same key: reserve.lua admits it afresh, the ledger's
+/// insert conflicts with the old (cancelled) row and is counted as "recorded"
+/// (`insert_reservation` false -> moved 0 -> Ok), so the buyer hears 201 for a
+/// unit the ledger does not hold; its confirm is "recorded" the same way. The
+/// ledger's count then sells that unit again on the fallback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_after_the_marker_ttl_gets_the_ledgers_answer() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    seed(&redis.url(), "sale", &spec(1, "")).await;
+    let sidecar = Peer::start(&redis.url(), &sqlite_url(&dir, "l.db")).await;
+    assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
+    assert_eq!(
+        sidecar.settle("sale", "k", "cancel").await.outcome(),
+        "cancelled"
+    );
+    let mut conn = redis.connection().expect("connect");
+    let _: () = redis::cmd("DEL")
+        .arg(format!("dropgate:{{{NS}/sale}}:res:k"))
+        .query(&mut conn)
+        .expect("DEL");
+    let again = sidecar.reserve("sale", "k", "alice", 1).await;
+    let confirm = sidecar.settle("sale", "k", "confirm").await;
+    eprintln!("late retry: {}\nconfirm: {}", show(&again), show(&confirm));
+    seed(&redis.url(), "sale", &spec(1, "  gate: {enabled: false}\n")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let bob = sidecar.reserve("sale", "b", "bob", 1).await;
+    eprintln!("bob on the fallback: {}", show(&bob));
+    let alice_holds = again.status == 201 && confirm.outcome() == "confirmed";
+    assert!(
+        !(alice_holds && bob.status == 201),
+        "oversold: alice confirmed (201 + 200) and bob admitted, limit 1"
+    );
+    sidecar.shutdown().await;
+}
