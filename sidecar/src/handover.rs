@@ -74,21 +74,12 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
         return Ok(Opening::NotGate(config.mode));
     }
     let key = drop.ledger_key();
-    // The ledger first: every number it holds was handed out by Redis before it was
-    // recorded, so a Redis read afterwards is at least as far unless Redis lost it.
-    let authority = app
-        .ledger
-        .authority(&key)
-        .await
-        .map_err(|e| e.to_string())?;
-    let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
-    let (standing, redis_seq) = gate::standing(&mut conn, &drop.keys)
-        .await
-        .map_err(|e| format!("Redis: {e}"))?;
-    if standing == Gate::Lost {
-        return Err(lost_sale(drop));
-    }
-    let gate = standing.epoch();
+    let Standing {
+        authority,
+        ledger_seq,
+        gate,
+        redis_seq,
+    } = standing(app, drop, &key).await?;
     let redis_behind = suspect || redis_seq < ledger_seq;
     let now = now_ms();
 
@@ -181,6 +172,38 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
         .await
         .map_err(|e| e.to_string())?;
     Ok(Opening::Open)
+}
+
+/// Where a drop stands in the ledger and in Redis.
+struct Standing {
+    authority: Option<Authority>,
+    /// The highest change number the ledger recorded.
+    ledger_seq: i64,
+    /// The epoch the gate is open at in Redis.
+    gate: Option<i64>,
+    /// Redis's change counter.
+    redis_seq: i64,
+}
+
+/// Reads where the drop stands, the ledger first: every number it holds was handed
+/// out by Redis before it was recorded, so Redis read afterwards is at least as far
+/// unless it lost writes. The tombstone refuses.
+async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, String> {
+    let authority = app.ledger.authority(key).await.map_err(|e| e.to_string())?;
+    let ledger_seq = app.ledger.max_seq(key).await.map_err(|e| e.to_string())?;
+    let mut conn = app.redis.clone();
+    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys)
+        .await
+        .map_err(|e| format!("Redis: {e}"))?;
+    if gate == Gate::Lost {
+        return Err(lost_sale(drop));
+    }
+    Ok(Standing {
+        authority,
+        ledger_seq,
+        gate: gate.epoch(),
+        redis_seq,
+    })
 }
 
 fn lost_sale(drop: &Drop) -> String {
@@ -371,20 +394,12 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
         .note_peers(&key, &ledgers)
         .await
         .map_err(|e| e.to_string())?;
-    // The ledger first (see `try_open`).
-    let authority = app
-        .ledger
-        .authority(&key)
-        .await
-        .map_err(|e| e.to_string())?;
-    let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
-    let (standing, redis_seq) = gate::standing(&mut conn, &drop.keys)
-        .await
-        .map_err(|e| format!("Redis: {e}"))?;
-    if standing == Gate::Lost {
-        return Err(lost_sale(drop));
-    }
-    let gate = standing.epoch();
+    let Standing {
+        authority,
+        ledger_seq,
+        gate,
+        redis_seq,
+    } = standing(app, drop, &key).await?;
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
     if redis_seq < ledger_seq || !in_line {
         if let Opening::Refused(why) = open_gate(app, drop, redis_seq < ledger_seq).await {

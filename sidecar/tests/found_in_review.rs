@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, seed};
+use common::{NS, Peer, marker_state, seed};
 use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
 
@@ -33,15 +33,6 @@ fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
         get(format!("dropgate:{{{NS}/{drop}}}:remaining")),
         get(format!("dropgate:{{{NS}/{drop}}}:held")),
     )
-}
-
-fn marker_state(redis: &RedisServer, drop: &str, key: &str) -> Option<String> {
-    let mut conn = redis.connection().expect("connect");
-    redis::cmd("HGET")
-        .arg(format!("dropgate:{{{NS}/{drop}}}:res:{key}"))
-        .arg("state")
-        .query(&mut conn)
-        .expect("HGET")
 }
 
 fn show(r: &Reply) -> String {

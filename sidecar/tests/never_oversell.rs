@@ -153,6 +153,17 @@ async fn assert_settled(redis: &RedisServer, database_url: &str, drop: &str, lim
     );
 }
 
+/// A Redis with drop `sale` seeded from `spec`, and one sidecar on a SQLite ledger
+/// (its URL) in a temporary folder that lives as long as the last value.
+async fn one_sidecar(spec: &str) -> (RedisServer, String, Peer, tempfile::TempDir) {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = sqlite_url(&dir, "ledger.db");
+    seed(&redis.url(), "sale", spec).await;
+    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    (redis, ledger, sidecar, dir)
+}
+
 fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
     format!("sqlite://{}", dir.path().join(name).display())
 }
@@ -234,11 +245,7 @@ async fn a_sidecar_cut_off_from_redis_is_refused_while_its_peers_reach_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reopening_the_gate_waits_until_the_fallback_sales_are_in_redis() {
-    let redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = sqlite_url(&dir, "ledger.db");
-    seed(&redis.url(), "sale", &spec(300, GATE_OFF)).await;
-    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    let (redis, ledger, sidecar, _dir) = one_sidecar(&spec(300, GATE_OFF)).await;
     let on_fallback = buyers(&[&sidecar], "sale", "fb", 150).await;
     assert_eq!(admitted(&on_fallback), 150);
 
@@ -310,11 +317,7 @@ async fn a_failover_that_lost_the_last_writes_resells_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_that_lost_everything_sells_nothing_before_its_rebuild() {
-    let mut redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = sqlite_url(&dir, "ledger.db");
-    seed(&redis.url(), "sale", &spec(5, "")).await;
-    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    let (mut redis, ledger, sidecar, _dir) = one_sidecar(&spec(5, "")).await;
     assert_eq!(admitted(&buyers(&[&sidecar], "sale", "first", 2).await), 2);
 
     // Redis comes back empty and is seeded afresh: 5 units in Redis, 2 of them sold.
@@ -333,11 +336,7 @@ async fn a_redis_that_lost_everything_sells_nothing_before_its_rebuild() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_restart_never_turns_a_confirmed_reservation_back() {
-    let redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = sqlite_url(&dir, "ledger.db");
-    seed(&redis.url(), "sale", &spec(30, "  holdSeconds: 1\n")).await;
-    let before = Peer::start(&redis.url(), &ledger).await;
+    let (redis, ledger, before, _dir) = one_sidecar(&spec(30, "  holdSeconds: 1\n")).await;
     assert_eq!(admitted(&buyers(&[&before], "sale", "b", 20).await), 20);
     before.shutdown().await;
 
@@ -365,11 +364,7 @@ async fn a_restart_never_turns_a_confirmed_reservation_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
-    let redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = sqlite_url(&dir, "ledger.db");
-    seed(&redis.url(), "sale", &spec(10, "")).await;
-    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    let (redis, _ledger, sidecar, _dir) = one_sidecar(&spec(10, "")).await;
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     // The marker lived out its TTL.
     let mut conn = redis.connection().expect("connect");
@@ -391,11 +386,7 @@ async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_look_up_during_an_admission_changes_nothing() {
-    let redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = sqlite_url(&dir, "ledger.db");
-    seed(&redis.url(), "sale", &spec(10, "")).await;
-    let sidecar = Peer::start(&redis.url(), &ledger).await;
+    let (redis, _ledger, sidecar, _dir) = one_sidecar(&spec(10, "")).await;
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     // As it stands between the ledger's commit and the activation in Redis.
     let marker = format!("dropgate:{{{NS}/sale}}:res:k");

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, seed};
+use common::{Peer, marker_state, seed};
 use dropgate_sidecar::faults::{self, Fault};
 use dropgate_testkit::RedisServer;
 
@@ -15,15 +15,6 @@ fn spec(hold_seconds: i64) -> String {
     format!(
         "  sku: X\n  limitedQuantity: 10\n  perUserLimit: 1\n  holdSeconds: {hold_seconds}\n  throttle: {{permits: 1, acquireTimeoutMs: 20}}\n"
     )
-}
-
-fn marker_state(redis: &RedisServer, drop: &str, key: &str) -> Option<String> {
-    let mut conn = redis.connection().expect("connect");
-    redis::cmd("HGET")
-        .arg(format!("dropgate:{{{NS}/{drop}}}:res:{key}"))
-        .arg("state")
-        .query(&mut conn)
-        .expect("HGET")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -7,8 +7,5 @@ if not ours() or m[1] ~= 'pending' or tonumber(m[2]) > now_ms() then
   redis.call('ZREM', K.pending, KEY)
   return answer('not_overdue')
 end
-redis.call('ZREM', K.holds, KEY)
-redis.call('ZREM', K.pending, KEY)
-give_back(m[3], tonumber(m[4]))
-redis.call('DEL', K.marker)
+take_back(m[3], tonumber(m[4]))
 return reply('abandoned', '', '', '', '', tostring(remaining()))

@@ -185,8 +185,18 @@ pub async fn overdue(
     now_ms: i64,
     limit: isize,
 ) -> RedisResult<Vec<String>> {
+    scored_until(conn, &keys.pending(), now_ms, limit).await
+}
+
+/// Members of the sorted set `key` scored at or before `now_ms`, at most `limit`.
+async fn scored_until(
+    conn: &mut ConnectionManager,
+    key: &str,
+    now_ms: i64,
+    limit: isize,
+) -> RedisResult<Vec<String>> {
     redis::cmd("ZRANGEBYSCORE")
-        .arg(keys.pending())
+        .arg(key)
         .arg("-inf")
         .arg(now_ms)
         .arg("LIMIT")
@@ -365,13 +375,5 @@ pub async fn due_holds(
     now_ms: i64,
     limit: isize,
 ) -> RedisResult<Vec<String>> {
-    redis::cmd("ZRANGEBYSCORE")
-        .arg(keys.holds())
-        .arg("-inf")
-        .arg(now_ms)
-        .arg("LIMIT")
-        .arg(0)
-        .arg(limit)
-        .query_async(conn)
-        .await
+    scored_until(conn, &keys.holds(), now_ms, limit).await
 }

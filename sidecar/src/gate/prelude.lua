@@ -87,6 +87,15 @@ local function give_back(user, quantity)
   end
 end
 
+-- Takes a pending admission back as if it never happened: its units, its place in
+-- the queues, the marker itself (so that a retry of the key can be admitted).
+local function take_back(user, quantity)
+  redis.call('ZREM', K.holds, KEY)
+  redis.call('ZREM', K.pending, KEY)
+  give_back(user, quantity)
+  redis.call('DEL', K.marker)
+end
+
 -- A hold past its deadline flips to expired and returns its units, in the same
 -- step: a reservation never reads as expired while its unit is still missing from
 -- remaining. A 'pending' one (admitted, waiting for its throttle permit) expires

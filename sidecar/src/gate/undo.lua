@@ -7,8 +7,5 @@ local m = redis.call('HMGET', K.marker, 'attempt', 'state', 'user', 'quantity')
 if not ours() or m[1] ~= ARGV[2] or m[2] ~= 'pending' then
   return answer('gone')
 end
-redis.call('ZREM', K.holds, KEY)
-redis.call('ZREM', K.pending, KEY)
-give_back(m[3], tonumber(m[4]))
-redis.call('DEL', K.marker)
+take_back(m[3], tonumber(m[4]))
 return reply('undone', '', '', '', '', tostring(remaining()))

@@ -261,6 +261,16 @@ pub async fn reserve(http: &HttpClient, drop: &str, key: &str, user: &str, quant
         .expect("reserve answers")
 }
 
+/// The state of reservation `key`'s marker in Redis, if it has one.
+pub fn marker_state(redis: &RedisServer, drop: &str, key: &str) -> Option<String> {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("HGET")
+        .arg(format!("dropgate:{{{NS}/{drop}}}:res:{key}"))
+        .arg("state")
+        .query(&mut conn)
+        .expect("HGET")
+}
+
 /// The sidecar's own SQLite ledger, opened beside it.
 pub async fn ledger_of(sidecar: &Sidecar) -> dropgate_sidecar::ledger::Ledger {
     dropgate_sidecar::ledger::Ledger::open(&format!(
