@@ -168,10 +168,38 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
             return;
         }
     };
+    let ledger_key = drop.ledger_key();
     for key in overdue {
-        let settled = match app.ledger.reservation(&drop.ledger_key(), &key).await {
-            Ok(Some(row)) => gate::replay(&mut conn, &drop.keys, &row).await.map(|_| ()),
-            Ok(None) => gate::abandon(&mut conn, &drop.keys, &key).await.map(|_| ()),
+        let marker = match gate::pending_marker(&mut conn, &drop.keys, &key).await {
+            Ok(marker) => marker,
+            Err(error) => {
+                tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
+                continue;
+            }
+        };
+        // Claim the key in the ledger as never recorded (a placeholder row, so that
+        // the admission's commit, should it land after all, is refused), unless the
+        // commit landed first: then the record is replayed into Redis.
+        let claimed = match &marker {
+            Some((user, quantity, ledger)) if ledger == app.ledger.id() => app
+                .ledger
+                .claim_abandoned(&ledger_key, &key, user, *quantity, now)
+                .await
+                .map(Some),
+            _ => Ok(None),
+        };
+        let settled = match claimed {
+            Ok(Some(true)) | Ok(None) => {
+                gate::abandon(&mut conn, &drop.keys, &key, app.ledger.id())
+                    .await
+                    .map(|_| ())
+            }
+            Ok(Some(false)) => match app.ledger.reservation(&ledger_key, &key).await {
+                Ok(Some(row)) if row.state.holds_units() => {
+                    gate::replay(&mut conn, &drop.keys, &row).await.map(|_| ())
+                }
+                _ => Ok(()),
+            },
             Err(error) => {
                 tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
                 continue;

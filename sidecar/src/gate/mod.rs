@@ -168,14 +168,44 @@ pub async fn reserve(
     .await
 }
 
-/// Takes back an overdue pending admission the ledger has not recorded:
-/// `abandoned`, or `not_overdue` when a retry took it over or it moved on.
+/// Takes back an overdue pending admission that `ledger` (the caller's) was to
+/// record and has claimed as never recorded: `abandoned`, `not_overdue` when a retry
+/// took it over or it moved on, `not_ours` when another ledger was to record it.
 pub async fn abandon(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
+    ledger: &str,
 ) -> RedisResult<GateReply> {
-    run(&ABANDON, conn, keys, key, &[]).await
+    run(&ABANDON, conn, keys, key, &[ledger]).await
+}
+
+/// A pending admission's marker as it stands: who, how many, and the ledger that
+/// was to record it.
+pub async fn pending_marker(
+    conn: &mut ConnectionManager,
+    keys: &DropKeys,
+    key: &str,
+) -> RedisResult<Option<(String, i64, String)>> {
+    let (state, user, quantity, ledger): (
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+    ) = redis::cmd("HMGET")
+        .arg(keys.reservation(key))
+        .arg("state")
+        .arg("user")
+        .arg("quantity")
+        .arg("ledger")
+        .query_async(conn)
+        .await?;
+    Ok(match (state.as_deref(), user, quantity) {
+        (Some("pending"), Some(user), Some(quantity)) => {
+            Some((user, quantity, ledger.unwrap_or_default()))
+        }
+        _ => None,
+    })
 }
 
 /// Keys of pending admissions overdue at `now_ms`, at most `limit`.

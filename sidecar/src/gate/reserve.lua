@@ -68,7 +68,7 @@ redis.call('ZADD', K.holds, deadline, KEY)
 redis.call('DEL', K.marker)
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
   'expiresAt', deadline, 'attempt', attempt, 'sale', SALE,
-  'overdueAt', now + tonumber(ARGV[6]))
+  'overdueAt', now + tonumber(ARGV[6]), 'ledger', ARGV[5])
 redis.call('ZADD', K.pending, now + tonumber(ARGV[6]), KEY)
 bump()
 redis.call('SADD', K.ledgers, ARGV[5])

@@ -303,6 +303,35 @@ impl Ledger {
             .collect()
     }
 
+    /// Claims `key` for an admission judged dead before it was recorded: a
+    /// placeholder row (expired, no units, no event) so that its commit, should it
+    /// land after all, finds the key used and is refused. False when the key has a
+    /// record already (the commit came first).
+    pub async fn claim_abandoned(
+        &self,
+        drop_key: &str,
+        key: &str,
+        user: &str,
+        quantity: i64,
+        now: i64,
+    ) -> Result<bool, LedgerError> {
+        let claimed = sqlx::query(
+            "INSERT INTO reservations \
+             (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq) \
+             VALUES ($1, $2, $3, $4, 'expired', 'gate', $5, $6, 1, NULL) \
+             ON CONFLICT (drop_key, res_key) DO NOTHING",
+        )
+        .bind(drop_key)
+        .bind(key)
+        .bind(user)
+        .bind(quantity)
+        .bind(now)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(claimed.rows_affected() == 1)
+    }
+
     /// Marks a change as one Redis has not seen (its activation failed).
     pub async fn mark_unreplayed(&self, drop_key: &str, key: &str) -> Result<(), LedgerError> {
         sqlx::query("UPDATE reservations SET replayed = 0 WHERE drop_key = $1 AND res_key = $2")

@@ -257,6 +257,34 @@ async fn admit_gate(
         Ok(()) => app.ledger.record(change).await,
         Err(injected) => Err(RecordError::Failed(injected.to_string())),
     };
+    if let Err(RecordError::KeyUsed { .. }) = recorded
+        && let Ok(Some(row)) = app
+            .ledger
+            .reservation(&change_key(drop, &reply), &request.key)
+            .await
+        && row.user == request.user
+        && row.quantity == request.quantity
+        && row.state.holds_units()
+    {
+        // The ledger already holds this buyer's reservation under the key (an
+        // earlier attempt's commit landed after this one was admitted afresh):
+        // this pending marker becomes that reservation, the unit it holds is its.
+        return Turn::Done(match gate::replay(&mut conn, &drop.keys, &row).await {
+            Ok(_) => {
+                drop.throttle.hold(&request.key, permit, row.expires_at_ms);
+                let shown = from_ledger(row, None, reply.remaining);
+                Ok(reservation(
+                    StatusCode::OK,
+                    "already_reserved",
+                    drop,
+                    &request.key,
+                    &shown,
+                    Path::Gate,
+                ))
+            }
+            Err(e) => Err(app.redis_down(drop, &e)),
+        });
+    }
     if let Err(refusal) = recorded {
         drop_permit(permit);
         let undone = gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await;
@@ -324,10 +352,23 @@ async fn admit_gate(
         _ if active.outcome == "admitted" => active,
         // A retry took the admission over (this request was taken for dead), or a
         // replay from the ledger activated it: the same reservation, durable.
-        Some("pending" | "active" | "confirmed") => GateReply {
-            state: Some(State::Active.as_str().into()),
-            ..active
-        },
+        Some("pending" | "active" | "confirmed") => {
+            // Another attempt's marker (a retry that took this one over, or one
+            // admitted afresh after this one was taken for dead): the replay makes
+            // Redis hold this durable reservation whatever that attempt does.
+            if let Err(error) = app
+                .ledger
+                .mark_unreplayed(&drop.ledger_key(), &request.key)
+                .await
+            {
+                tracing::warn!(drop = %drop.name, %error, "could not mark the admission for replay");
+            }
+            GateReply {
+                state: Some(State::Active.as_str().into()),
+                when: reply.when,
+                ..active
+            }
+        }
         Some(_) => {
             // Redis expired it while it waited; the expiry's caller recorded it
             // too, and this record of it is a no-op then (the same transition).

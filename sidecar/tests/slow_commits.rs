@@ -1,0 +1,173 @@
+//! An admission whose ledger commit is slow past its pending bound, so the sweeper
+//! takes it for one a dead sidecar left (a second hostile review found these): the
+//! buyer's retry and the late commit end with one reservation Redis and the ledger
+//! both hold, and nothing oversold.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{NS, Peer, marker_state, seed};
+use dropgate_testkit::{PostgresServer, RedisServer, Reply};
+
+fn spec(limit: i64) -> String {
+    format!(
+        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  holdSeconds: 60\n  throttle: {{permits: 1000, acquireTimeoutMs: 100}}\n"
+    )
+}
+
+fn show(r: &Reply) -> String {
+    format!("{} {}", r.status, r.text)
+}
+
+fn redis_int(redis: &RedisServer, key: &str) -> i64 {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("GET")
+        .arg(format!("dropgate:{{{NS}/sale}}:{key}"))
+        .query::<Option<i64>>(&mut conn)
+        .expect("GET")
+        .unwrap_or(0)
+}
+
+async fn ledger_state(pool: &sqlx::PgPool, key: &str) -> Option<String> {
+    sqlx::query_as::<_, (String,)>(
+        "SELECT state FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND res_key = $1",
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await
+    .expect("query")
+    .map(|(s,)| s)
+}
+
+/// Holds the outbox sequence row: every ledger commit of an admission waits on it
+/// (a slow PostgreSQL, a lock wait, a long fsync): the admission stays pending in
+/// Redis past its bound while its sidecar is alive and about to commit.
+async fn stall_commits(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("SELECT next_value FROM sequences WHERE name = 'outbox' FOR UPDATE")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
+    tx
+}
+
+/// Shared PostgreSQL. Alice's admission k1 is pending while its commit is slow
+/// (> acquireTimeoutMs + 2 s). The sweeper finds it overdue, the ledger has no row
+/// yet: abandon. Alice's client retries k1 (same user, quantity): reserve.lua has
+/// no marker, admits afresh (new seq, new attempt). The first commit then lands;
+/// its activate finds the retry's pending marker ("gone", state pending) and the
+/// first request answers 201 without marking the row for replay. The retry's
+/// record is KeyUsed (seq differs), so it undoes its marker and answers 200
+/// already_reserved. Redis now has no marker and the unit back in stock, the ledger
+/// has k1 active and "replayed": nothing ever replays it. Alice's confirm fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirmable() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    seed(&redis.url(), "sale", &spec(2)).await;
+    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    let w = a.reserve("sale", "w", "w", 1).await;
+    assert_eq!(w.status, 201, "{}", show(&w));
+    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
+
+    let lock = stall_commits(&pool).await;
+    let http = a.http.clone();
+    let first = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        marker_state(&redis, "sale", "k1").as_deref(),
+        Some("pending")
+    );
+    // Past acquireTimeoutMs (100) + PENDING_COMMIT_MS (2000) and a sweep.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    eprintln!(
+        "after the bound: marker {:?}",
+        marker_state(&redis, "sale", "k1")
+    );
+    let http = a.http.clone();
+    let retry = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    eprintln!(
+        "retry in flight: marker {:?}",
+        marker_state(&redis, "sale", "k1")
+    );
+    lock.rollback().await.expect("release");
+
+    let first = first.await.expect("first");
+    let retry = retry.await.expect("retry");
+    eprintln!("first: {}\nretry: {}", show(&first), show(&retry));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let marker = marker_state(&redis, "sale", "k1");
+    let ledger = ledger_state(&pool, "k1").await;
+    eprintln!(
+        "marker {marker:?}, ledger {ledger:?}, remaining {} held {}",
+        redis_int(&redis, "remaining"),
+        redis_int(&redis, "held")
+    );
+    assert!(
+        first.status == 201 || retry.status == 201 || retry.status == 200,
+        "someone was told k1 is reserved"
+    );
+    let c = a.settle("sale", "k1", "confirm").await;
+    eprintln!("confirm: {}", show(&c));
+    assert_eq!(
+        ledger.as_deref(),
+        Some("active"),
+        "the ledger holds alice's reservation"
+    );
+    assert_eq!(
+        marker.as_deref(),
+        Some("active"),
+        "Redis must hold the reservation the ledger holds and alice was told about"
+    );
+    assert_eq!(c.outcome(), "confirmed", "{}", show(&c));
+    a.shutdown().await;
+}
+
+/// Shared PostgreSQL, limit 2: the same abandon, then another buyer takes the
+/// unit Redis got back while the first commit is still stuck. The shared ledger's
+/// count must refuse one of them; after the replay Redis and the ledger agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledger() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    seed(&redis.url(), "sale", &spec(2)).await;
+    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    let b = Peer::start(&redis.url(), &postgres.url()).await;
+    let w = a.reserve("sale", "w", "w", 1).await;
+    assert_eq!(w.status, 201, "{}", show(&w));
+    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
+
+    let lock = stall_commits(&pool).await;
+    let http = a.http.clone();
+    let first = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
+    tokio::time::sleep(Duration::from_millis(2900)).await;
+    eprintln!(
+        "after the bound: marker {:?}",
+        marker_state(&redis, "sale", "k1")
+    );
+    let http = b.http.clone();
+    let other = tokio::spawn(async move { common::reserve(&http, "sale", "k2", "bob", 1).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lock.rollback().await.expect("release");
+    let first = first.await.expect("first");
+    let other = other.await.expect("other");
+    eprintln!("first: {}\nother: {}", show(&first), show(&other));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sold = 1 + [&first, &other].iter().filter(|r| r.status == 201).count();
+    let remaining = redis_int(&redis, "remaining");
+    let held = redis_int(&redis, "held");
+    eprintln!(
+        "k1 marker {:?} ledger {:?}; k2 marker {:?} ledger {:?}; remaining {remaining} held {held}",
+        marker_state(&redis, "sale", "k1"),
+        ledger_state(&pool, "k1").await,
+        marker_state(&redis, "sale", "k2"),
+        ledger_state(&pool, "k2").await,
+    );
+    assert!(sold <= 2, "oversold: {sold} 201s for a limit of 2");
+    assert_eq!(remaining + held, 2, "Redis counts");
+    assert!(held <= 2, "Redis holds {held} of 2");
+    a.shutdown().await;
+    b.shutdown().await;
+}
