@@ -325,13 +325,7 @@ async fn admit_gate(
             // (pending -> active); until then the hold still counts in Redis.
             app.redis_failed(&error);
             tracing::warn!(drop = %drop.name, %error, "activation failed after the ledger recorded the admission");
-            if let Err(error) = app
-                .ledger
-                .mark_unreplayed(&drop.ledger_key(), &request.key)
-                .await
-            {
-                tracing::warn!(drop = %drop.name, %error, "could not mark the admission for replay");
-            }
+            replay_later(app, drop, &drop.ledger_key(), &request.key).await;
             drop.throttle
                 .hold(&request.key, permit, reply.when.unwrap_or(0));
             let shown = GateReply {
@@ -356,13 +350,7 @@ async fn admit_gate(
             // Another attempt's marker (a retry that took this one over, or one
             // admitted afresh after this one was taken for dead): the replay makes
             // Redis hold this durable reservation whatever that attempt does.
-            if let Err(error) = app
-                .ledger
-                .mark_unreplayed(&drop.ledger_key(), &request.key)
-                .await
-            {
-                tracing::warn!(drop = %drop.name, %error, "could not mark the admission for replay");
-            }
+            replay_later(app, drop, &drop.ledger_key(), &request.key).await;
             GateReply {
                 state: Some(State::Active.as_str().into()),
                 when: reply.when,
@@ -385,13 +373,7 @@ async fn admit_gate(
             // The sweeper took it for an admission its sidecar never finished just
             // before the commit landed: the ledger has it, and the refresh replays
             // it into Redis.
-            if let Err(error) = app
-                .ledger
-                .mark_unreplayed(&drop.ledger_key(), &request.key)
-                .await
-            {
-                tracing::warn!(drop = %drop.name, %error, "could not mark the admission for replay");
-            }
+            replay_later(app, drop, &drop.ledger_key(), &request.key).await;
             GateReply {
                 state: Some(State::Active.as_str().into()),
                 ..reply
@@ -812,13 +794,7 @@ async fn record_settled(
         Err(RecordError::KeyUsed { state: recorded }) => {
             // The ledger's record went elsewhere: its word stands, and Redis is
             // brought in line with it by the refresh's replay.
-            if let Err(error) = app
-                .ledger
-                .mark_unreplayed(&change_key(drop, reply), key)
-                .await
-            {
-                tracing::warn!(drop = %drop.name, %error, "could not mark a record for replay");
-            }
+            replay_later(app, drop, &change_key(drop, reply), key).await;
             Err(Answer::refusal(
                 StatusCode::CONFLICT,
                 recorded.as_str(),
@@ -833,6 +809,15 @@ async fn record_settled(
             "Redis has the reservation {} but the ledger did not record it ({e}): retry",
             state.as_str()
         ))),
+    }
+}
+
+/// Marks the ledger's record of `key` as one Redis has not seen, so that the
+/// refresh replays it (best effort: a failure is logged, and the ledger's repair
+/// and the next rebuild bring Redis in line too).
+async fn replay_later(app: &App, drop: &Drop, ledger_key: &str, key: &str) {
+    if let Err(error) = app.ledger.mark_unreplayed(ledger_key, key).await {
+        tracing::warn!(drop = %drop.name, %error, "could not mark a record for replay");
     }
 }
 
