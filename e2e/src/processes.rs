@@ -22,6 +22,21 @@ pub fn binary(name: &str) -> PathBuf {
         .unwrap_or_else(|| candidates[0].clone())
 }
 
+/// Writes an InventoryDrop manifest for drop `sale` in namespace `shop` with the
+/// given spec lines (indented two spaces) into `dir`, and returns its path.
+pub fn sale_manifest(dir: &Path, spec: &str) -> Result<PathBuf, String> {
+    let path = dir.join("drop.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: sale, namespace: shop}}\n\
+             spec:\n  redis: {{url: redis://unused:1}}\n{spec}"
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
 /// `dropgate-operator apply -f MANIFEST --redis-url URL`: its stdout (the status
 /// YAML) on success, its stderr otherwise.
 pub fn apply(manifest: &Path, redis_url: &str) -> Result<String, String> {

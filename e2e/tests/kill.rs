@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use dropgate_e2e::processes::{SidecarProcess, apply};
+use dropgate_e2e::processes::{SidecarProcess, apply, sale_manifest};
 use dropgate_testkit::{HttpClient, PostgresServer, RedisServer, Reply};
 use futures::future::join_all;
 
@@ -31,13 +31,9 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
-    let manifest = dir.path().join("drop.yaml");
-    std::fs::write(
-        &manifest,
-        format!(
-            "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: sale, namespace: shop}}\n\
-             spec:\n  sku: X\n  limitedQuantity: {LIMIT}\n  redis: {{url: redis://unused:1}}\n  throttle: {{permits: 1000}}\n"
-        ),
+    let manifest = sale_manifest(
+        dir.path(),
+        &format!("  sku: X\n  limitedQuantity: {LIMIT}\n  throttle: {{permits: 1000}}\n"),
     )
     .expect("manifest");
     apply(&manifest, &redis.url()).expect("apply");

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use dropgate_e2e::processes::{SidecarProcess, apply};
+use dropgate_e2e::processes::{SidecarProcess, apply, sale_manifest};
 use dropgate_testkit::{HttpClient, PostgresServer, RedisServer};
 use futures::future::join_all;
 
@@ -12,11 +12,9 @@ async fn two_sidecar_processes_share_postgresql_without_overselling() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
-    let manifest = dir.path().join("drop.yaml");
-    std::fs::write(
-        &manifest,
-        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: sale, namespace: shop}\n\
-         spec:\n  sku: X\n  limitedQuantity: 20\n  redis: {url: redis://unused:1}\n  gate: {enabled: false}\n",
+    let manifest = sale_manifest(
+        dir.path(),
+        "  sku: X\n  limitedQuantity: 20\n  gate: {enabled: false}\n",
     )
     .expect("manifest");
     let status = apply(&manifest, &redis.url()).expect("apply publishes fail-open");

@@ -381,6 +381,27 @@ async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
     assert_eq!(redis_counts(&redis, "sale"), (9, 1), "no unit taken again");
     let again = sidecar.reserve("sale", "k2", "alice", 1).await;
     assert_eq!(again.outcome(), "per_user_limit_exceeded");
+
+    // A confirmed one whose marker lived out its TTL can no longer be refunded
+    // through the gate: answered in DESIGN.md's words, nothing moved.
+    assert_eq!(sidecar.reserve("sale", "c", "bob", 1).await.status, 201);
+    assert_eq!(
+        sidecar.settle("sale", "c", "confirm").await.outcome(),
+        "confirmed"
+    );
+    let _: () = redis::cmd("DEL")
+        .arg(format!("dropgate:{{{NS}/sale}}:res:c"))
+        .query(&mut conn)
+        .expect("DEL");
+    let refund = sidecar.settle("sale", "c", "cancel").await;
+    assert_eq!(
+        (refund.status.as_u16(), refund.outcome()),
+        (409, "expired"),
+        "{}",
+        refund.text
+    );
+    assert_eq!(refund.body["state"], "confirmed");
+    assert_eq!(redis_counts(&redis, "sale"), (8, 2));
     sidecar.shutdown().await;
 }
 

@@ -659,13 +659,16 @@ async fn settle(
             StatusCode::CONFLICT,
             format!("reservation {key} expired and its units went back to stock"),
         ),
-        (_, "gate_record_expired") => refused(
-            StatusCode::CONFLICT,
-            format!(
-                "the gate's record of reservation {key} has expired (the ledger keeps it {}): it can no longer change",
-                reply.state.as_deref().unwrap_or("")
+        // DESIGN.md has no word for it: `expired` (409), the message says which.
+        (_, "gate_record_expired") => Err(path.mark(
+            reservation(StatusCode::CONFLICT, "expired", &drop, &key, &reply, path).with(
+                "message",
+                format!(
+                    "the gate's record of reservation {key} has expired (the ledger keeps it {}): it can no longer change",
+                    reply.state.as_deref().unwrap_or("")
+                ),
             ),
-        ),
+        )),
         (Some(State::Confirmed), "cancelled") => refused(
             StatusCode::CONFLICT,
             format!("reservation {key} was cancelled and cannot be confirmed"),
