@@ -1,17 +1,19 @@
 //! The `InventoryDrop` custom resource.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::CustomResource;
+use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::MAX_QUANTITY;
 use crate::config::{FailurePolicy, Mode};
 
-/// A limited-quantity sale: `limitedQuantity` units of `sku`, never one more.
+/// A limited-quantity sale: `limitedQuantity` units of `sku`, never one more. The
+/// operator seeds the stock into Redis and decides whether the sidecars' fast gate is
+/// on; the sidecars sell from it.
 // clippy reads the repeated `type_ = "integer"` of two printcolumns as a duplicate.
 #[allow(clippy::duplicated_attributes)]
-#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, KubeSchema)]
 #[kube(
     group = "dropgate.io",
     version = "v1alpha1",
@@ -27,24 +29,43 @@ use crate::config::{FailurePolicy, Mode};
         name = "AGE",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    // Moving a live drop to another Redis would strand its stock and its buyers'
+    // reservations in the old one.
+    validation = Rule::new(
+        "!has(oldSelf.status) || !has(oldSelf.status.mode) || oldSelf.status.phase == 'Ended' || self.spec.redis == oldSelf.spec.redis"
+    ).message(
+        "spec.redis cannot change while the sale runs (its stock and reservations live in that Redis): wait until it ended, or delete and re-create the drop"
+    ).field_path(".spec.redis")
 )]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+// Unknown fields are ignored here (the API server prunes them anyway), so that an
+// object written under a newer CRD version cannot stop the watch of every drop;
+// `dropgate-operator apply -f` refuses them itself (see `unknown_fields`).
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.startsAt) || !has(self.endsAt) || self.endsAt > self.startsAt")
+        .message("endsAt must be after startsAt")
+        .field_path(".endsAt"),
+    validation = Rule::new("self.throttle.acquireTimeoutMs < self.holdSeconds * 1000")
+        .message("throttle.acquireTimeoutMs must be shorter than holdSeconds (an admission waits for its permit within its hold)")
+        .field_path(".throttle.acquireTimeoutMs")
+)]
 pub struct InventoryDropSpec {
-    /// The stock-keeping unit being sold.
-    #[schemars(length(min = 1))]
+    /// The stock-keeping unit being sold, as the shop names it.
+    #[schemars(length(min = 1, max = 256))]
     pub sku: String,
     /// Units for sale. Changing it later restocks by the difference.
     #[schemars(range(min = 0, max = 2147483647))]
     pub limited_quantity: i64,
-    /// Units one user may hold at once.
+    /// Units one user may hold at once (active and confirmed reservations).
     #[serde(default = "default_per_user_limit")]
     #[schemars(range(min = 1, max = 2147483647))]
     pub per_user_limit: i64,
-    /// Before this instant the gate answers `not_open`.
+    /// Before this instant (RFC 3339) the gate answers `not_open`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub starts_at: Option<Time>,
-    /// From this instant on the gate answers `ended`.
+    /// From this instant (RFC 3339) on the gate answers `ended`. Must be after
+    /// startsAt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ends_at: Option<Time>,
     /// An admitted reservation not confirmed within this many seconds expires and
@@ -52,9 +73,14 @@ pub struct InventoryDropSpec {
     #[serde(default = "default_hold_seconds")]
     #[schemars(range(min = 1, max = 604800))]
     pub hold_seconds: i64,
+    /// The Redis that holds the drop's stock, and whether it must be highly
+    /// available. Cannot change while the sale runs.
     pub redis: RedisSpec,
+    /// Whether the sidecars sell through the Redis gate, and what they do when it
+    /// cannot be trusted.
     #[serde(default)]
     pub gate: GateSpec,
+    /// Per-sidecar throttling of admitted but unconfirmed reservations.
     #[serde(default)]
     pub throttle: ThrottleSpec,
 }
@@ -68,49 +94,63 @@ fn default_hold_seconds() -> i64 {
 }
 
 /// Where the drop's Redis is and how much to trust it.
-#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.url) && has(self.secretRef))").message("set either url or secretRef, not both"))]
 pub struct RedisSpec {
-    /// `redis://` or `rediss://` (TLS) URL, with AUTH credentials if needed.
+    /// `redis://` or `rediss://` (TLS) URL. Put credentials in a Secret and use
+    /// secretRef instead. Without either, the operator's --redis-url applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^rediss?://"), length(max = 2048))]
     pub url: Option<String>,
-    /// A Secret key holding the URL, when it carries credentials.
+    /// A key of a Secret in the drop's namespace that holds the URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretKeyRef>,
-    /// Verify the tier through Google's Memorystore API.
+    /// A Google Memorystore for Redis instance: its tier and state are checked
+    /// through Google's API (and its host and port against the drop's URL) instead
+    /// of `INFO replication`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memorystore: Option<MemorystoreInstance>,
-    /// Refuse to trust a Redis that is not highly available.
+    /// Refuse to trust a Redis that is not highly available: without a verified
+    /// replica, gate.failurePolicy decides (fail open to the SQL fallback, or close).
     #[serde(default)]
     pub require_high_availability: bool,
 }
 
+/// A key of a Secret in the drop's namespace.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct SecretKeyRef {
-    #[schemars(length(min = 1))]
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
-    #[schemars(length(min = 1))]
+    /// The key within the Secret's data.
+    #[schemars(length(min = 1, max = 253))]
     pub key: String,
 }
 
+/// A Memorystore for Redis instance: `projects/{project}/locations/{location}/instances/{instance}`.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct MemorystoreInstance {
-    #[schemars(length(min = 1))]
+    /// The Google Cloud project ID.
+    #[schemars(length(min = 1, max = 63))]
     pub project: String,
-    #[schemars(length(min = 1))]
+    /// The region, such as europe-west1.
+    #[schemars(length(min = 1, max = 63))]
     pub location: String,
-    #[schemars(length(min = 1))]
+    /// The instance ID.
+    #[schemars(length(min = 1, max = 63))]
     pub instance: String,
 }
 
+/// The gate's switches.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct GateSpec {
-    /// Kill switch: `false` sends every sidecar to the fallback path.
+    /// Kill switch: `false` sends every sidecar to the SQL fallback path.
     #[serde(default = "default_true")]
     pub enabled: bool,
+    /// When HA is required and missing: `Open` sells through the SQL fallback,
+    /// `Closed` stops selling until Redis is highly available again.
     #[serde(default)]
     pub failure_policy: FailurePolicy,
 }
@@ -128,14 +168,17 @@ fn default_true() -> bool {
     true
 }
 
+/// Throttling, per sidecar.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct ThrottleSpec {
-    /// Per sidecar: admitted-but-unconfirmed reservations in flight.
+    /// Per sidecar: how many admitted but unconfirmed reservations may be in flight
+    /// at once; an admission beyond it waits for a permit.
     #[serde(default = "default_permits")]
     #[schemars(range(min = 1, max = 1000000))]
     pub permits: i64,
-    /// How long an admitted reservation waits for a permit before it is undone.
+    /// How long an admitted reservation waits for a permit before it is undone
+    /// and answered 503 throttled (ms). Must be shorter than holdSeconds.
     #[serde(default = "default_acquire_timeout_ms")]
     #[schemars(range(min = 0, max = 60000))]
     pub acquire_timeout_ms: i64,
@@ -191,13 +234,17 @@ impl Tier {
     }
 }
 
-#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+/// What the operator last observed and decided.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct InventoryDropStatus {
+    /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Pending, Active, FailOpen, SoldOut, Ended or Error.
     #[serde(default)]
     pub phase: Phase,
+    /// The mode published to the sidecars: gate, fail_open or closed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
     /// Units the gate may still admit, never below 0.
@@ -206,11 +253,15 @@ pub struct InventoryDropStatus {
     /// Units held by active or confirmed reservations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserved: Option<i64>,
+    /// What the last HA check found behind the drop's Redis.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<Tier>,
+    /// The sidecars sell through the SQL fallback.
     #[serde(default)]
     pub fail_open: bool,
+    /// Ready, HighlyAvailable, FailOpen, SoldOut, one of each type.
     #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
 }
 
@@ -276,6 +327,44 @@ impl InventoryDropSpec {
     }
 }
 
+/// The fields of a manifest's `spec` that [`InventoryDropSpec`] does not know, by
+/// path (`spec.limitedQty`). The types ignore unknown fields (a watch must survive
+/// an object from a newer CRD); a manifest applied by hand should not, since a
+/// typo there silently drops a setting.
+pub fn unknown_spec_fields(manifest: &serde_json::Value) -> Vec<String> {
+    let Some(spec) = manifest.get("spec") else {
+        return Vec::new();
+    };
+    let Ok(known) = serde_json::from_value::<InventoryDropSpec>(spec.clone())
+        .and_then(|parsed| serde_json::to_value(&parsed))
+    else {
+        return Vec::new(); // type errors are reported by the parse itself
+    };
+    let mut unknown = Vec::new();
+    collect_unknown(spec, &known, "spec", &mut unknown);
+    unknown
+}
+
+fn collect_unknown(
+    given: &serde_json::Value,
+    known: &serde_json::Value,
+    path: &str,
+    unknown: &mut Vec<String>,
+) {
+    let (Some(given), Some(known)) = (given.as_object(), known.as_object()) else {
+        return;
+    };
+    for (key, value) in given {
+        let here = format!("{path}.{key}");
+        match known.get(key) {
+            Some(inner) => collect_unknown(value, inner, &here, unknown),
+            // An explicit null of an optional field is not serialized back.
+            None if value.is_null() => {}
+            None => unknown.push(here),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,9 +399,18 @@ spec:
     fn wrong_types_and_unknown_fields_are_refused_by_name() {
         let boolean = MINIMAL.replace("limitedQuantity: 5", "limitedQuantity: true");
         assert!(parse(&boolean).is_err());
-        let typo = MINIMAL.replace("limitedQuantity: 5", "limitedQuantity: 5\n  limitedQty: 5");
-        let msg = parse(&typo).expect_err("unknown field").to_string();
-        assert!(msg.contains("limitedQty"), "{msg}");
+        let typo = MINIMAL.replace(
+            "limitedQuantity: 5",
+            "limitedQuantity: 5\n  limitedQty: 5\n  throttle: {permits: 2, permitz: 3}",
+        );
+        let value: serde_json::Value = serde_norway::from_str(&typo).expect("yaml");
+        assert_eq!(
+            unknown_spec_fields(&value),
+            ["spec.limitedQty", "spec.throttle.permitz"]
+        );
+        assert!(parse(&typo).is_ok(), "a watch tolerates them");
+        let value: serde_json::Value = serde_norway::from_str(MINIMAL).expect("yaml");
+        assert!(unknown_spec_fields(&value).is_empty());
     }
 
     #[test]

@@ -54,6 +54,11 @@ impl DropKeys {
     }
 
     /// Glob matching every reservation marker of the drop (cleanup only).
+    /// Every key of the drop, as a SCAN pattern (the hash tag's braces are literal).
+    pub fn pattern(&self) -> String {
+        format!("{}:*", self.prefix)
+    }
+
     pub fn reservation_pattern(&self) -> String {
         format!("{}:res:*", self.prefix)
     }

@@ -22,6 +22,15 @@ pub fn parse_manifest(text: &str) -> Result<InventoryDrop> {
     }
     let drop: InventoryDrop =
         serde_norway::from_str(text).map_err(|e| Error::InvalidManifest(e.to_string()))?;
+    if let Ok(json) = serde_json::to_value(&value)
+        && let unknown = dropgate_api::drop::unknown_spec_fields(&json)
+        && !unknown.is_empty()
+    {
+        return Err(Error::InvalidManifest(format!(
+            "unknown field(s) {}",
+            unknown.join(", ")
+        )));
+    }
     reconcile::validate(&drop)?;
     Ok(drop)
 }
@@ -47,6 +56,6 @@ pub async fn apply(
         (None, None) => return Err(Error::NoRedisUrl),
     };
     let mut conn = store::connect(&url).await?;
-    let report = reconcile::verify_ha(&drop, &mut conn, memorystore).await?;
-    reconcile::reconcile(&drop, &mut conn, report, None, Timestamp::now()).await
+    let report = reconcile::verify_ha(&drop, &url, &mut conn, memorystore).await;
+    reconcile::reconcile(&drop, &mut conn, report, None, None, Timestamp::now()).await
 }

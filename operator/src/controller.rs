@@ -2,25 +2,28 @@
 //! InventoryDrop in the cluster.
 
 use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dropgate_api::{InventoryDrop, InventoryDropStatus, Mode, Phase};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event, finalizer};
-use kube::runtime::watcher;
+use kube::runtime::{Predicate, WatchStreamExt, predicates, reflector, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use redis::aio::ConnectionManager;
-use tokio::sync::Mutex as AsyncMutex;
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
 
-use crate::lease::LeaderElector;
+use crate::decide;
+use crate::lease::{LeaderElector, LeaseTimings};
 use crate::memorystore::Memorystore;
 use crate::metrics::{ErrorLabel, Metrics};
 use crate::reconcile::{self, Reconciled};
@@ -30,6 +33,9 @@ use crate::{Error, Result, store};
 pub const FINALIZER: &str = "dropgate.io/cleanup";
 /// The field manager of the status this operator writes by server-side apply.
 pub const FIELD_MANAGER: &str = "dropgate-operator";
+/// `"true"` lets a deleted drop go without removing its Redis keys (they are left
+/// to their TTLs): the escape hatch when cleanup cannot succeed.
+pub const SKIP_CLEANUP: &str = "dropgate.io/skip-cleanup";
 
 /// Settings of the controller that tests and `main` choose.
 #[derive(Clone, Debug)]
@@ -42,6 +48,8 @@ pub struct Settings {
     pub backoff_max: Duration,
     /// Overrides every drop's Redis URL (like `apply --redis-url`).
     pub redis_url: Option<String>,
+    /// How long an HA check that cannot be made keeps the last published mode.
+    pub ha_grace: Duration,
 }
 
 impl Default for Settings {
@@ -51,6 +59,7 @@ impl Default for Settings {
             backoff_base: Duration::from_secs(2),
             backoff_max: Duration::from_secs(300),
             redis_url: None,
+            ha_grace: Duration::from_secs(300),
         }
     }
 }
@@ -60,10 +69,11 @@ pub struct Context {
     pub client: Client,
     pub memorystore: Memorystore,
     pub metrics: Arc<Metrics>,
-    pub reporter: Reporter,
+    pub recorder: Recorder,
     pub settings: Settings,
-    /// One reconnecting connection per Redis URL, kept across reconciles.
-    redis: AsyncMutex<HashMap<String, ConnectionManager>>,
+    /// One reconnecting connection per Redis URL, kept across reconciles. The map's
+    /// lock is never held across a connect: a dead Redis delays only its own drops.
+    redis: Mutex<HashMap<String, Arc<OnceCell<ConnectionManager>>>>,
     /// Consecutive failures per drop, for the backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -75,28 +85,30 @@ impl Context {
         metrics: Arc<Metrics>,
         settings: Settings,
     ) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
         Self {
+            recorder: Recorder::new(client.clone(), reporter),
             client,
             memorystore,
             metrics,
-            reporter: Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
             settings,
-            redis: AsyncMutex::new(HashMap::new()),
+            redis: Mutex::new(HashMap::new()),
             failures: Mutex::new(HashMap::new()),
         }
     }
 
     async fn redis(&self, url: &str) -> Result<ConnectionManager> {
-        let mut connections = self.redis.lock().await;
-        if let Some(conn) = connections.get(url) {
-            return Ok(conn.clone());
-        }
-        let conn = store::connect(url).await?;
-        connections.insert(url.to_string(), conn.clone());
-        Ok(conn)
+        let cell = self
+            .redis
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(url.to_string())
+            .or_default()
+            .clone();
+        cell.get_or_try_init(|| store::connect(url)).await.cloned()
     }
 
     /// `--redis-url`, else `spec.redis.url`, else the Secret key `spec.redis.secretRef`.
@@ -194,11 +206,18 @@ pub fn error_policy(drop: Arc<InventoryDrop>, error: &Error, ctx: Arc<Context>) 
 async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) -> Result<Action> {
     match reconcile_redis(drop, ctx).await {
         Ok(done) => {
-            write_status(api, drop, &done.status).await?;
+            write_status(ctx, api, drop, &done.status).await?;
             if done.mode_changed()
                 && let Some(mode) = done.mode()
             {
                 publish_mode_event(ctx, drop, mode, &done).await?;
+            }
+            for warning in new_warnings(drop.status.as_ref(), &done.status) {
+                publish(ctx, drop, EventType::Warning, warning.reason, warning.note).await?;
+            }
+            if done.status_says_unknown() {
+                // An unanswered HA check: ask again soon, backing off.
+                return Ok(Action::requeue(ctx.backoff(&object_key(drop))));
             }
             ctx.succeeded(&object_key(drop));
             Ok(Action::requeue(ctx.settings.resync))
@@ -206,7 +225,7 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
         Err(error) => {
             // Say why in status before backing off; the error itself is what counts.
             let status = failed_status(drop, &error, Timestamp::now());
-            if let Err(e) = write_status(api, drop, &status).await {
+            if let Err(e) = write_status(ctx, api, drop, &status).await {
                 tracing::warn!(error = %e, "could not write the failure into status");
             }
             Err(error)
@@ -218,20 +237,108 @@ async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconcil
     reconcile::validate(drop)?;
     let url = ctx.redis_url(drop).await?;
     let mut conn = ctx.redis(&url).await?;
-    let ha = reconcile::verify_ha(drop, &mut conn, &ctx.memorystore).await?;
-    reconcile::reconcile(drop, &mut conn, ha, drop.status.as_ref(), Timestamp::now()).await
+    let ha = reconcile::verify_ha(drop, &url, &mut conn, &ctx.memorystore).await;
+    let now = Timestamp::now();
+    let previous = drop.status.as_ref();
+    let kept = decide::kept_mode(previous, &ha, now, ctx.settings.ha_grace);
+    reconcile::reconcile(drop, &mut conn, ha, kept, previous, now).await
 }
 
+/// A warning worth one Event when its condition first appears.
+struct Warning {
+    reason: &'static str,
+    note: String,
+}
+
+/// The Warning Events `next` calls for that `previous` did not: an HA check that
+/// went unanswered, a Redis that may evict the drop's keys.
+fn new_warnings(
+    previous: Option<&InventoryDropStatus>,
+    next: &InventoryDropStatus,
+) -> Vec<Warning> {
+    let find = |status: Option<&InventoryDropStatus>, type_: &str| {
+        status.and_then(|s| s.conditions.iter().find(|c| c.type_ == type_).cloned())
+    };
+    let mut warnings = Vec::new();
+    if let Some(ha) = find(Some(next), "HighlyAvailable")
+        && ha.status == "Unknown"
+        && find(previous, "HighlyAvailable").is_none_or(|c| c.status != "Unknown")
+    {
+        warnings.push(Warning {
+            reason: "HighAvailabilityUnknown",
+            note: ha.message,
+        });
+    }
+    if let Some(seeded) = find(Some(next), "Seeded")
+        && seeded.reason == decide::EVICTION_POSSIBLE
+        && find(previous, "Seeded").is_none_or(|c| c.reason != decide::EVICTION_POSSIBLE)
+    {
+        warnings.push(Warning {
+            reason: decide::EVICTION_POSSIBLE,
+            note: seeded.message,
+        });
+    }
+    warnings
+}
+
+/// Removes the drop's keys. A cause that retrying cannot fix lets the drop go with
+/// a Warning Event naming the keys left behind; anything else retries with backoff.
 async fn cleanup(drop: &InventoryDrop, ctx: &Context) -> Result<Action> {
-    let url = ctx.redis_url(drop).await?;
-    let mut conn = ctx.redis(&url).await?;
-    store::remove(&mut conn, &reconcile::keys_of(drop)).await?;
-    tracing::info!(drop = %object_key(drop), "removed the drop's Redis keys");
-    Ok(Action::await_change())
+    let keys = reconcile::keys_of(drop);
+    let pattern = keys.pattern();
+    let give_up = |cause: String| async move {
+        let note = format!(
+            "deleted without removing its Redis keys ({pattern}): {cause}; they are left to their TTLs (a drop without endsAt has none)"
+        );
+        tracing::warn!(drop = %object_key(drop), %note, "cleanup skipped");
+        publish(ctx, drop, EventType::Warning, "CleanupSkipped", note).await?;
+        Ok(Action::await_change())
+    };
+    if drop.annotations().get(SKIP_CLEANUP).map(String::as_str) == Some("true") {
+        return give_up(format!("annotation {SKIP_CLEANUP} is \"true\"")).await;
+    }
+    let removed = async {
+        let url = ctx.redis_url(drop).await?;
+        let mut conn = ctx.redis(&url).await?;
+        store::remove(&mut conn, &keys).await
+    };
+    let error = match removed.await {
+        Ok(()) => {
+            tracing::info!(drop = %object_key(drop), "removed the drop's Redis keys");
+            return Ok(Action::await_change());
+        }
+        Err(error) => error,
+    };
+    if error.is_permanent() {
+        return give_up(error.to_string()).await;
+    }
+    if drop.status.as_ref().is_none_or(|s| s.mode.is_none()) {
+        return give_up(format!("it was never seeded, and {error}")).await;
+    }
+    if namespace_terminating(ctx, drop).await {
+        return give_up(format!("its namespace is being deleted, and {error}")).await;
+    }
+    Err(error)
+}
+
+async fn namespace_terminating(ctx: &Context, drop: &InventoryDrop) -> bool {
+    let Some(name) = drop.namespace() else {
+        return false;
+    };
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    match namespaces.get_opt(&name).await {
+        Ok(Some(ns)) => ns.metadata.deletion_timestamp.is_some(),
+        Ok(None) => true,
+        Err(error) => {
+            tracing::warn!(namespace = %name, %error, "cannot read the drop's namespace");
+            false
+        }
+    }
 }
 
 /// Server-side apply of the status subresource under [`FIELD_MANAGER`].
 async fn write_status(
+    ctx: &Context,
     api: &Api<InventoryDrop>,
     drop: &InventoryDrop,
     status: &InventoryDropStatus,
@@ -241,6 +348,7 @@ async fn write_status(
         "kind": "InventoryDrop",
         "status": status,
     });
+    ctx.metrics.status_patches.inc();
     api.patch_status(
         &drop.name_any(),
         &PatchParams::apply(FIELD_MANAGER).force(),
@@ -269,14 +377,30 @@ async fn publish_mode_event(
         .map(|c| c.message.clone())
         .unwrap_or_default();
     let from = done.previous_mode.map_or("unpublished", Mode::as_str);
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    recorder
+    publish(
+        ctx,
+        drop,
+        type_,
+        reason,
+        format!("mode {from} -> {mode}: {why}"),
+    )
+    .await
+}
+
+async fn publish(
+    ctx: &Context,
+    drop: &InventoryDrop,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) -> Result<()> {
+    ctx.recorder
         .publish(
             &KubeEvent {
                 type_,
                 reason: reason.into(),
-                note: Some(format!("mode {from} -> {mode}: {why}")),
-                action: "PublishMode".into(),
+                note: Some(note),
+                action: "Reconcile".into(),
                 secondary: None,
             },
             &drop.object_ref(&()),
@@ -316,12 +440,34 @@ pub struct RunSettings {
     pub lease_namespace: String,
     pub lease_name: String,
     pub identity: String,
-    pub lease_duration: Duration,
+    pub lease: LeaseTimings,
     pub controller: Settings,
 }
 
-/// Runs the controller (while leader) and the admin server until a signal.
-pub async fn run(settings: RunSettings, memorystore: Memorystore) -> Result<()> {
+/// What wakes a drop's reconcile from the watch: its spec (generation), its
+/// finalizers, its deletion and the skip-cleanup annotation. Status writes (ours
+/// included) do not: they would make every status patch trigger the next reconcile.
+/// The resync and error backoff requeue on their own.
+pub fn worth_a_reconcile(drop: &InventoryDrop) -> Option<u64> {
+    let deletion = |d: &InventoryDrop| {
+        let mut hasher = DefaultHasher::new();
+        d.meta().deletion_timestamp.is_some().hash(&mut hasher);
+        d.annotations().get(SKIP_CLEANUP).hash(&mut hasher);
+        Some(hasher.finish())
+    };
+    predicates::generation
+        .combine(predicates::finalizers)
+        .combine(deletion)
+        .hash_property(drop)
+}
+
+/// Runs the controller (while leader) and the admin server until `shutdown`
+/// completes; the Lease is released on the way out.
+pub async fn run(
+    settings: RunSettings,
+    memorystore: Memorystore,
+    shutdown: CancellationToken,
+) -> Result<()> {
     let client = Client::try_default().await?;
     let metrics = Arc::new(Metrics::default());
     tokio::spawn(crate::admin::serve(settings.admin_listen, metrics.clone()));
@@ -336,15 +482,21 @@ pub async fn run(settings: RunSettings, memorystore: Memorystore) -> Result<()> 
         &settings.lease_namespace,
         &settings.lease_name,
         &settings.identity,
-        settings.lease_duration,
+        settings.lease,
     );
     let drops: Api<InventoryDrop> = Api::all(client);
-    let controller = Controller::new(drops, watcher::Config::default().any_semantic())
-        .shutdown_on_signal()
+    let (reader, writer) = reflector::store();
+    let changes = watcher(drops, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(worth_a_reconcile, Default::default());
+    let controller = Controller::for_stream(changes, reader)
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|_| futures::future::ready(()));
     elector
-        .run_as_leader(controller, |leading| {
+        .run_as_leader(controller, shutdown.cancelled_owned(), |leading| {
             metrics.leader.set(i64::from(leading));
         })
         .await

@@ -5,7 +5,7 @@ use dropgate_api::{DropConfig, FailurePolicy, InventoryDrop, InventoryDropStatus
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::ha::HaReport;
+use crate::ha::{HaReport, Verdict};
 use crate::store::{Seeded, Stock};
 
 /// How long a drop's keys outlive `endsAt`: long enough for late confirms, refunds
@@ -13,19 +13,52 @@ use crate::store::{Seeded, Stock};
 const KEY_GRACE_MS: i64 = 7 * 24 * 3600 * 1000;
 
 /// The mode rule of DESIGN.md: the kill switch wins; then, where HA is required and
-/// missing, the failure policy decides.
-pub fn mode(gate: &GateSpec, require_ha: bool, highly_available: bool) -> Mode {
+/// missing, the failure policy decides. `kept` is the mode to keep while the HA
+/// check cannot be made (see [`kept_mode`]): an unanswered check is no verdict.
+pub fn mode(gate: &GateSpec, require_ha: bool, ha: &HaReport, kept: Option<Mode>) -> Mode {
     if !gate.enabled {
         Mode::FailOpen
-    } else if require_ha && !highly_available {
+    } else if !require_ha || ha.is_highly_available() {
+        Mode::Gate
+    } else if let Some(kept) = kept.filter(|_| !ha.is_verified()) {
+        kept
+    } else {
         match gate.failure_policy {
             FailurePolicy::Open => Mode::FailOpen,
             FailurePolicy::Closed => Mode::Closed,
         }
-    } else {
-        Mode::Gate
     }
 }
+
+/// The mode to keep while the HA check cannot be made: the one published before,
+/// for `grace` since the check first failed (the HighlyAvailable condition's
+/// transition to Unknown). After that, or without a published mode, an unanswered
+/// check counts as HA missing.
+pub fn kept_mode(
+    previous: Option<&InventoryDropStatus>,
+    ha: &HaReport,
+    now: Timestamp,
+    grace: std::time::Duration,
+) -> Option<Mode> {
+    if ha.is_verified() {
+        return None;
+    }
+    let previous = previous?;
+    let since = previous
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "HighlyAvailable" && c.status == UNKNOWN)
+        .map_or(now, |c| c.last_transition_time.0);
+    let grace = k8s_openapi::jiff::SignedDuration::try_from(grace).ok()?;
+    if now.duration_since(since) < grace {
+        previous.mode
+    } else {
+        None
+    }
+}
+
+/// A condition status: the HA check's third answer.
+const UNKNOWN: &str = "Unknown";
 
 /// The config hash to publish for `drop` in `mode`.
 pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
@@ -70,15 +103,25 @@ pub const OUTSIDE_KUBERNETES_SALE: &str = "manifest";
 pub struct Observed {
     pub mode: Mode,
     pub ha: HaReport,
+    /// The mode was kept from before because the HA check could not be made.
+    pub kept: bool,
     pub seeded: Seeded,
     pub stock: Stock,
+    /// Redis's `maxmemory-policy`, when it says.
+    pub eviction_policy: Option<String>,
     pub now: Timestamp,
 }
 
+/// The Seeded condition's reason when Redis may evict the drop's keys.
+pub const EVICTION_POSSIBLE: &str = "EvictionPossible";
+
 /// Whether the drop reached the state its spec asks for. A deliberate kill switch is
-/// a reached state; HA that is required and missing is not.
-pub fn ready(drop: &InventoryDrop, ha: &HaReport) -> bool {
-    !drop.spec.redis.require_high_availability || ha.is_highly_available()
+/// a reached state; HA that is required and missing is not; a mode kept through an
+/// unanswered check stays what it was.
+pub fn ready(drop: &InventoryDrop, observed: &Observed) -> bool {
+    !drop.spec.redis.require_high_availability
+        || observed.ha.is_highly_available()
+        || (observed.kept && observed.mode == Mode::Gate)
 }
 
 pub fn phase(drop: &InventoryDrop, observed: &Observed) -> Phase {
@@ -87,7 +130,7 @@ pub fn phase(drop: &InventoryDrop, observed: &Observed) -> Phase {
     let reached = |t: &Option<Time>| t.as_ref().is_some_and(|t| now >= t.0);
     if reached(&drop.spec.ends_at) {
         Phase::Ended
-    } else if !ready(drop, &observed.ha) && observed.mode == Mode::Closed {
+    } else if !ready(drop, observed) && observed.mode == Mode::Closed {
         Phase::Error
     } else if observed.mode == Mode::FailOpen {
         Phase::FailOpen
@@ -111,9 +154,9 @@ pub fn status(
     let spec = &drop.spec;
     let ha = &observed.ha;
     let stock = observed.stock;
-    let is_ready = ready(drop, ha);
+    let is_ready = ready(drop, observed);
     let previous_conditions = previous.map(|s| s.conditions.as_slice()).unwrap_or(&[]);
-    let cond = |type_: &str, status: bool, reason: &str, message: String| {
+    let cond = |type_: &str, status: &str, reason: &str, message: String| {
         condition(
             previous_conditions,
             observed.now,
@@ -140,16 +183,38 @@ pub fn status(
     } else {
         format!("stock in place for limit {}", spec.limited_quantity)
     };
-    let seeded_reason = if stock.remaining < 0 {
+    let mut seeded_reason = if stock.remaining < 0 {
         "LimitBelowHeld"
     } else {
         "Seeded"
     };
+    let mut seeded_message = seeded_message;
+    if let Some(policy) = observed
+        .eviction_policy
+        .as_deref()
+        .filter(|p| *p != "noeviction")
+    {
+        // An evicted stock or gate key loses the sale's count mid-sale.
+        seeded_reason = EVICTION_POSSIBLE;
+        seeded_message = format!(
+            "{seeded_message}; Redis's maxmemory-policy is {policy}: under memory pressure it may evict this drop's keys, set it to noeviction"
+        );
+    }
 
-    let ha_message = if spec.redis.require_high_availability {
-        ha.message.clone()
-    } else {
+    let ha_message = if !spec.redis.require_high_availability {
         format!("{} (not required)", ha.message)
+    } else if observed.kept {
+        format!(
+            "{}: could not check, keeping mode {} for now",
+            ha.message, observed.mode
+        )
+    } else {
+        ha.message.clone()
+    };
+    let ha_status = match ha.verdict {
+        Verdict::HighlyAvailable => "True",
+        Verdict::NotHighlyAvailable => "False",
+        Verdict::Unknown => UNKNOWN,
     };
 
     let (fail_open_reason, fail_open_message) = match observed.mode {
@@ -178,7 +243,12 @@ pub fn status(
             ),
         )
     } else {
-        ("HighAvailabilityMissing", ha.message.clone())
+        let reason = if ha.is_verified() {
+            "HighAvailabilityMissing"
+        } else {
+            "HighAvailabilityUnknown"
+        };
+        (reason, ha.message.clone())
     };
 
     InventoryDropStatus {
@@ -190,20 +260,15 @@ pub fn status(
         tier: Some(ha.tier),
         fail_open: observed.mode == Mode::FailOpen,
         conditions: vec![
-            cond("Seeded", true, seeded_reason, seeded_message),
-            cond(
-                "HighlyAvailable",
-                ha.is_highly_available(),
-                ha.reason,
-                ha_message,
-            ),
+            cond("Seeded", "True", seeded_reason, seeded_message),
+            cond("HighlyAvailable", ha_status, ha.reason, ha_message),
             cond(
                 "FailOpen",
-                observed.mode == Mode::FailOpen,
+                true_false(observed.mode == Mode::FailOpen),
                 fail_open_reason,
                 fail_open_message,
             ),
-            cond("Ready", is_ready, ready_reason, ready_message),
+            cond("Ready", true_false(is_ready), ready_reason, ready_message),
         ],
     }
 }
@@ -215,11 +280,11 @@ fn condition(
     now: Timestamp,
     generation: Option<i64>,
     type_: &str,
-    status: bool,
+    status: &str,
     reason: &str,
     message: String,
 ) -> Condition {
-    let status = if status { "True" } else { "False" }.to_string();
+    let status = status.to_string();
     let last_transition_time = previous
         .iter()
         .find(|c| c.type_ == type_ && c.status == status)
@@ -233,6 +298,10 @@ fn condition(
         observed_generation: generation,
         last_transition_time,
     }
+}
+
+fn true_false(value: bool) -> &'static str {
+    if value { "True" } else { "False" }
 }
 
 #[cfg(test)]
@@ -249,18 +318,23 @@ mod tests {
     }
 
     fn report(tier: Tier) -> HaReport {
-        HaReport {
+        HaReport::verdict(
             tier,
-            highly_available: tier.is_highly_available(),
-            reason: "Test",
-            message: format!("tier {tier:?}"),
-        }
+            tier.is_highly_available(),
+            "Test",
+            format!("tier {tier:?}"),
+        )
+    }
+
+    fn unknown() -> HaReport {
+        HaReport::unknown("Test", "timed out".into())
     }
 
     fn observed(mode: Mode, tier: Tier, remaining: i64, held: i64) -> Observed {
         Observed {
             mode,
             ha: report(tier),
+            kept: false,
             seeded: Seeded {
                 created: false,
                 moved: 0,
@@ -268,6 +342,7 @@ mod tests {
                 remaining,
             },
             stock: Stock { remaining, held },
+            eviction_policy: Some("noeviction".into()),
             now: "2026-12-01T11:00:00Z".parse().expect("timestamp"),
         }
     }
@@ -279,24 +354,72 @@ mod tests {
             failure_policy,
         };
         use FailurePolicy::{Closed, Open};
-        // (enabled, policy, require HA, HA present) -> mode
+        let (yes, no) = (report(Tier::Replicated), report(Tier::Standalone));
+        let kept = Some(Mode::Gate);
+        // (enabled, policy, require HA, HA report, kept mode) -> mode
         let table = [
-            (true, Open, false, false, Mode::Gate),
-            (true, Open, true, true, Mode::Gate),
-            (true, Open, true, false, Mode::FailOpen),
-            (true, Closed, true, false, Mode::Closed),
-            (true, Closed, false, false, Mode::Gate),
-            (false, Open, false, true, Mode::FailOpen),
-            (false, Closed, true, false, Mode::FailOpen),
-            (false, Closed, true, true, Mode::FailOpen),
+            (true, Open, false, &no, None, Mode::Gate),
+            (true, Open, true, &yes, None, Mode::Gate),
+            (true, Open, true, &no, None, Mode::FailOpen),
+            (true, Closed, true, &no, None, Mode::Closed),
+            (true, Closed, false, &no, None, Mode::Gate),
+            (false, Open, false, &yes, None, Mode::FailOpen),
+            (false, Closed, true, &no, None, Mode::FailOpen),
+            (false, Closed, true, &yes, None, Mode::FailOpen),
+            // An unanswered check keeps the mode it is given, and only then.
+            (true, Open, true, &unknown(), kept, Mode::Gate),
+            (true, Open, true, &unknown(), None, Mode::FailOpen),
+            (true, Closed, true, &unknown(), None, Mode::Closed),
+            (true, Open, true, &no, kept, Mode::FailOpen),
+            (false, Open, true, &unknown(), kept, Mode::FailOpen),
         ];
-        for (enabled, policy, require, ha, want) in table {
+        for (enabled, policy, require, ha, kept, want) in table {
             assert_eq!(
-                mode(&gate(enabled, policy), require, ha),
+                mode(&gate(enabled, policy), require, ha, kept),
                 want,
-                "enabled={enabled} policy={policy:?} require={require} ha={ha}"
+                "enabled={enabled} policy={policy:?} require={require} ha={ha:?} kept={kept:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_unanswered_check_keeps_the_mode_for_the_grace_period_only() {
+        let grace = std::time::Duration::from_secs(300);
+        let at = |t: &str| -> Timestamp { t.parse().expect("ts") };
+        let d = drop("{sku: X, limitedQuantity: 10, redis: {requireHighAvailability: true}}");
+        let verified = status(&d, &observed(Mode::Gate, Tier::Replicated, 10, 0), None);
+        let now = at("2026-12-01T11:00:00Z");
+        // First failure: keeps the published mode; a verified answer keeps nothing.
+        assert_eq!(
+            kept_mode(Some(&verified), &unknown(), now, grace),
+            Some(Mode::Gate)
+        );
+        assert_eq!(
+            kept_mode(Some(&verified), &report(Tier::Standalone), now, grace),
+            None
+        );
+        assert_eq!(kept_mode(None, &unknown(), now, grace), None);
+        // Written with the check unanswered since 11:00 ...
+        let mut obs = observed(Mode::Gate, Tier::Unknown, 10, 0);
+        obs.ha = unknown();
+        obs.kept = true;
+        let unanswered = status(&d, &obs, Some(&verified));
+        let ha = unanswered
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "HighlyAvailable")
+            .expect("condition");
+        assert_eq!(ha.status, "Unknown");
+        assert!(ha.message.contains("keeping mode gate"), "{}", ha.message);
+        assert_eq!(unanswered.phase, Phase::Active, "still selling");
+        // ... the mode is kept until 11:05, then the failure policy decides.
+        let later = at("2026-12-01T11:04:59Z");
+        assert_eq!(
+            kept_mode(Some(&unanswered), &unknown(), later, grace),
+            Some(Mode::Gate)
+        );
+        let past = at("2026-12-01T11:05:00Z");
+        assert_eq!(kept_mode(Some(&unanswered), &unknown(), past, grace), None);
     }
 
     #[test]
@@ -385,6 +508,20 @@ mod tests {
         assert_eq!(get("FailOpen").reason, "HighAvailabilityMissing");
         assert_eq!(get("Ready").status, "False");
         assert_eq!(get("Ready").reason, "HighAvailabilityMissing");
+
+        let mut evicting = obs.clone();
+        evicting.eviction_policy = Some("allkeys-lru".into());
+        let s = status(&d, &evicting, None);
+        let seeded = s
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Seeded")
+            .expect("Seeded");
+        assert_eq!(
+            (seeded.status.as_str(), seeded.reason.as_str()),
+            ("True", EVICTION_POSSIBLE)
+        );
+        assert!(seeded.message.contains("allkeys-lru"), "{}", seeded.message);
     }
 
     #[test]

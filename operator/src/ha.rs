@@ -3,42 +3,96 @@
 use dropgate_api::Tier;
 use redis::aio::ConnectionManager;
 
-use crate::Result;
-
 /// What a check found, with a sentence for the HighlyAvailable condition.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HaReport {
     pub tier: Tier,
-    /// Verified: the right tier *and* in a state to fail over (a STANDARD_HA
-    /// instance in maintenance does not count).
-    pub highly_available: bool,
+    pub verdict: Verdict,
     pub reason: &'static str,
     pub message: String,
 }
 
+/// A verified answer, or none. Only a verified answer may change a drop's mode: a
+/// check that could not be made (a timeout, a 5xx, a token that did not refresh)
+/// says nothing about the Redis behind it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Verified: the right tier *and* in a state to fail over (a STANDARD_HA
+    /// instance in maintenance does not count).
+    HighlyAvailable,
+    /// Verified: no replica to fail over to.
+    NotHighlyAvailable,
+    /// The check could not be made.
+    Unknown,
+}
+
 impl HaReport {
     pub fn is_highly_available(&self) -> bool {
-        self.highly_available
+        self.verdict == Verdict::HighlyAvailable
+    }
+
+    pub fn is_verified(&self) -> bool {
+        self.verdict != Verdict::Unknown
+    }
+
+    /// A verified answer.
+    pub fn verdict(
+        tier: Tier,
+        highly_available: bool,
+        reason: &'static str,
+        message: String,
+    ) -> Self {
+        Self {
+            tier,
+            verdict: if highly_available {
+                Verdict::HighlyAvailable
+            } else {
+                Verdict::NotHighlyAvailable
+            },
+            reason,
+            message,
+        }
     }
 
     /// A check that could not be made.
     pub fn unknown(reason: &'static str, message: String) -> Self {
         Self {
             tier: Tier::Unknown,
-            highly_available: false,
+            verdict: Verdict::Unknown,
             reason,
             message,
         }
     }
 }
 
-/// Reads `INFO replication` on the drop's Redis.
-pub async fn replication(conn: &mut ConnectionManager) -> Result<HaReport> {
-    let info: String = redis::cmd("INFO")
+/// Reads `INFO replication` on the drop's Redis. A failed read is a check that
+/// could not be made, not a verdict.
+pub async fn replication(conn: &mut ConnectionManager) -> HaReport {
+    match redis::cmd("INFO")
         .arg("replication")
+        .query_async::<String>(conn)
+        .await
+    {
+        Ok(info) => from_replication_info(&info),
+        Err(e) => HaReport::unknown(
+            "InfoReplicationFailed",
+            format!("INFO replication failed: {e}"),
+        ),
+    }
+}
+
+/// Reads Redis's `maxmemory-policy`: anything but `noeviction` may evict a drop's
+/// keys under memory pressure, and an evicted stock key loses the sale's count.
+/// `None` when the server does not say (managed Redis often refuses CONFIG).
+pub async fn eviction_policy(conn: &mut ConnectionManager) -> Option<String> {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
         .query_async(conn)
-        .await?;
-    Ok(from_replication_info(&info))
+        .await
+        .ok()?;
+    info.lines()
+        .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
+        .map(str::to_string)
 }
 
 /// Judges an `INFO replication` reply: a master with at least one replica in state
@@ -51,7 +105,9 @@ pub fn from_replication_info(info: &str) -> HaReport {
     };
     let role = field("role").unwrap_or("unknown");
     if role != "master" {
-        return HaReport::unknown(
+        return HaReport::verdict(
+            Tier::Unknown,
+            false,
             "NotAMaster",
             format!("Redis reports role {role:?}: point the drop at the master"),
         );
@@ -67,22 +123,22 @@ pub fn from_replication_info(info: &str) -> HaReport {
         })
         .count();
     if online > 0 {
-        HaReport {
-            tier: Tier::Replicated,
-            highly_available: true,
-            reason: "Replicated",
-            message: format!("master with {online} online replica(s)"),
-        }
+        HaReport::verdict(
+            Tier::Replicated,
+            true,
+            "Replicated",
+            format!("master with {online} online replica(s)"),
+        )
     } else {
-        HaReport {
-            tier: Tier::Standalone,
-            highly_available: false,
-            reason: "NoOnlineReplica",
-            message: format!(
+        HaReport::verdict(
+            Tier::Standalone,
+            false,
+            "NoOnlineReplica",
+            format!(
                 "master with no online replica ({} connected)",
                 connected.unwrap_or(0)
             ),
-        }
+        )
     }
 }
 

@@ -63,6 +63,8 @@ pub enum Error {
     Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
     #[error("lost the leader lease {0}: another replica may be reconciling")]
     LeadershipLost(String),
+    #[error("timed out: {0}")]
+    Timeout(String),
 }
 
 impl Error {
@@ -84,6 +86,23 @@ impl Error {
                 _ => "finalizer",
             },
             Error::LeadershipLost(_) => "leadership_lost",
+            Error::Timeout(_) => "timeout",
+        }
+    }
+
+    /// Whether retrying cannot help: the cause is in the drop or its Secret, not in
+    /// a Redis or an API that may come back.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            Error::InvalidManifest(_)
+            | Error::InvalidSpec(_)
+            | Error::NoRedisUrl
+            | Error::SecretRefOutsideCluster
+            | Error::Secret { .. } => true,
+            Error::RedisUnavailable { source, .. } => {
+                source.kind() == redis::ErrorKind::InvalidClientConfig
+            }
+            _ => false,
         }
     }
 
@@ -98,7 +117,9 @@ impl Error {
             Error::RedisUnavailable { .. } | Error::Redis(_) => "RedisUnavailable",
             Error::Config(_) => "ConfigUnreadable",
             Error::HighAvailabilityMissing(_) => "HighAvailabilityMissing",
-            Error::Kube(_) | Error::Finalizer(_) | Error::LeadershipLost(_) => "KubernetesApiError",
+            Error::Kube(_) | Error::Finalizer(_) | Error::LeadershipLost(_) | Error::Timeout(_) => {
+                "KubernetesApiError"
+            }
         }
     }
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use dropgate_operator::controller::{self, RunSettings};
+use dropgate_operator::lease::LeaseTimings;
 use dropgate_operator::memorystore::{self, Memorystore};
+use tokio_util::sync::CancellationToken;
 
 /// The dropgate operator: keeps Redis in line with each InventoryDrop.
 #[derive(Parser)]
@@ -38,8 +40,16 @@ enum Command {
         /// This replica's name in the Lease.
         #[arg(long, env = "POD_NAME")]
         identity: Option<String>,
-        #[arg(long, env = "DROPGATE_LEASE_SECONDS", default_value_t = 15)]
+        /// How long a Lease nobody renews protects its holder; the leader stops
+        /// after 2/3 of it without a renewal, and retries every 2/15 of it.
+        #[arg(long, env = "DROPGATE_LEASE_SECONDS", default_value_t = 15,
+              value_parser = clap::value_parser!(u64).range(3..=3600))]
         lease_seconds: u64,
+        /// How long an HA check that cannot be made (timeout, 5xx, 429) keeps the
+        /// last published mode before the failure policy applies.
+        #[arg(long, env = "DROPGATE_HA_GRACE_SECONDS", default_value_t = 300,
+              value_parser = clap::value_parser!(u64).range(0..=86400))]
+        ha_grace_seconds: u64,
         #[command(flatten)]
         google: Google,
     },
@@ -123,6 +133,7 @@ async fn main() -> ExitCode {
             lease_name,
             identity,
             lease_seconds,
+            ha_grace_seconds,
             google,
         } => {
             let identity = identity
@@ -133,19 +144,43 @@ async fn main() -> ExitCode {
                 lease_namespace,
                 lease_name,
                 identity,
-                lease_duration: Duration::from_secs(lease_seconds.max(3)),
+                lease: LeaseTimings::new(Duration::from_secs(lease_seconds)),
                 controller: controller::Settings {
                     resync: Duration::from_secs(resync_seconds.max(1)),
                     redis_url,
+                    ha_grace: Duration::from_secs(ha_grace_seconds),
                     ..controller::Settings::default()
                 },
             };
-            match controller::run(settings, google.client()).await {
+            let shutdown = CancellationToken::new();
+            tokio::spawn(cancel_on_signal(shutdown.clone()));
+            match controller::run(settings, google.client(), shutdown).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }
         }
     }
+}
+
+/// SIGTERM (a rollout, `kubectl delete pod`) or Ctrl-C: stop in either role.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = terminate => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+    shutdown.cancel();
 }
 
 fn fail(reason: &dyn std::fmt::Display) -> ExitCode {

@@ -5,6 +5,7 @@
 //! at a local server. Every failure becomes a report with a clear reason, never a
 //! panic and never a pass.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -33,6 +34,8 @@ pub struct Memorystore {
     timeout: Duration,
     /// The metadata server's token and when to stop using it.
     token: Mutex<Option<(String, Instant)>>,
+    /// Verified answers per instance and Redis URL, and when they were given.
+    verdicts: Mutex<HashMap<String, (HaReport, Instant)>>,
 }
 
 impl std::fmt::Debug for Memorystore {
@@ -57,6 +60,52 @@ struct Instance {
     tier: Option<String>,
     #[serde(default)]
     state: Option<String>,
+    /// The primary endpoint's IP address and port.
+    #[serde(default)]
+    host: Option<String>,
+    #[serde(default)]
+    port: Option<u16>,
+}
+
+/// How long a verified answer is reused: the API has quotas, and an instance's
+/// tier does not change from one reconcile to the next.
+pub const VERDICT_TTL: Duration = Duration::from_secs(60);
+
+/// A verdict when the instance does not serve the drop's Redis URL: a drop must not
+/// pass the check with somebody else's instance. The URL's host may be a name for
+/// the instance's IP address.
+async fn serves_elsewhere(name: &str, instance: &Instance, redis_url: &str) -> Option<HaReport> {
+    let url = redis::parse_redis_url(redis_url)?;
+    let host = url
+        .host_str()?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let port = url.port().unwrap_or(6379);
+    let (Some(their_host), Some(their_port)) = (instance.host.as_deref(), instance.port) else {
+        return Some(HaReport::verdict(
+            Tier::Unknown,
+            false,
+            "InstanceMismatch",
+            format!(
+                "Memorystore instance {name} reports no host and port to compare with the drop's Redis {host}:{port}"
+            ),
+        ));
+    };
+    let same_host = host == their_host
+        || tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .is_ok_and(|mut addrs| addrs.any(|a| a.ip().to_string() == their_host));
+    (!(same_host && port == their_port)).then(|| {
+        HaReport::verdict(
+            Tier::Unknown,
+            false,
+            "InstanceMismatch",
+            format!(
+                "Memorystore instance {name} serves {their_host}:{their_port}, not the drop's Redis {host}:{port}"
+            ),
+        )
+    })
 }
 
 impl Default for Memorystore {
@@ -83,37 +132,71 @@ impl Memorystore {
             metadata_endpoint: metadata_endpoint.trim_end_matches('/').to_string(),
             timeout,
             token: Mutex::new(None),
+            verdicts: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Judges the instance: STANDARD_HA and READY pass; anything else, including a
-    /// failed call, is reported with its reason.
-    pub async fn verify(&self, instance: &MemorystoreInstance) -> HaReport {
+    /// Judges the instance behind `redis_url`: STANDARD_HA, READY and serving that
+    /// host and port pass. A verified answer is cached for [`VERDICT_TTL`]; a call
+    /// that fails is [`Verdict::Unknown`](crate::ha::Verdict::Unknown), never a pass
+    /// and never a fail.
+    pub async fn verify(&self, instance: &MemorystoreInstance, redis_url: &str) -> HaReport {
         let name = format!(
             "projects/{}/locations/{}/instances/{}",
             instance.project, instance.location, instance.instance
         );
-        let token = match self.token().await {
-            Ok(token) => token,
-            Err(message) => return HaReport::unknown("MetadataServerUnavailable", message),
-        };
-        let url = format!("{}/v1/{name}", self.endpoint);
-        let (status, body) = match self
-            .get(&url, &[("authorization", &format!("Bearer {token}"))])
-            .await
+        let cache_key = format!("{name} {redis_url}");
+        if let Some((report, at)) = self.verdicts.lock().await.get(&cache_key)
+            && at.elapsed() < VERDICT_TTL
         {
-            Ok(answer) => answer,
-            Err(message) => {
-                return HaReport::unknown(
-                    "MemorystoreUnreachable",
-                    format!("Memorystore API at {url}: {message}"),
-                );
+            return report.clone();
+        }
+        let report = self.ask(&name, redis_url).await;
+        if report.is_verified() {
+            self.verdicts
+                .lock()
+                .await
+                .insert(cache_key, (report.clone(), Instant::now()));
+        }
+        report
+    }
+
+    async fn ask(&self, name: &str, redis_url: &str) -> HaReport {
+        let url = format!("{}/v1/{name}", self.endpoint);
+        // A 401 is a token that expired or was rotated early: fetch a new one and
+        // try once more.
+        let mut answer = None;
+        for _attempt in 0..2 {
+            let token = match self.token().await {
+                Ok(token) => token,
+                Err(message) => return HaReport::unknown("MetadataServerUnavailable", message),
+            };
+            match self
+                .get(&url, &[("authorization", &format!("Bearer {token}"))])
+                .await
+            {
+                Ok((StatusCode::UNAUTHORIZED, _)) => {
+                    *self.token.lock().await = None;
+                    answer = Some((StatusCode::UNAUTHORIZED, Bytes::new()));
+                }
+                Ok(other) => {
+                    answer = Some(other);
+                    break;
+                }
+                Err(message) => {
+                    return HaReport::unknown(
+                        "MemorystoreUnreachable",
+                        format!("Memorystore API at {url}: {message}"),
+                    );
+                }
             }
+        }
+        let Some((status, body)) = answer else {
+            return HaReport::unknown("MemorystoreUnreachable", format!("no answer from {url}"));
         };
         match status {
             StatusCode::OK => {}
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                *self.token.lock().await = None;
                 return HaReport::unknown(
                     "MemorystoreAccessDenied",
                     format!(
@@ -122,7 +205,9 @@ impl Memorystore {
                 );
             }
             StatusCode::NOT_FOUND => {
-                return HaReport::unknown(
+                return HaReport::verdict(
+                    Tier::Unknown,
+                    false,
                     "MemorystoreInstanceNotFound",
                     format!("Memorystore instance {name} does not exist"),
                 );
@@ -145,7 +230,10 @@ impl Memorystore {
                 );
             }
         };
-        judge(&name, parsed.tier.as_deref(), parsed.state.as_deref())
+        if let Some(mismatch) = serves_elsewhere(name, &parsed, redis_url).await {
+            return mismatch;
+        }
+        judge(name, parsed.tier.as_deref(), parsed.state.as_deref())
     }
 
     async fn token(&self) -> Result<String, String> {
@@ -213,26 +301,25 @@ impl Memorystore {
 fn judge(name: &str, tier: Option<&str>, state: Option<&str>) -> HaReport {
     let state = state.unwrap_or("STATE_UNSPECIFIED");
     match tier {
-        Some("STANDARD_HA") if state == "READY" => HaReport {
-            tier: Tier::StandardHa,
-            highly_available: true,
-            reason: "StandardHaReady",
-            message: format!("Memorystore instance {name} is STANDARD_HA and READY"),
-        },
-        Some("STANDARD_HA") => HaReport {
-            tier: Tier::StandardHa,
-            highly_available: false,
-            reason: "InstanceNotReady",
-            message: format!("Memorystore instance {name} is STANDARD_HA but {state}, not READY"),
-        },
-        Some("BASIC") => HaReport {
-            tier: Tier::Basic,
-            highly_available: false,
-            reason: "BasicTier",
-            message: format!(
-                "Memorystore instance {name} is BASIC tier: no replica to fail over to"
-            ),
-        },
+        Some("STANDARD_HA") if state == "READY" => HaReport::verdict(
+            Tier::StandardHa,
+            true,
+            "StandardHaReady",
+            format!("Memorystore instance {name} is STANDARD_HA and READY"),
+        ),
+        Some("STANDARD_HA") => HaReport::verdict(
+            Tier::StandardHa,
+            false,
+            "InstanceNotReady",
+            format!("Memorystore instance {name} is STANDARD_HA but {state}, not READY"),
+        ),
+        Some("BASIC") => HaReport::verdict(
+            Tier::Basic,
+            false,
+            "BasicTier",
+            format!("Memorystore instance {name} is BASIC tier: no replica to fail over to"),
+        ),
+        // A tier this operator does not know yet cannot be judged either way.
         other => HaReport::unknown(
             "UnknownTier",
             format!(

@@ -19,6 +19,8 @@ pub struct Metrics {
     /// By [`crate::Error::metric_label`].
     pub errors: Family<ErrorLabel, Counter>,
     pub duration: Histogram,
+    /// Status patches sent (a steady drop costs one per resync).
+    pub status_patches: Counter,
     /// 1 while this replica holds the leader lease.
     pub leader: Gauge,
 }
@@ -30,6 +32,7 @@ impl Default for Metrics {
         let errors = Family::<ErrorLabel, Counter>::default();
         let duration = Histogram::new(exponential_buckets(0.001, 2.0, 14));
         let leader = Gauge::default();
+        let status_patches = Counter::default();
         registry.register(
             "reconciliations",
             "Reconciles started",
@@ -46,6 +49,11 @@ impl Default for Metrics {
             duration.clone(),
         );
         registry.register(
+            "status_patches",
+            "Status patches sent",
+            status_patches.clone(),
+        );
+        registry.register(
             "leader",
             "1 while this replica is the leader",
             leader.clone(),
@@ -55,6 +63,7 @@ impl Default for Metrics {
             reconciliations,
             errors,
             duration,
+            status_patches,
             leader,
         }
     }

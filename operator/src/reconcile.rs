@@ -30,6 +30,14 @@ impl Reconciled {
     pub fn mode_changed(&self) -> bool {
         self.previous_mode != self.status.mode
     }
+
+    /// The HA check went unanswered (the HighlyAvailable condition is Unknown).
+    pub fn status_says_unknown(&self) -> bool {
+        self.status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "HighlyAvailable" && c.status == "Unknown")
+    }
 }
 
 /// Key names of `drop`, from its namespace (`default` when a manifest names none)
@@ -56,11 +64,13 @@ pub fn validate(drop: &InventoryDrop) -> Result<()> {
 
 /// Reconciles `drop` into the Redis behind `conn`, given what [`verify_ha`] found.
 /// `previous` is the status last written, so that condition transition times carry
-/// over.
+/// over; `kept` is the mode to keep while the HA check goes unanswered
+/// ([`decide::kept_mode`]).
 pub async fn reconcile(
     drop: &InventoryDrop,
     conn: &mut ConnectionManager,
     ha_report: HaReport,
+    kept: Option<Mode>,
     previous: Option<&InventoryDropStatus>,
     now: Timestamp,
 ) -> Result<Reconciled> {
@@ -70,11 +80,17 @@ pub async fn reconcile(
     let mode = decide::mode(
         &spec.gate,
         spec.redis.require_high_availability,
-        ha_report.is_highly_available(),
+        &ha_report,
+        kept,
     );
+    let kept = kept.is_some()
+        && spec.gate.enabled
+        && spec.redis.require_high_availability
+        && !ha_report.is_verified();
     let config = decide::config(drop, mode);
     let seeded = store::seed(conn, &keys, &config).await?;
     let stock = store::stock(conn, &keys).await?;
+    let eviction_policy = ha::eviction_policy(conn).await;
     tracing::info!(
         namespace = drop.namespace().as_deref().unwrap_or("default"),
         drop = %drop.name_any(),
@@ -90,11 +106,13 @@ pub async fn reconcile(
     let observed = Observed {
         mode,
         ha: ha_report,
+        kept,
         seeded,
         stock,
+        eviction_policy,
         now,
     };
-    let not_ready = (!decide::ready(drop, &observed.ha))
+    let not_ready = (!decide::ready(drop, &observed))
         .then(|| Error::HighAvailabilityMissing(observed.ha.message.clone()));
     Ok(Reconciled {
         status: decide::status(drop, &observed, previous),
@@ -103,15 +121,16 @@ pub async fn reconcile(
     })
 }
 
-/// Verifies the drop's Redis: through the Memorystore API when the drop names an
-/// instance, else by `INFO replication`.
+/// Verifies the drop's Redis at `url`: through the Memorystore API when the drop
+/// names an instance, else by `INFO replication`.
 pub async fn verify_ha(
     drop: &InventoryDrop,
+    url: &str,
     conn: &mut ConnectionManager,
     memorystore: &Memorystore,
-) -> Result<HaReport> {
+) -> HaReport {
     match &drop.spec.redis.memorystore {
-        Some(instance) => Ok(memorystore.verify(instance).await),
+        Some(instance) => memorystore.verify(instance, url).await,
         None => ha::replication(conn).await,
     }
 }

@@ -72,6 +72,7 @@ fn context(redis_url: Option<String>) -> (Arc<Context>, ApiHandle) {
         backoff_base: Duration::from_secs(2),
         backoff_max: Duration::from_secs(60),
         redis_url,
+        ha_grace: Duration::from_secs(300),
     };
     let ctx = Context::new(
         client,
@@ -441,4 +442,220 @@ fn base64_encode(bytes: &[u8]) -> String {
         }
     }
     out
+}
+
+fn deleting(mut drop: InventoryDrop) -> InventoryDrop {
+    drop.meta_mut().deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            "2026-12-01T10:00:00Z".parse().expect("ts"),
+        ));
+    drop
+}
+
+/// A drop whose status says it was seeded in `mode`.
+fn published(mut drop: InventoryDrop, mode: &str) -> InventoryDrop {
+    drop.status =
+        Some(serde_json::from_value(json!({"phase": "Active", "mode": mode})).expect("status"));
+    drop
+}
+
+/// Expects the finalizer's removal and answers it.
+async fn expect_finalizer_removed(handle: &mut ApiHandle) {
+    let call = next(handle).await;
+    assert_eq!(
+        (call.method.clone(), call.path.as_str()),
+        (Method::PATCH, OBJECT)
+    );
+    assert_eq!(
+        call.body,
+        json!([
+            {"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER},
+            {"op": "remove", "path": "/metadata/finalizers/0"}
+        ])
+    );
+    call.respond(200, &json!({"apiVersion": "dropgate.io/v1alpha1", "kind": "InventoryDrop", "metadata": {"name": "sale", "namespace": "shop"}, "spec": {"sku": "X", "limitedQuantity": 5, "redis": {}}}));
+}
+
+/// Expects a Warning Event with `reason` whose note mentions every word.
+async fn expect_warning(handle: &mut ApiHandle, reason: &str, words: &[&str]) {
+    let event = expect_event(handle).await;
+    assert_eq!(
+        (event["type"].as_str(), event["reason"].as_str()),
+        (Some("Warning"), Some(reason)),
+        "{event}"
+    );
+    let note = event["note"].as_str().unwrap_or_default();
+    for word in words {
+        assert!(note.contains(word), "{word:?} in {note}");
+    }
+}
+
+async fn expect_namespace(handle: &mut ApiHandle, terminating: bool) {
+    let call = next(handle).await;
+    assert_eq!(
+        (call.method.clone(), call.path.as_str()),
+        (Method::GET, "/api/v1/namespaces/shop")
+    );
+    let mut namespace =
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}});
+    if terminating {
+        namespace["metadata"]["deletionTimestamp"] = json!("2026-12-01T10:00:00Z");
+    }
+    call.respond(200, &namespace);
+}
+
+fn from_secret(name: &str) -> InventoryDrop {
+    let spec: InventoryDropSpec = serde_norway::from_str(&format!(
+        "{{sku: X, limitedQuantity: 5, redis: {{secretRef: {{name: {name}, key: url}}}}}}"
+    ))
+    .expect("spec");
+    let mut drop = InventoryDrop::new("sale", spec);
+    drop.metadata.namespace = Some("shop".into());
+    finalized(drop)
+}
+
+#[tokio::test]
+async fn a_drop_whose_redis_secret_is_gone_is_let_go_with_a_warning() {
+    let (ctx, mut handle) = context(None);
+    let drop = deleting(published(from_secret("redis-creds"), "gate"));
+    let server = tokio::spawn(async move {
+        let call = next(&mut handle).await;
+        assert_eq!(call.path, "/api/v1/namespaces/shop/secrets/redis-creds");
+        call.respond(404, &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}));
+        expect_warning(
+            &mut handle,
+            "CleanupSkipped",
+            &["dropgate:{shop/sale}:*", "does not exist", "TTL"],
+        )
+        .await;
+        expect_finalizer_removed(&mut handle).await;
+        handle
+    });
+    let action = controller::reconcile(Arc::new(drop), ctx.clone())
+        .await
+        .expect("lets it go");
+    assert_eq!(action, Action::await_change());
+    let handle = server.await.expect("script ran");
+    expect_no_more(ctx, handle).await;
+}
+
+#[tokio::test]
+async fn skip_cleanup_lets_the_drop_go_and_leaves_its_keys() {
+    let redis = RedisServer::start().expect("redis");
+    let mut conn = redis.connection().expect("c");
+    let _: () = conn.set("dropgate:{shop/sale}:remaining", 5).expect("SET");
+    let (ctx, mut handle) = context(None);
+    let mut drop = deleting(published(
+        finalized(drop_of("sku: X\nlimitedQuantity: 5", &redis)),
+        "gate",
+    ));
+    drop.annotations_mut()
+        .insert(controller::SKIP_CLEANUP.into(), "true".into());
+    let server = tokio::spawn(async move {
+        expect_warning(&mut handle, "CleanupSkipped", &["dropgate.io/skip-cleanup"]).await;
+        expect_finalizer_removed(&mut handle).await;
+        handle
+    });
+    controller::reconcile(Arc::new(drop), ctx.clone())
+        .await
+        .expect("lets it go");
+    let handle = server.await.expect("script ran");
+    let left: Option<i64> = conn.get("dropgate:{shop/sale}:remaining").expect("GET");
+    assert_eq!(left, Some(5), "the keys were left alone");
+    expect_no_more(ctx, handle).await;
+}
+
+#[tokio::test]
+async fn a_redis_that_is_down_keeps_the_finalizer_until_its_namespace_goes() {
+    let port = dropgate_testkit::free_port().expect("port");
+    let (ctx, mut handle) = context(Some(format!("redis://127.0.0.1:{port}")));
+    let mut drop = InventoryDrop::new(
+        "sale",
+        serde_norway::from_str("{sku: X, limitedQuantity: 5, redis: {}}").expect("spec"),
+    );
+    drop.metadata.namespace = Some("shop".into());
+    let drop = deleting(published(finalized(drop), "gate"));
+    let server = tokio::spawn(async move {
+        // The namespace lives: the cause may pass, so retry with backoff.
+        expect_namespace(&mut handle, false).await;
+        // The namespace is being deleted: nothing will bring the drop back.
+        expect_namespace(&mut handle, true).await;
+        expect_warning(
+            &mut handle,
+            "CleanupSkipped",
+            &["namespace is being deleted", "unreachable"],
+        )
+        .await;
+        expect_finalizer_removed(&mut handle).await;
+        handle
+    });
+    let error = controller::reconcile(Arc::new(drop.clone()), ctx.clone())
+        .await
+        .expect_err("retries");
+    assert_eq!(error.metric_label(), "redis_unavailable");
+    controller::reconcile(Arc::new(drop), ctx.clone())
+        .await
+        .expect("lets it go");
+    let handle = server.await.expect("script ran");
+    expect_no_more(ctx, handle).await;
+}
+
+#[tokio::test]
+async fn a_drop_never_seeded_goes_without_waiting_for_its_redis() {
+    let port = dropgate_testkit::free_port().expect("port");
+    let (ctx, mut handle) = context(Some(format!("redis://127.0.0.1:{port}")));
+    let mut drop = InventoryDrop::new(
+        "sale",
+        serde_norway::from_str("{sku: X, limitedQuantity: 5, redis: {}}").expect("spec"),
+    );
+    drop.metadata.namespace = Some("shop".into());
+    let drop = deleting(finalized(drop));
+    let server = tokio::spawn(async move {
+        expect_warning(&mut handle, "CleanupSkipped", &["never seeded"]).await;
+        expect_finalizer_removed(&mut handle).await;
+        handle
+    });
+    controller::reconcile(Arc::new(drop), ctx.clone())
+        .await
+        .expect("lets it go");
+    let handle = server.await.expect("script ran");
+    expect_no_more(ctx, handle).await;
+}
+
+#[test]
+fn only_spec_finalizer_and_deletion_changes_wake_the_controller() {
+    let spec: InventoryDropSpec =
+        serde_norway::from_str("{sku: X, limitedQuantity: 5, redis: {}}").expect("spec");
+    let mut drop = InventoryDrop::new("sale", spec);
+    drop.metadata.generation = Some(1);
+    let base = controller::worth_a_reconcile(&drop);
+    let mut status_only = drop.clone();
+    status_only.status =
+        Some(serde_json::from_value(json!({"phase": "Active", "remaining": 3})).expect("status"));
+    status_only.metadata.resource_version = Some("99".into());
+    assert_eq!(
+        controller::worth_a_reconcile(&status_only),
+        base,
+        "a status write"
+    );
+    let mut spec_change = drop.clone();
+    spec_change.metadata.generation = Some(2);
+    let mut finalizer = drop.clone();
+    finalizer.finalizers_mut().push(FINALIZER.into());
+    let mut skip = drop.clone();
+    skip.annotations_mut()
+        .insert(controller::SKIP_CLEANUP.into(), "true".into());
+    let mut other_annotation = drop.clone();
+    other_annotation
+        .annotations_mut()
+        .insert("team".into(), "shoes".into());
+    assert_eq!(controller::worth_a_reconcile(&other_annotation), base);
+    for (what, changed) in [
+        ("spec", spec_change),
+        ("finalizer", finalizer),
+        ("deletion", deleting(drop.clone())),
+        ("skip-cleanup", skip),
+    ] {
+        assert_ne!(controller::worth_a_reconcile(&changed), base, "{what}");
+    }
 }

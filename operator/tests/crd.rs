@@ -10,3 +10,15 @@ fn the_committed_crd_matches_the_types() {
         "crds/inventorydrop.yaml is stale: run `cargo run -p dropgate-operator -- crdgen > crds/inventorydrop.yaml`"
     );
 }
+
+#[test]
+fn the_chart_installs_the_same_crd() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let read = |path: &str| {
+        std::fs::read_to_string(format!("{root}/{path}")).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    assert!(
+        read("crds/inventorydrop.yaml") == read("charts/dropgate/files/inventorydrop.yaml"),
+        "the chart's CRD is stale: cp crds/inventorydrop.yaml charts/dropgate/files/inventorydrop.yaml"
+    );
+}

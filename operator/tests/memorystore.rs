@@ -3,65 +3,94 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dropgate_api::Tier;
 use dropgate_api::drop::MemorystoreInstance;
+use dropgate_operator::ha::Verdict;
 use dropgate_operator::memorystore::Memorystore;
 use warp::Filter;
 use warp::http::StatusCode;
 
-const TOKEN: &str = "ya29.test-token";
+/// The fake metadata server hands out `ya29.token-1`, `ya29.token-2`, ...: a new
+/// token each time one is asked for, and every one of them is valid except where
+/// an instance says otherwise.
+fn token(n: usize) -> String {
+    format!("ya29.token-{n}")
+}
+
+/// Calls the fake Memorystore API answered.
+#[derive(Clone, Default)]
+struct Calls(Arc<AtomicUsize>);
 
 /// Serves the fake Google endpoints on a free port.
-async fn fake_google() -> SocketAddr {
-    let token = warp::path!(
+async fn fake_google() -> (SocketAddr, Calls) {
+    let issued = Arc::new(AtomicUsize::new(0));
+    let metadata = warp::path!(
         "computeMetadata" / "v1" / "instance" / "service-accounts" / "default" / "token"
     )
     .and(warp::header::optional::<String>("metadata-flavor"))
-    .map(|flavor: Option<String>| {
+    .map(move |flavor: Option<String>| {
         if flavor.as_deref() == Some("Google") {
+            let n = issued.fetch_add(1, Ordering::SeqCst) + 1;
             warp::reply::with_status(
-                format!(r#"{{"access_token":"{TOKEN}","expires_in":3599,"token_type":"Bearer"}}"#),
+                format!(
+                    r#"{{"access_token":"{}","expires_in":3599,"token_type":"Bearer"}}"#,
+                    token(n)
+                ),
                 StatusCode::OK,
             )
         } else {
             warp::reply::with_status("missing Metadata-Flavor".to_string(), StatusCode::FORBIDDEN)
         }
     });
+    let calls = Calls::default();
+    let counter = calls.0.clone();
     let instance = warp::path!("v1" / "projects" / String / "locations" / String / "instances" / String)
         .and(warp::header::optional::<String>("authorization"))
-        .then(|_project: String, _location: String, name: String, auth: Option<String>| async move {
-            if auth.as_deref() != Some(&format!("Bearer {TOKEN}")) {
+        .then(move |_project: String, _location: String, name: String, auth: Option<String>| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async move {
+            let bearer = auth.unwrap_or_default();
+            // "rotated" revokes the first token, as a rotation before its expiry would.
+            if !bearer.starts_with("Bearer ya29.token-") || (name == "rotated" && bearer == format!("Bearer {}", token(1))) {
                 return Ok::<_, Infallible>(warp::reply::with_status("unauthenticated".to_string(), StatusCode::UNAUTHORIZED));
             }
-            let instance = |tier: &str, state: &str| {
-                format!(r#"{{"name":"projects/p/locations/l/instances/{name}","tier":"{tier}","state":"{state}","memorySizeGb":1,"replicaCount":1}}"#)
+            let instance = |tier: &str, state: &str, host: &str| {
+                format!(r#"{{"name":"projects/p/locations/l/instances/{name}","tier":"{tier}","state":"{state}","host":"{host}","port":6379,"memorySizeGb":1,"replicaCount":1}}"#)
             };
             let (status, body) = match name.as_str() {
-                "ha-ready" => (StatusCode::OK, instance("STANDARD_HA", "READY")),
-                "ha-updating" => (StatusCode::OK, instance("STANDARD_HA", "UPDATING")),
-                "basic" => (StatusCode::OK, instance("BASIC", "READY")),
+                "ha-ready" | "rotated" => (StatusCode::OK, instance("STANDARD_HA", "READY", "127.0.0.1")),
+                "elsewhere" => (StatusCode::OK, instance("STANDARD_HA", "READY", "10.9.9.9")),
+                "ha-updating" => (StatusCode::OK, instance("STANDARD_HA", "UPDATING", "127.0.0.1")),
+                "basic" => (StatusCode::OK, instance("BASIC", "READY", "127.0.0.1")),
                 "denied" => (StatusCode::FORBIDDEN, r#"{"error":{"code":403}}"#.to_string()),
                 "broken" => (StatusCode::INTERNAL_SERVER_ERROR, "oops".to_string()),
                 "unavailable" => (StatusCode::SERVICE_UNAVAILABLE, "later".to_string()),
+                "quota" => (StatusCode::TOO_MANY_REQUESTS, "slow down".to_string()),
                 "garbage" => (StatusCode::OK, "<html>not json</html>".to_string()),
-                "no-tier" => (StatusCode::OK, r#"{"state":"READY"}"#.to_string()),
+                "no-tier" => (StatusCode::OK, r#"{"state":"READY","host":"127.0.0.1","port":6379}"#.to_string()),
                 "slow" => {
                     tokio::time::sleep(Duration::from_secs(3)).await;
-                    (StatusCode::OK, instance("STANDARD_HA", "READY"))
+                    (StatusCode::OK, instance("STANDARD_HA", "READY", "127.0.0.1"))
                 }
                 _ => (StatusCode::NOT_FOUND, r#"{"error":{"code":404}}"#.to_string()),
             };
             Ok(warp::reply::with_status(body, status))
+            }
         });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(warp::serve(token.or(instance)).incoming(listener).run());
-    addr
+    tokio::spawn(warp::serve(metadata.or(instance)).incoming(listener).run());
+    (addr, calls)
 }
+
+/// The drop's Redis URL the instances are compared with.
+const REDIS: &str = "redis://127.0.0.1:6379";
 
 fn instance(name: &str) -> MemorystoreInstance {
     MemorystoreInstance {
@@ -73,83 +102,138 @@ fn instance(name: &str) -> MemorystoreInstance {
 
 #[tokio::test]
 async fn every_answer_of_the_api_is_judged() {
-    let addr = fake_google().await;
+    let (addr, _) = fake_google().await;
     let base = format!("http://{addr}");
     let client = Memorystore::new(&base, &base, Duration::from_millis(500));
-    // (instance, tier, highly available, reason, a word of the message)
+    use Verdict::{HighlyAvailable as Ha, NotHighlyAvailable as NotHa, Unknown};
+    // (instance, tier, verdict, reason, a word of the message). Only an answer about
+    // the instance is a verdict; a call that failed is Unknown.
     let table = [
-        (
-            "ha-ready",
-            Tier::StandardHa,
-            true,
-            "StandardHaReady",
-            "READY",
-        ),
+        ("ha-ready", Tier::StandardHa, Ha, "StandardHaReady", "READY"),
+        ("rotated", Tier::StandardHa, Ha, "StandardHaReady", "READY"),
         (
             "ha-updating",
             Tier::StandardHa,
-            false,
+            NotHa,
             "InstanceNotReady",
             "UPDATING",
         ),
-        ("basic", Tier::Basic, false, "BasicTier", "BASIC"),
+        ("basic", Tier::Basic, NotHa, "BasicTier", "BASIC"),
         (
-            "denied",
+            "elsewhere",
             Tier::Unknown,
-            false,
-            "MemorystoreAccessDenied",
-            "403",
+            NotHa,
+            "InstanceMismatch",
+            "10.9.9.9:6379",
         ),
         (
             "missing",
             Tier::Unknown,
-            false,
+            NotHa,
             "MemorystoreInstanceNotFound",
             "does not exist",
         ),
-        ("broken", Tier::Unknown, false, "MemorystoreError", "500"),
+        (
+            "denied",
+            Tier::Unknown,
+            Unknown,
+            "MemorystoreAccessDenied",
+            "403",
+        ),
+        ("broken", Tier::Unknown, Unknown, "MemorystoreError", "500"),
         (
             "unavailable",
             Tier::Unknown,
-            false,
+            Unknown,
             "MemorystoreError",
             "503",
         ),
+        ("quota", Tier::Unknown, Unknown, "MemorystoreError", "429"),
         (
             "garbage",
             Tier::Unknown,
-            false,
+            Unknown,
             "MemorystoreBadResponse",
             "not an instance",
         ),
-        ("no-tier", Tier::Unknown, false, "UnknownTier", "none"),
+        ("no-tier", Tier::Unknown, Unknown, "UnknownTier", "none"),
         (
             "slow",
             Tier::Unknown,
-            false,
+            Unknown,
             "MemorystoreUnreachable",
             "no answer within",
         ),
     ];
-    for (name, tier, ha, reason, word) in table {
-        let report = client.verify(&instance(name)).await;
+    for (name, tier, verdict, reason, word) in table {
+        let report = client.verify(&instance(name), REDIS).await;
         assert_eq!(report.tier, tier, "{name}: {report:?}");
-        assert_eq!(report.is_highly_available(), ha, "{name}: {report:?}");
+        assert_eq!(report.verdict, verdict, "{name}: {report:?}");
         assert_eq!(report.reason, reason, "{name}: {report:?}");
         assert!(report.message.contains(word), "{name}: {}", report.message);
     }
 }
 
 #[tokio::test]
+async fn a_verdict_is_reused_for_a_minute_and_a_failed_call_is_not() {
+    let (addr, calls) = fake_google().await;
+    let base = format!("http://{addr}");
+    let client = Memorystore::new(&base, &base, Duration::from_millis(500));
+    for _ in 0..3 {
+        assert!(
+            client
+                .verify(&instance("ha-ready"), REDIS)
+                .await
+                .is_highly_available()
+        );
+    }
+    assert_eq!(
+        calls.0.load(Ordering::SeqCst),
+        1,
+        "one call for three checks"
+    );
+    // The same instance for another Redis URL is another question.
+    let report = client
+        .verify(&instance("ha-ready"), "redis://127.0.0.1:6380")
+        .await;
+    assert_eq!(report.reason, "InstanceMismatch");
+    assert_eq!(calls.0.load(Ordering::SeqCst), 2);
+    for _ in 0..2 {
+        assert!(
+            !client
+                .verify(&instance("unavailable"), REDIS)
+                .await
+                .is_verified()
+        );
+    }
+    assert_eq!(
+        calls.0.load(Ordering::SeqCst),
+        4,
+        "an unanswered check is asked again"
+    );
+}
+
+#[tokio::test]
+async fn a_host_name_for_the_instance_address_is_the_same_redis() {
+    let (addr, _) = fake_google().await;
+    let base = format!("http://{addr}");
+    let client = Memorystore::new(&base, &base, Duration::from_millis(500));
+    let report = client
+        .verify(&instance("ha-ready"), "rediss://:secret@localhost:6379/0")
+        .await;
+    assert!(report.is_highly_available(), "{report:?}");
+}
+
+#[tokio::test]
 async fn a_missing_metadata_server_is_reported_not_passed() {
-    let api = fake_google().await;
+    let (api, _) = fake_google().await;
     let closed = dropgate_testkit::free_port().expect("port");
     let client = Memorystore::new(
         &format!("http://{api}"),
         &format!("http://127.0.0.1:{closed}"),
         Duration::from_millis(500),
     );
-    let report = client.verify(&instance("ha-ready")).await;
+    let report = client.verify(&instance("ha-ready"), REDIS).await;
     assert!(!report.is_highly_available());
     assert_eq!(report.reason, "MetadataServerUnavailable");
     assert!(
@@ -161,14 +245,14 @@ async fn a_missing_metadata_server_is_reported_not_passed() {
 
 #[tokio::test]
 async fn an_unreachable_api_is_reported_not_passed() {
-    let metadata = fake_google().await;
+    let (metadata, _) = fake_google().await;
     let closed = dropgate_testkit::free_port().expect("port");
     let client = Memorystore::new(
         &format!("http://127.0.0.1:{closed}"),
         &format!("http://{metadata}"),
         Duration::from_millis(500),
     );
-    let report = client.verify(&instance("ha-ready")).await;
+    let report = client.verify(&instance("ha-ready"), REDIS).await;
     assert_eq!(report.reason, "MemorystoreUnreachable");
     assert!(!report.is_highly_available());
 }

@@ -480,7 +480,10 @@ async fn a_drop_re_created_under_its_name_is_a_new_sale() {
     // Deleted with its keys left behind (skip-cleanup), and created again.
     common::apply(&redis.url(), &with_uid("second-sale")).await;
     eventually("the sidecar to see the new sale", async || {
-        sidecar.reserve("sale", "k-0", "k-0", 1).await.status == 201
+        let answer = sidecar.reserve("sale", "k-0", "k-0", 1).await;
+        // Shown when the test fails.
+        eprintln!("k-0: {} {}", answer.status, answer.body);
+        answer.status == 201
     })
     .await;
     assert_eq!(redis_counts(&redis, "sale"), (2, 1), "fresh stock");

@@ -33,6 +33,7 @@ type scenario struct {
 
 var scenarios = []scenario{
 	{"helm_install_real_api", helmInstallRealAPI},
+	{"helm_chart_on_real_api", helmChartOnRealAPI},
 	{"operator_rbac_is_enough", operatorRBACIsEnough},
 	{"kubectl_apply_drop_lifecycle", kubectlApplyDropLifecycle},
 }
