@@ -291,7 +291,10 @@ async fn cleanup(drop: &InventoryDrop, ctx: &Context) -> Result<Action> {
             "deleted without removing its Redis keys ({pattern}): {cause}; they are left to their TTLs (a drop without endsAt has none)"
         );
         tracing::warn!(drop = %object_key(drop), %note, "cleanup skipped");
-        publish(ctx, drop, EventType::Warning, "CleanupSkipped", note).await?;
+        // A namespace being deleted refuses new Events: the drop goes anyway.
+        if let Err(error) = publish(ctx, drop, EventType::Warning, "CleanupSkipped", note).await {
+            tracing::warn!(drop = %object_key(drop), %error, "could not record the CleanupSkipped Event");
+        }
         Ok(Action::await_change())
     };
     if drop.annotations().get(SKIP_CLEANUP).map(String::as_str) == Some("true") {
@@ -441,6 +444,9 @@ pub struct RunSettings {
     pub lease_name: String,
     pub identity: String,
     pub lease: LeaseTimings,
+    /// Where to serve the injection webhook, and its certificate directory.
+    pub webhook: Option<(SocketAddr, std::path::PathBuf)>,
+    pub injection: crate::inject::Settings,
     pub controller: Settings,
 }
 
@@ -471,6 +477,16 @@ pub async fn run(
     let client = Client::try_default().await?;
     let metrics = Arc::new(Metrics::default());
     tokio::spawn(crate::admin::serve(settings.admin_listen, metrics.clone()));
+    // Every replica answers admission, leader or not.
+    if let Some((addr, cert_dir)) = settings.webhook {
+        let webhook =
+            crate::inject::webhook::serve(addr, cert_dir, settings.injection, shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(error) = webhook.await {
+                tracing::error!(%error, "the injection webhook stopped");
+            }
+        });
+    }
     let ctx = Arc::new(Context::new(
         client.clone(),
         memorystore,

@@ -16,12 +16,15 @@
 //!   [`reconcile`], with the finalizer, status by server-side apply, Events on mode
 //!   changes and backoff; [`lease`] keeps it to one active replica.
 //! - [`admin`] and [`metrics`]: `/metrics` and `/healthz` on the admin port.
+//! - [`inject`]: sidecar injection, a pure function from pod to injected pod, served
+//!   by the webhook ([`inject::webhook`]) and `inject -f` ([`inject::manifest`]).
 
 pub mod admin;
 pub mod apply;
 pub mod controller;
 pub mod decide;
 pub mod ha;
+pub mod inject;
 pub mod lease;
 pub mod memorystore;
 pub mod metrics;

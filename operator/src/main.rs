@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use dropgate_operator::controller::{self, RunSettings};
+use dropgate_operator::inject;
 use dropgate_operator::lease::LeaseTimings;
 use dropgate_operator::memorystore::{self, Memorystore};
 use tokio_util::sync::CancellationToken;
@@ -19,6 +20,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size of `Run` costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run the controller in a cluster (leader-elected), with /metrics and /healthz.
@@ -50,8 +53,27 @@ enum Command {
         #[arg(long, env = "DROPGATE_HA_GRACE_SECONDS", default_value_t = 300,
               value_parser = clap::value_parser!(u64).range(0..=86400))]
         ha_grace_seconds: u64,
+        /// Where the injection webhook is served (HTTPS, `/mutate`).
+        #[arg(long, env = "DROPGATE_WEBHOOK_LISTEN", default_value = "0.0.0.0:9443")]
+        webhook_listen: SocketAddr,
+        /// A directory holding the webhook's `tls.crt` and `tls.key` (re-read when
+        /// they change). Without it no webhook is served.
+        #[arg(long, env = "DROPGATE_WEBHOOK_CERT_DIR")]
+        webhook_cert_dir: Option<PathBuf>,
+        #[command(flatten)]
+        injection: inject::Settings,
         #[command(flatten)]
         google: Google,
+    },
+    /// Print a manifest with the sidecar injected into its Pods and pod templates
+    /// (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs), as
+    /// the webhook would inject them.
+    Inject {
+        /// The manifest (`-` reads standard input).
+        #[arg(short = 'f', long = "filename", value_name = "FILE")]
+        file: PathBuf,
+        #[command(flatten)]
+        injection: inject::Settings,
     },
     /// Reconcile one manifest against Redis, outside Kubernetes, and print the status.
     Apply {
@@ -100,6 +122,24 @@ async fn main() -> ExitCode {
             }
             Err(e) => fail(&e),
         },
+        Command::Inject { file, injection } => {
+            let text = if file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin())
+            } else {
+                std::fs::read_to_string(&file)
+            };
+            let text = match text {
+                Ok(text) => text,
+                Err(e) => return fail(&format!("cannot read {}: {e}", file.display())),
+            };
+            match inject::manifest::inject_manifest(&text, &injection) {
+                Ok(yaml) => {
+                    print!("{yaml}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
         Command::Apply {
             file,
             redis_url,
@@ -134,6 +174,9 @@ async fn main() -> ExitCode {
             identity,
             lease_seconds,
             ha_grace_seconds,
+            webhook_listen,
+            webhook_cert_dir,
+            injection,
             google,
         } => {
             let identity = identity
@@ -145,6 +188,8 @@ async fn main() -> ExitCode {
                 lease_name,
                 identity,
                 lease: LeaseTimings::new(Duration::from_secs(lease_seconds)),
+                webhook: webhook_cert_dir.map(|dir| (webhook_listen, dir)),
+                injection,
                 controller: controller::Settings {
                     resync: Duration::from_secs(resync_seconds.max(1)),
                     redis_url,

@@ -28,6 +28,22 @@ pub async fn run(
         "serving"
     );
     let (stop, stopped) = watch::channel(false);
+    let health = match settings.health_listen {
+        Some(addr) => {
+            let health_listener = TcpListener::bind(addr).await?;
+            tracing::info!(listen = %addr, "serving /healthz, /readyz and /metrics");
+            let mut stopped = stopped.clone();
+            Some(tokio::spawn(
+                warp::serve(routes::health_only(app.clone()))
+                    .incoming(health_listener)
+                    .graceful(async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    })
+                    .run(),
+            ))
+        }
+        None => None,
+    };
     let background = tokio::spawn(maintenance::run(
         app.clone(),
         Duration::from_millis(settings.refresh_ms),
@@ -41,6 +57,9 @@ pub async fn run(
         .await;
     let _ = stop.send(true);
     let _ = background.await;
+    if let Some(health) = health {
+        let _ = health.await;
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -12,6 +12,10 @@ pub struct Settings {
     /// authentication, and only the shop's own containers should reach it.
     #[arg(long, env = "DROPGATE_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
+    /// A second listener serving only /healthz, /readyz and /metrics, for probes and
+    /// scrapes from outside the pod (the API stays on loopback), e.g. 0.0.0.0:7071.
+    #[arg(long, env = "DROPGATE_HEALTH_LISTEN")]
+    pub health_listen: Option<SocketAddr>,
     /// The Redis holding the drops (redis:// or rediss://, credentials in the URL).
     #[arg(long, env = "DROPGATE_REDIS_URL")]
     pub redis_url: String,

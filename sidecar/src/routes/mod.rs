@@ -99,6 +99,29 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .boxed()
 }
 
+/// The probe and scrape endpoints alone: what `--health-listen` serves outside
+/// the pod, without the API.
+pub fn health_only(app: Arc<App>) -> BoxedFilter<(Response,)> {
+    let app = warp::any().map(move || app.clone());
+    let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
+    let readyz = warp::path!("readyz")
+        .and(warp::get())
+        .and(app.clone())
+        .then(health::ready);
+    let metrics = warp::path!("metrics")
+        .and(warp::get())
+        .and(app)
+        .then(health::metrics);
+    healthz
+        .or(readyz)
+        .unify()
+        .or(metrics)
+        .unify()
+        .recover(rejected)
+        .unify()
+        .boxed()
+}
+
 /// The request body, at most [`MAX_BODY_BYTES`]. Read as a stream so that an empty
 /// body, a chunked one and an oversized one all get a JSON answer from the handler.
 async fn read_body<S, B>(stream: S) -> Result<Bytes, Answer>

@@ -52,6 +52,7 @@ impl Peer {
         let addr = listener.local_addr().expect("local addr");
         let mut settings = dropgate_sidecar::Settings {
             listen: addr,
+            health_listen: None,
             redis_url: redis_url.into(),
             namespace: NS.into(),
             database_url: database_url.into(),

@@ -1,0 +1,635 @@
+//! Sidecar injection: what `dropgate-operator run` answers at `/mutate` and what
+//! `dropgate-operator inject -f` prints, from one pure function.
+//!
+//! [`inject`] takes a pod (or a pod template, as a pod) and the settings, and says
+//! whether to inject and how the pod looks with the sidecar. The HTTP glue
+//! ([`webhook`]) and the manifest walker ([`manifest`]) turn that into a JSON patch
+//! or a rewritten manifest; neither decides anything.
+//!
+//! The sidecar is a native sidecar (an init container with `restartPolicy: Always`,
+//! Kubernetes 1.29+): it starts before the app, is ready before the app starts, and
+//! stops after it.
+
+pub mod manifest;
+pub mod webhook;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, ObjectFieldSelector, Pod, Probe, ResourceRequirements, SeccompProfile,
+    SecretKeySelector, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+/// The injected container's name; a pod that has it is left alone.
+pub const CONTAINER: &str = "dropgate-sidecar";
+/// The label that opts a pod in (`"true"`) or out (`"false"`).
+pub const INJECT_LABEL: &str = "dropgate.io/inject";
+/// Set on every injected pod: the operator version that injected it.
+pub const INJECTED: &str = "dropgate.io/injected";
+/// Per-pod overrides an app team may set.
+pub const IMAGE: &str = "dropgate.io/sidecar-image";
+pub const CPU: &str = "dropgate.io/sidecar-cpu";
+pub const MEMORY: &str = "dropgate.io/sidecar-memory";
+pub const PORT: &str = "dropgate.io/port";
+pub const DATABASE_SECRET: &str = "dropgate.io/database-secret";
+/// Where the probes and scrapes reach the sidecar from outside the pod.
+pub const HEALTH_PORT: u16 = 7071;
+/// The default port of the API on 127.0.0.1.
+pub const API_PORT: u16 = 7070;
+/// The emptyDir volume of the per-pod SQLite ledger.
+const LEDGER_VOLUME: &str = "dropgate-ledger";
+const LEDGER_DIR: &str = "/var/lib/dropgate";
+
+/// What the platform team configures (the operator's `DROPGATE_SIDECAR_*`
+/// environment, set by the chart).
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct Settings {
+    /// The sidecar image (it holds both binaries).
+    #[arg(long = "sidecar-image", env = "DROPGATE_SIDECAR_IMAGE", default_value = concat!("dropgate:", env!("CARGO_PKG_VERSION")))]
+    pub image: String,
+    #[arg(
+        long = "sidecar-image-pull-policy",
+        env = "DROPGATE_SIDECAR_IMAGE_PULL_POLICY",
+        default_value = "IfNotPresent"
+    )]
+    pub image_pull_policy: String,
+    /// The Secret, in the app's namespace, whose key holds the Redis URL.
+    #[arg(
+        long = "sidecar-redis-secret",
+        env = "DROPGATE_SIDECAR_REDIS_SECRET",
+        default_value = "dropgate-redis"
+    )]
+    pub redis_secret: String,
+    #[arg(
+        long = "sidecar-redis-secret-key",
+        env = "DROPGATE_SIDECAR_REDIS_SECRET_KEY",
+        default_value = "url"
+    )]
+    pub redis_secret_key: String,
+    /// A Secret holding a PostgreSQL ledger URL, for shops with several replicas;
+    /// without it each pod keeps a SQLite ledger on an emptyDir.
+    #[arg(
+        long = "sidecar-database-secret",
+        env = "DROPGATE_SIDECAR_DATABASE_SECRET"
+    )]
+    pub database_secret: Option<String>,
+    #[arg(
+        long = "sidecar-database-secret-key",
+        env = "DROPGATE_SIDECAR_DATABASE_SECRET_KEY",
+        default_value = "url"
+    )]
+    pub database_secret_key: String,
+    /// CPU request of the sidecar.
+    #[arg(
+        long = "sidecar-cpu",
+        env = "DROPGATE_SIDECAR_CPU",
+        default_value = "50m"
+    )]
+    pub cpu: String,
+    /// Memory request and limit of the sidecar.
+    #[arg(
+        long = "sidecar-memory",
+        env = "DROPGATE_SIDECAR_MEMORY",
+        default_value = "64Mi"
+    )]
+    pub memory: String,
+    /// The operator's own namespace: never injected.
+    #[arg(
+        long = "operator-namespace",
+        env = "POD_NAMESPACE",
+        default_value = "dropgate-system"
+    )]
+    pub operator_namespace: String,
+}
+
+/// What [`inject`] decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// The pod with the sidecar.
+    Inject(Box<Pod>),
+    /// Left alone, and why.
+    Skip(Skip),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    AlreadyInjected,
+    OptedOut,
+    ProtectedNamespace,
+}
+
+impl Skip {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::AlreadyInjected => "the pod already has dropgate-sidecar",
+            Skip::OptedOut => "the pod is labelled dropgate.io/inject: \"false\"",
+            Skip::ProtectedNamespace => {
+                "kube-system and the operator's namespace are never injected"
+            }
+        }
+    }
+}
+
+/// An annotation that cannot be honoured; the pod is refused rather than started
+/// with a sidecar that is not what its team asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("annotation {annotation}: {value:?} {problem}")]
+pub struct AnnotationError {
+    pub annotation: &'static str,
+    pub value: String,
+    pub problem: &'static str,
+}
+
+/// Decides for `pod` in `namespace`. Which pods are asked about is the webhook
+/// configuration's business (its selectors); this refuses only what must never be
+/// injected, whoever asks.
+pub fn inject(
+    pod: &Pod,
+    namespace: &str,
+    settings: &Settings,
+) -> Result<Decision, AnnotationError> {
+    let labels = pod.metadata.labels.as_ref();
+    if namespace == "kube-system" || namespace == settings.operator_namespace {
+        return Ok(Decision::Skip(Skip::ProtectedNamespace));
+    }
+    if labels.and_then(|l| l.get(INJECT_LABEL)).map(String::as_str) == Some("false") {
+        return Ok(Decision::Skip(Skip::OptedOut));
+    }
+    let spec = pod.spec.clone().unwrap_or_default();
+    let has_sidecar = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+        .any(|c| c.name == CONTAINER);
+    if has_sidecar {
+        return Ok(Decision::Skip(Skip::AlreadyInjected));
+    }
+    let tuning = Tuning::read(pod.metadata.annotations.as_ref(), settings)?;
+
+    let mut pod = pod.clone();
+    let spec = pod.spec.get_or_insert_with(Default::default);
+    let sqlite = tuning.database_secret.is_none();
+    // First, so that the app's own init containers can already use the gate.
+    spec.init_containers
+        .get_or_insert_with(Vec::new)
+        .insert(0, sidecar(&tuning, settings));
+    if sqlite {
+        spec.volumes.get_or_insert_with(Vec::new).push(Volume {
+            name: LEDGER_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        });
+    }
+    pod.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(INJECTED.into(), env!("CARGO_PKG_VERSION").into());
+    Ok(Decision::Inject(Box::new(pod)))
+}
+
+/// The settings after the pod's annotations.
+struct Tuning {
+    image: String,
+    cpu: String,
+    memory: String,
+    port: u16,
+    database_secret: Option<String>,
+}
+
+impl Tuning {
+    fn read(
+        annotations: Option<&BTreeMap<String, String>>,
+        settings: &Settings,
+    ) -> Result<Self, AnnotationError> {
+        let get = |name: &str| annotations.and_then(|a| a.get(name));
+        let bad = |annotation, value: &String, problem| AnnotationError {
+            annotation,
+            value: value.clone(),
+            problem,
+        };
+        let image = match get(IMAGE) {
+            Some(v) if v.is_empty() || v.chars().any(|c| c.is_whitespace() || c.is_control()) => {
+                return Err(bad(IMAGE, v, "is not an image reference"));
+            }
+            Some(v) => v.clone(),
+            None => settings.image.clone(),
+        };
+        let cpu = match get(CPU) {
+            Some(v) if !is_quantity(v, false) => {
+                return Err(bad(CPU, v, "is not a CPU quantity (such as 100m or 0.5)"));
+            }
+            Some(v) => v.clone(),
+            None => settings.cpu.clone(),
+        };
+        let memory = match get(MEMORY) {
+            Some(v) if !is_quantity(v, true) => {
+                return Err(bad(
+                    MEMORY,
+                    v,
+                    "is not a memory quantity (such as 64Mi or 1Gi)",
+                ));
+            }
+            Some(v) => v.clone(),
+            None => settings.memory.clone(),
+        };
+        let port = match get(PORT) {
+            Some(v) => match v.parse::<u16>() {
+                Ok(port) if port != 0 && port != HEALTH_PORT => port,
+                _ => {
+                    return Err(bad(
+                        PORT,
+                        v,
+                        "is not a port from 1 to 65535 other than 7071 (the sidecar's health port)",
+                    ));
+                }
+            },
+            None => API_PORT,
+        };
+        let database_secret = match get(DATABASE_SECRET) {
+            Some(v) if !dropgate_api::keys::is_object_name(v) && !is_subdomain(v) => {
+                return Err(bad(DATABASE_SECRET, v, "is not a Secret name"));
+            }
+            Some(v) => Some(v.clone()),
+            None => settings.database_secret.clone(),
+        };
+        Ok(Self {
+            image,
+            cpu,
+            memory,
+            port,
+            database_secret,
+        })
+    }
+}
+
+fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
+    let secret = |name: &str, key: &str| EnvVarSource {
+        secret_key_ref: Some(SecretKeySelector {
+            name: name.into(),
+            key: key.into(),
+            optional: Some(false),
+        }),
+        ..EnvVarSource::default()
+    };
+    let value = |name: &str, value: String| EnvVar {
+        name: name.into(),
+        value: Some(value),
+        value_from: None,
+    };
+    let database = match &tuning.database_secret {
+        Some(name) => EnvVar {
+            name: "DROPGATE_DATABASE_URL".into(),
+            value: None,
+            value_from: Some(secret(name, &settings.database_secret_key)),
+        },
+        None => value(
+            "DROPGATE_DATABASE_URL",
+            format!("sqlite://{LEDGER_DIR}/ledger.db"),
+        ),
+    };
+    let probe = |path: &str, failures: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::String("dropgate-health".into()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(5),
+        failure_threshold: Some(failures),
+        ..Probe::default()
+    };
+    let quantity = |q: &str| Quantity(q.to_string());
+    Container {
+        name: CONTAINER.into(),
+        image: Some(tuning.image.clone()),
+        image_pull_policy: Some(settings.image_pull_policy.clone()),
+        command: Some(vec!["dropgate-sidecar".into()]),
+        env: Some(vec![
+            EnvVar {
+                name: "DROPGATE_NAMESPACE".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.namespace".into(),
+                        api_version: None,
+                    }),
+                    ..EnvVarSource::default()
+                }),
+            },
+            EnvVar {
+                name: "DROPGATE_REDIS_URL".into(),
+                value: None,
+                value_from: Some(secret(&settings.redis_secret, &settings.redis_secret_key)),
+            },
+            database,
+            value("DROPGATE_LISTEN", format!("127.0.0.1:{}", tuning.port)),
+            value("DROPGATE_HEALTH_LISTEN", format!("0.0.0.0:{HEALTH_PORT}")),
+        ]),
+        ports: Some(vec![ContainerPort {
+            name: Some("dropgate-health".into()),
+            container_port: i32::from(HEALTH_PORT),
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }]),
+        startup_probe: Some(probe("/readyz", 60)),
+        readiness_probe: Some(probe("/readyz", 3)),
+        liveness_probe: Some(probe("/healthz", 3)),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".to_string(), quantity(&tuning.cpu)),
+                ("memory".to_string(), quantity(&tuning.memory)),
+            ])),
+            limits: Some(BTreeMap::from([(
+                "memory".to_string(),
+                quantity(&tuning.memory),
+            )])),
+            ..ResourceRequirements::default()
+        }),
+        // Native sidecar: starts before the app's containers and outlives them.
+        restart_policy: Some("Always".into()),
+        security_context: Some(SecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            read_only_root_filesystem: Some(true),
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                add: None,
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                localhost_profile: None,
+            }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: tuning.database_secret.is_none().then(|| {
+            vec![VolumeMount {
+                name: LEDGER_VOLUME.into(),
+                mount_path: LEDGER_DIR.into(),
+                ..VolumeMount::default()
+            }]
+        }),
+        ..Container::default()
+    }
+}
+
+/// A Kubernetes quantity as a sidecar's request may use: a decimal number with an
+/// optional suffix (binary suffixes only for memory).
+fn is_quantity(text: &str, memory: bool) -> bool {
+    let digits_end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(digits_end);
+    let number_ok = !number.is_empty()
+        && number.matches('.').count() <= 1
+        && !number.starts_with('.')
+        && !number.ends_with('.')
+        && number.parse::<f64>().is_ok_and(|n| n > 0.0);
+    let suffixes: &[&str] = if memory {
+        &["", "k", "M", "G", "T", "Ki", "Mi", "Gi", "Ti"]
+    } else {
+        &["", "m"]
+    };
+    number_ok && suffixes.contains(&suffix)
+}
+
+/// A DNS subdomain name (Secret names may contain dots).
+fn is_subdomain(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 253 && name.split('.').all(dropgate_api::keys::is_object_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use serde_json::json;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        settings: Settings,
+    }
+
+    /// The defaults, as the chart leaves them.
+    fn settings() -> Settings {
+        Cli::parse_from(["test", "--operator-namespace", "dropgate-system"]).settings
+    }
+
+    /// A pod built from JSON: labels, annotations and containers as given.
+    fn pod(labels: serde_json::Value, annotations: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "shop-1", "labels": labels, "annotations": annotations},
+            "spec": {"containers": [{"name": "app", "image": "shop:1"}]}
+        }))
+        .expect("pod")
+    }
+
+    fn injected(decision: Decision) -> Pod {
+        match decision {
+            Decision::Inject(pod) => *pod,
+            Decision::Skip(why) => panic!("skipped: {}", why.as_str()),
+        }
+    }
+
+    fn sidecar_of(pod: &Pod) -> Container {
+        let spec = pod.spec.as_ref().expect("spec");
+        spec.init_containers.as_ref().expect("init containers")[0].clone()
+    }
+
+    fn env(container: &Container, name: &str) -> serde_json::Value {
+        let var = container
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .unwrap_or_else(|| panic!("{name}"));
+        serde_json::to_value(var).expect("json")
+    }
+
+    #[test]
+    fn a_labelled_pod_gets_a_native_sidecar_that_passes_restricted() {
+        let pod = injected(
+            inject(
+                &pod(json!({"dropgate.io/inject": "true"}), json!({})),
+                "shop",
+                &settings(),
+            )
+            .expect("ok"),
+        );
+        let sidecar = sidecar_of(&pod);
+        assert_eq!(sidecar.name, CONTAINER);
+        assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
+        assert_eq!(
+            sidecar.image.as_deref(),
+            Some(concat!("dropgate:", env!("CARGO_PKG_VERSION")))
+        );
+        let security = serde_json::to_value(sidecar.security_context.as_ref()).expect("json");
+        assert_eq!(
+            security,
+            json!({"runAsNonRoot": true, "runAsUser": 65532, "readOnlyRootFilesystem": true,
+                   "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
+                   "seccompProfile": {"type": "RuntimeDefault"}})
+        );
+        assert_eq!(
+            env(&sidecar, "DROPGATE_NAMESPACE")["valueFrom"]["fieldRef"]["fieldPath"],
+            "metadata.namespace"
+        );
+        assert_eq!(
+            env(&sidecar, "DROPGATE_REDIS_URL")["valueFrom"]["secretKeyRef"],
+            json!({"name": "dropgate-redis", "key": "url", "optional": false})
+        );
+        assert!(
+            env(&sidecar, "DROPGATE_REDIS_URL").get("value").is_none(),
+            "never inlined"
+        );
+        assert_eq!(
+            env(&sidecar, "DROPGATE_DATABASE_URL")["value"],
+            "sqlite:///var/lib/dropgate/ledger.db"
+        );
+        assert_eq!(env(&sidecar, "DROPGATE_LISTEN")["value"], "127.0.0.1:7070");
+        assert_eq!(
+            env(&sidecar, "DROPGATE_HEALTH_LISTEN")["value"],
+            "0.0.0.0:7071"
+        );
+        let readiness = serde_json::to_value(&sidecar.readiness_probe).expect("json");
+        assert_eq!(
+            readiness["httpGet"],
+            json!({"path": "/readyz", "port": "dropgate-health"}),
+            "no host: the kubelet reaches the pod IP"
+        );
+        let volumes =
+            serde_json::to_value(&pod.spec.as_ref().expect("spec").volumes).expect("json");
+        assert_eq!(
+            volumes,
+            json!([{"name": "dropgate-ledger", "emptyDir": {}}])
+        );
+        assert_eq!(
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(INJECTED))
+                .map(String::as_str),
+            Some(env!("CARGO_PKG_VERSION"))
+        );
+        assert_eq!(
+            pod.spec.as_ref().expect("spec").containers[0].name,
+            "app",
+            "the app is untouched"
+        );
+    }
+
+    #[test]
+    fn pods_that_must_not_change_are_skipped() {
+        let s = settings();
+        let labelled = pod(json!({"dropgate.io/inject": "true"}), json!({}));
+        let once = injected(inject(&labelled, "shop", &s).expect("ok"));
+        let table = [
+            (once, "shop", Skip::AlreadyInjected),
+            (
+                pod(json!({"dropgate.io/inject": "false"}), json!({})),
+                "shop",
+                Skip::OptedOut,
+            ),
+            (labelled.clone(), "kube-system", Skip::ProtectedNamespace),
+            (labelled, "dropgate-system", Skip::ProtectedNamespace),
+        ];
+        for (pod, namespace, why) in table {
+            assert_eq!(
+                inject(&pod, namespace, &s),
+                Ok(Decision::Skip(why)),
+                "{why:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_pod_of_an_opted_in_namespace_without_the_label_is_injected() {
+        // The namespace selector decided to ask; the pod has no say unless "false".
+        let decision = inject(&pod(json!({}), json!({})), "shop", &settings()).expect("ok");
+        assert!(matches!(decision, Decision::Inject(_)));
+    }
+
+    #[test]
+    fn annotations_tune_the_sidecar() {
+        let annotations = json!({
+            IMAGE: "registry.example/dropgate:canary",
+            CPU: "250m",
+            MEMORY: "128Mi",
+            PORT: "7171",
+            DATABASE_SECRET: "shop-ledger",
+        });
+        let pod = injected(inject(&pod(json!({}), annotations), "shop", &settings()).expect("ok"));
+        let sidecar = sidecar_of(&pod);
+        assert_eq!(
+            sidecar.image.as_deref(),
+            Some("registry.example/dropgate:canary")
+        );
+        let resources = serde_json::to_value(&sidecar.resources).expect("json");
+        assert_eq!(
+            resources,
+            json!({"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"memory": "128Mi"}})
+        );
+        assert_eq!(env(&sidecar, "DROPGATE_LISTEN")["value"], "127.0.0.1:7171");
+        assert_eq!(
+            env(&sidecar, "DROPGATE_DATABASE_URL")["valueFrom"]["secretKeyRef"]["name"],
+            "shop-ledger"
+        );
+        assert!(
+            pod.spec.as_ref().expect("spec").volumes.is_none(),
+            "no SQLite volume with PostgreSQL"
+        );
+        assert!(sidecar.volume_mounts.is_none());
+    }
+
+    #[test]
+    fn a_bad_annotation_is_refused_by_name() {
+        let table = [
+            (PORT, "http"),
+            (PORT, "0"),
+            (PORT, "70000"),
+            (PORT, "7071"),
+            (CPU, "lots"),
+            (CPU, "100Mi"),
+            (CPU, "-1"),
+            (MEMORY, "64MB"),
+            (MEMORY, ""),
+            (IMAGE, "two words"),
+            (IMAGE, ""),
+            (DATABASE_SECRET, "Not_A_Name"),
+        ];
+        for (annotation, value) in table {
+            let error = inject(
+                &pod(json!({}), json!({annotation: value})),
+                "shop",
+                &settings(),
+            )
+            .expect_err(annotation);
+            assert_eq!(
+                (error.annotation, error.value.as_str()),
+                (annotation, value)
+            );
+            assert!(
+                error
+                    .to_string()
+                    .starts_with(&format!("annotation {annotation}: ")),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn quantities() {
+        for good in ["1", "0.5", "250m"] {
+            assert!(is_quantity(good, false), "{good}");
+        }
+        for good in ["64Mi", "1Gi", "100M", "1000"] {
+            assert!(is_quantity(good, true), "{good}");
+        }
+        for bad in ["", "m", "1.2.3", ".5", "5.", "1e3", "0"] {
+            assert!(!is_quantity(bad, false) && !is_quantity(bad, true), "{bad}");
+        }
+    }
+}

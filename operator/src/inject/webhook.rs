@@ -1,0 +1,254 @@
+//! The mutating admission webhook: HTTPS `POST /mutate` with an AdmissionReview
+//! v1 of a Pod, answered with [`inject`]'s decision as a JSON patch.
+//!
+//! Served by every `dropgate-operator run` replica, leader or not: admission must
+//! not wait for an election. The certificate and key are read from a directory
+//! (a mounted `kubernetes.io/tls` Secret) and read again when they change, so a
+//! rotated certificate is served without a restart.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+use super::{Decision, Settings, inject};
+
+/// The largest AdmissionReview read: a pod is a few KB; the API server's own limit
+/// for a request is 3 MiB.
+const MAX_REVIEW_BYTES: usize = 3 * 1024 * 1024;
+/// How often the certificate files are read again.
+const RELOAD_EVERY: Duration = Duration::from_secs(10);
+
+/// Answers one review. Anything the API server sent that is not a pod review is
+/// answered with a refusal that says why; a pod is never changed by an error.
+pub fn review(review: AdmissionReview<Pod>, settings: &Settings) -> AdmissionReview<DynamicObject> {
+    let request: AdmissionRequest<Pod> = match review.try_into() {
+        Ok(request) => request,
+        Err(e) => return AdmissionResponse::invalid(e.to_string()).into_review(),
+    };
+    let response = AdmissionResponse::from(&request);
+    let Some(pod) = request.object.as_ref() else {
+        return response.into_review();
+    };
+    let namespace = request
+        .namespace
+        .as_deref()
+        .or(pod.metadata.namespace.as_deref())
+        .unwrap_or("default");
+    let answer = match inject(pod, namespace, settings) {
+        Ok(Decision::Inject(mutated)) => {
+            match (serde_json::to_value(pod), serde_json::to_value(&*mutated)) {
+                (Ok(before), Ok(after)) => response
+                    .with_patch(json_patch::diff(&before, &after))
+                    .unwrap_or_else(|e| AdmissionResponse::invalid(e.to_string())),
+                (Err(e), _) | (_, Err(e)) => AdmissionResponse::invalid(e.to_string()),
+            }
+        }
+        Ok(Decision::Skip(why)) => {
+            tracing::debug!(pod = ?pod.metadata.name, namespace, why = why.as_str(), "not injected");
+            response
+        }
+        Err(refusal) => response.deny(refusal.to_string()),
+    };
+    answer.into_review()
+}
+
+/// One HTTP request: `POST /mutate` with a JSON AdmissionReview.
+pub async fn handle(request: Request<Incoming>, settings: &Settings) -> Response<Full<Bytes>> {
+    if request.uri().path() != "/mutate" {
+        return text(StatusCode::NOT_FOUND, "only /mutate is served here");
+    }
+    if request.method() != Method::POST {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "POST an AdmissionReview to /mutate",
+        );
+    }
+    let body = match Limited::new(request.into_body(), MAX_REVIEW_BYTES)
+        .collect()
+        .await
+    {
+        Ok(body) => body.to_bytes(),
+        Err(e) => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                &format!("the body could not be read: {e}"),
+            );
+        }
+    };
+    answer(&body, settings)
+}
+
+/// The answer to a request body (split from [`handle`] for tests without sockets).
+pub fn answer(body: &[u8], settings: &Settings) -> Response<Full<Bytes>> {
+    let parsed: AdmissionReview<Pod> = match serde_json::from_slice(body) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                &format!("not an AdmissionReview v1 of a Pod: {e}"),
+            );
+        }
+    };
+    match serde_json::to_vec(&review(parsed, settings)) {
+        Ok(json) => Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(json)))
+            .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+fn text(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(format!("{message}\n"))));
+    *response.status_mut() = status;
+    response
+}
+
+/// Serves the webhook on `addr` with the certificate in `cert_dir` (`tls.crt`,
+/// `tls.key`) until `shutdown`.
+pub async fn serve(
+    addr: SocketAddr,
+    cert_dir: PathBuf,
+    settings: Settings,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
+    let certificates = Arc::new(Certificates::load(cert_dir)?);
+    tokio::spawn(certificates.clone().reload_until(shutdown.clone()));
+    let mut config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_cert_resolver(certificates);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = TlsAcceptor::from(Arc::new(config));
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr} for the webhook: {e}"))?;
+    tracing::info!(listen = %addr, "serving the injection webhook at /mutate");
+    let settings = Arc::new(settings);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "webhook accept failed");
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => return Ok(()),
+        };
+        let (acceptor, settings) = (acceptor.clone(), settings.clone());
+        tokio::spawn(async move {
+            let tls = match acceptor.accept(stream).await {
+                Ok(tls) => tls,
+                Err(error) => {
+                    tracing::debug!(%peer, %error, "TLS handshake failed");
+                    return;
+                }
+            };
+            let service = hyper::service::service_fn(move |request| {
+                let settings = settings.clone();
+                async move { Ok::<_, Infallible>(handle(request, &settings).await) }
+            });
+            if let Err(error) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(tls), service)
+                .await
+            {
+                tracing::debug!(%peer, %error, "webhook connection ended");
+            }
+        });
+    }
+}
+
+/// The serving certificate, swapped when its files change.
+#[derive(Debug)]
+struct Certificates {
+    dir: PathBuf,
+    current: RwLock<(Vec<u8>, Arc<CertifiedKey>)>,
+}
+
+impl Certificates {
+    fn load(dir: PathBuf) -> Result<Self, String> {
+        let (pem, key) = read_pair(&dir)?;
+        Ok(Self {
+            dir,
+            current: RwLock::new((pem, Arc::new(key))),
+        })
+    }
+
+    async fn reload_until(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(RELOAD_EVERY) => {}
+                () = shutdown.cancelled() => return,
+            }
+            let Ok(pem) = std::fs::read(self.dir.join("tls.crt")).and_then(|cert| {
+                std::fs::read(self.dir.join("tls.key")).map(|key| [cert, key].concat())
+            }) else {
+                continue;
+            };
+            let unchanged = self
+                .current
+                .read()
+                .map(|current| current.0 == pem)
+                .unwrap_or(false);
+            if unchanged {
+                continue;
+            }
+            match read_pair(&self.dir) {
+                Ok((pem, key)) => {
+                    if let Ok(mut current) = self.current.write() {
+                        *current = (pem, Arc::new(key));
+                        tracing::info!(dir = %self.dir.display(), "webhook certificate reloaded");
+                    }
+                }
+                // A rotation caught half-written: keep serving the old pair.
+                Err(error) => tracing::warn!(%error, "webhook certificate not reloaded"),
+            }
+        }
+    }
+}
+
+impl ResolvesServerCert for Certificates {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.current.read().ok().map(|current| current.1.clone())
+    }
+}
+
+/// Reads `tls.crt` and `tls.key` (PKCS#1, PKCS#8 or SEC1 keys).
+fn read_pair(dir: &Path) -> Result<(Vec<u8>, CertifiedKey), String> {
+    let read = |name: &str| {
+        std::fs::read(dir.join(name)).map_err(|e| format!("{}: {e}", dir.join(name).display()))
+    };
+    let (cert_pem, key_pem) = (read("tls.crt")?, read("tls.key")?);
+    let certs = CertificateDer::pem_slice_iter(&cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("tls.crt: {e}"))?;
+    if certs.is_empty() {
+        return Err("tls.crt holds no certificate".into());
+    }
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| format!("tls.key: {e}"))?;
+    let signer = rustls::crypto::ring::sign::any_supported_type(&key)
+        .map_err(|e| format!("tls.key: {e}"))?;
+    Ok((
+        [cert_pem, key_pem].concat(),
+        CertifiedKey::new(certs, signer),
+    ))
+}
