@@ -185,3 +185,171 @@ async fn what_is_not_a_pod_review_gets_a_clear_error() {
         "{answer}"
     );
 }
+
+/// Makes, in `dir`, a CA and a serving certificate for 127.0.0.1 that it signed,
+/// with the openssl command: an RSA key in PKCS#1, as the chart's genSignedCert
+/// writes it, or an ECDSA key in PKCS#8, as cert-manager does. Returns (CA
+/// certificate, serving certificate, its key), PEM.
+fn issued(dir: &std::path::Path, name: &str, ecdsa: bool) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let path = |file: &str| dir.join(format!("{name}-{file}")).display().to_string();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let (ca_crt, ca_key, crt, key) = (
+        path("ca.crt"),
+        path("ca.key"),
+        path("tls.crt"),
+        path("tls.key"),
+    );
+    run(&[
+        "req",
+        "-x509",
+        "-nodes",
+        "-days",
+        "1",
+        "-newkey",
+        "rsa:2048",
+        "-subj",
+        &format!("/CN={name}-ca"),
+        "-keyout",
+        &ca_key,
+        "-out",
+        &ca_crt,
+    ]);
+    let newkey: &[&str] = if ecdsa {
+        &["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    } else {
+        &["-newkey", "rsa:2048"]
+    };
+    let mut leaf = vec![
+        "req", "-x509", "-nodes", "-days", "1", "-CA", &ca_crt, "-CAkey", &ca_key,
+    ];
+    leaf.extend_from_slice(newkey);
+    leaf.extend_from_slice(&[
+        "-subj",
+        "/CN=127.0.0.1",
+        "-addext",
+        "subjectAltName=IP:127.0.0.1",
+        "-addext",
+        "basicConstraints=critical,CA:FALSE",
+        "-keyout",
+        &key,
+        "-out",
+        &crt,
+    ]);
+    run(&leaf);
+    if !ecdsa {
+        run(&["rsa", "-in", &key, "-traditional", "-out", &key]);
+    }
+    let read = |p: &str| std::fs::read(p).expect("read");
+    (read(&ca_crt), read(&crt), read(&key))
+}
+
+/// POSTs a pod review to the webhook over TLS, trusting only `ca`; the raw
+/// HTTP answer, or why the handshake failed.
+async fn post_over_tls(port: u16, ca: &[u8]) -> Result<String, String> {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca) {
+        roots.add(cert.expect("pem")).expect("root");
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(&review(
+        shop_pod(json!({"dropgate.io/inject": "true"}), json!({})),
+        "shop",
+        false,
+    ))
+    .expect("json");
+    let head = format!(
+        "POST /mutate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    tls.write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    tls.write_all(&body).await.map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    tls.read_to_string(&mut answer)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(answer)
+}
+
+#[tokio::test]
+async fn the_webhook_serves_tls_and_picks_up_a_rotated_certificate() {
+    let dir = tempfile::tempdir().expect("dir");
+    let served = dir.path().join("served");
+    std::fs::create_dir(&served).expect("dir");
+    let (first_ca, first_crt, first_key) = issued(dir.path(), "first", false);
+    let (second_ca, second_crt, second_key) = issued(dir.path(), "second", true);
+    std::fs::write(served.join("tls.crt"), &first_crt).expect("write");
+    std::fs::write(served.join("tls.key"), &first_key).expect("write");
+
+    let port = dropgate_testkit::free_port().expect("port");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(webhook::serve(
+        ([127, 0, 0, 1], port).into(),
+        served.clone(),
+        settings(),
+        shutdown.clone(),
+    ));
+    let mut answer = Err(String::new());
+    for _ in 0..50 {
+        answer = post_over_tls(port, &first_ca).await;
+        if answer.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let answer = answer.expect("served with the first certificate");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"patchType\":\"JSONPatch\""), "{answer}");
+
+    // The Secret is rotated: the next handshakes present the new certificate.
+    std::fs::write(served.join("tls.key"), &second_key).expect("write");
+    std::fs::write(served.join("tls.crt"), &second_crt).expect("write");
+    let mut rotated = false;
+    for _ in 0..100 {
+        if post_over_tls(port, &second_ca).await.is_ok() {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(rotated, "the rotated certificate was never served");
+    assert!(
+        post_over_tls(port, &first_crt).await.is_err(),
+        "the old one is gone"
+    );
+
+    // A half-written rotation (no key yet) keeps the current pair.
+    std::fs::write(served.join("tls.key"), b"").expect("write");
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert!(post_over_tls(port, &second_ca).await.is_ok());
+
+    shutdown.cancel();
+    assert_eq!(server.await.expect("joins"), Ok(()));
+}

@@ -48,7 +48,7 @@ fn show(r: &Reply) -> String {
 async fn a_confirm_through_another_pod_is_never_reverted_or_resold() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
-    seed(&redis.url(), "sale", &spec(2, "  holdSeconds: 1\n")).await;
+    seed(&redis.url(), "sale", &spec(2, "  holdSeconds: 3\n")).await;
     let a = Peer::start(&redis.url(), &sqlite_url(&dir, "a.db")).await;
     let b = Peer::start(&redis.url(), &sqlite_url(&dir, "b.db")).await;
     let r = a.reserve("sale", "k", "alice", 1).await;

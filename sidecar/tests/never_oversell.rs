@@ -346,18 +346,31 @@ async fn a_restart_never_turns_a_confirmed_reservation_back() {
         async move { after.settle("sale", &format!("b-{i}"), "confirm").await }
     }))
     .await;
+    // A 1-second hold may lapse while the sidecar restarts on a loaded machine:
+    // such a confirm is answered expired, and that is right. What may never
+    // happen is a confirmed reservation going back.
     assert!(
-        confirms.iter().all(|r| r.outcome() == "confirmed"),
+        confirms
+            .iter()
+            .all(|r| ["confirmed", "expired"].contains(&r.outcome())),
         "{:?}",
         tally(&confirms)
     );
+    let confirmed: Vec<usize> = (0..20)
+        .filter(|&i| confirms[i].outcome() == "confirmed")
+        .collect();
     // Past the holds' deadline and several refreshes: nothing expired them.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    for i in 0..20 {
+    for &i in &confirmed {
         let reply = after.lookup("sale", &format!("b-{i}")).await;
         assert_eq!(reply.body["state"], "confirmed", "b-{i}: {}", reply.text);
     }
-    assert_eq!(admitted(&buyers(&[&after], "sale", "c", 20).await), 10);
+    let left = 30 - confirmed.len();
+    assert_eq!(
+        admitted(&buyers(&[&after], "sale", "c", 30).await),
+        left,
+        "only the units of lapsed holds and never-sold ones"
+    );
     assert_settled(&redis, &ledger, "sale", 30).await;
     after.shutdown().await;
 }

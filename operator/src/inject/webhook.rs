@@ -33,8 +33,8 @@ use super::{Decision, Settings, inject};
 /// The largest AdmissionReview read: a pod is a few KB; the API server's own limit
 /// for a request is 3 MiB.
 const MAX_REVIEW_BYTES: usize = 3 * 1024 * 1024;
-/// How often the certificate files are read again.
-const RELOAD_EVERY: Duration = Duration::from_secs(10);
+/// How often the certificate files are read again (two small files).
+const RELOAD_EVERY: Duration = Duration::from_secs(2);
 
 /// Answers one review. Anything the API server sent that is not a pod review is
 /// answered with a refusal that says why; a pod is never changed by an error.
@@ -133,7 +133,10 @@ pub async fn serve(
 ) -> Result<(), String> {
     let certificates = Arc::new(Certificates::load(cert_dir)?);
     tokio::spawn(certificates.clone().reload_until(shutdown.clone()));
-    let mut config = rustls::ServerConfig::builder()
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS: {e}"))?
         .with_no_client_auth()
         .with_cert_resolver(certificates);
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
