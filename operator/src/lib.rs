@@ -68,6 +68,8 @@ pub enum Error {
     LeadershipLost(String),
     #[error("timed out: {0}")]
     Timeout(String),
+    #[error("a newer config of this drop is already in Redis ({0}): not written back")]
+    StaleConfig(String),
 }
 
 impl Error {
@@ -90,6 +92,7 @@ impl Error {
             },
             Error::LeadershipLost(_) => "leadership_lost",
             Error::Timeout(_) => "timeout",
+            Error::StaleConfig(_) => "stale_config",
         }
     }
 
@@ -119,6 +122,7 @@ impl Error {
             }
             Error::RedisUnavailable { .. } | Error::Redis(_) => "RedisUnavailable",
             Error::Config(_) => "ConfigUnreadable",
+            Error::StaleConfig(_) => "StaleConfig",
             Error::HighAvailabilityMissing(_) => "HighAvailabilityMissing",
             Error::Kube(_) | Error::Finalizer(_) | Error::LeadershipLost(_) | Error::Timeout(_) => {
                 "KubernetesApiError"

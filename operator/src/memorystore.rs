@@ -258,8 +258,9 @@ impl Memorystore {
         }
         let token: Token = serde_json::from_slice(&body)
             .map_err(|e| format!("metadata server's token answer is not a token: {e}"))?;
-        // Refresh a minute early so a token never expires mid-call.
-        let lifetime = Duration::from_secs(token.expires_in.saturating_sub(60));
+        // Refresh a minute early so a token never expires mid-call; an absurd
+        // lifetime from the server is held to an hour.
+        let lifetime = Duration::from_secs(token.expires_in.saturating_sub(60).min(3600));
         *cached = Some((token.access_token.clone(), Instant::now() + lifetime));
         Ok(token.access_token)
     }

@@ -69,7 +69,15 @@ pub async fn seed(
         invocation.arg(field).arg(value);
     }
     let (created, moved, previous_mode, remaining): (i64, i64, String, i64) =
-        invocation.invoke_async(conn).await?;
+        match invocation.invoke_async(conn).await {
+            Ok(reply) => reply,
+            Err(e) if e.code() == Some("STALE") => {
+                return Err(Error::StaleConfig(
+                    e.detail().unwrap_or_default().to_string(),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        };
     Ok(Seeded {
         created: created == 1,
         moved,

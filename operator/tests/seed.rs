@@ -212,3 +212,45 @@ async fn unreachable_redis_and_bad_manifests_are_clear_errors() {
             .contains("InventoryDrop")
     );
 }
+
+#[tokio::test]
+async fn a_stale_config_is_refused_and_changes_nothing() {
+    let redis = RedisServer::start().expect("redis");
+    let mut conn = store::connect(&redis.url()).await.expect("connects");
+    let at_generation = |generation: i64, limit: i64| {
+        let mut drop = dropgate_operator::apply::parse_manifest(&manifest(&format!(
+            "  limitedQuantity: {limit}"
+        )))
+        .expect("manifest");
+        drop.metadata.uid = Some("0d6c3a52-4b8e-4d7a-9a63-5d2f3e1b7a10".into());
+        drop.metadata.generation = Some(generation);
+        dropgate_operator::decide::config(&drop, Mode::Gate)
+    };
+    store::seed(&mut conn, &keys(), &at_generation(3, 100))
+        .await
+        .expect("seeds");
+    // A replica that lost its Lease still holds generation 2 (limit 500).
+    let stale = store::seed(&mut conn, &keys(), &at_generation(2, 500))
+        .await
+        .expect_err("refused");
+    assert!(matches!(stale, Error::StaleConfig(_)), "{stale}");
+    assert!(
+        stale.to_string().contains("published generation 3"),
+        "{stale}"
+    );
+    assert_eq!(remaining(&redis), 100);
+    let limit: String = redis
+        .connection()
+        .expect("connect")
+        .hget(keys().config(), "limit")
+        .expect("HGET");
+    assert_eq!(limit, "100");
+    // The same generation again, and a newer one, are written.
+    store::seed(&mut conn, &keys(), &at_generation(3, 100))
+        .await
+        .expect("same generation");
+    store::seed(&mut conn, &keys(), &at_generation(4, 120))
+        .await
+        .expect("newer");
+    assert_eq!(remaining(&redis), 120);
+}

@@ -17,6 +17,10 @@
 -- starts over: its stock, counts and gate are new, and the gate scripts ignore
 -- reservation markers that carry another sale.
 --
+-- A config older than the one published for the same sale (a lower generation: a
+-- replica that lost its Lease, an old manifest) changes nothing and fails with
+-- STALE, so a stale writer can never roll a drop back.
+--
 -- Returns {created (0/1), moved, previous mode or '', remaining after}.
 local new_limit = tonumber(ARGV[1])
 local old_sale = redis.call('HGET', KEYS[1], 'sale')
@@ -24,6 +28,17 @@ local sale = ARGV[3]
 local old_limit = redis.call('HGET', KEYS[1], 'limit')
 local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
 local old_generation = redis.call('HGET', KEYS[1], 'generation')
+local generation_in = 0
+for i = 4, #ARGV - 1, 2 do
+  if ARGV[i] == 'generation' then
+    generation_in = tonumber(ARGV[i + 1]) or 0
+  end
+end
+if old_sale == sale and generation_in > 0 and old_generation
+    and tonumber(old_generation) > generation_in then
+  return redis.error_reply('STALE generation ' .. generation_in ..
+    ' is older than the published generation ' .. old_generation)
+end
 if old_sale and old_sale ~= sale then
   for i = 2, #KEYS do
     redis.call('DEL', KEYS[i])
