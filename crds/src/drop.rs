@@ -18,6 +18,7 @@ use crate::config::{FailurePolicy, Mode};
     group = "dropgate.io",
     version = "v1alpha1",
     kind = "InventoryDrop",
+    doc = "A limited-quantity sale (a drop): limitedQuantity units of sku, never one more. The operator seeds the stock into the Redis of spec.redis and decides whether the injected sidecars sell through the Redis gate (mode gate), through their SQL ledgers (fail-open) or not at all (closed).",
     namespaced,
     status = "InventoryDropStatus",
     shortname = "idrop",

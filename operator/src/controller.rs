@@ -23,6 +23,7 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use crate::decide;
+use crate::inject::webhook::Webhook;
 use crate::lease::{LeaderElector, LeaseTimings};
 use crate::memorystore::Memorystore;
 use crate::metrics::{ErrorLabel, Metrics};
@@ -207,13 +208,20 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
     match reconcile_redis(drop, ctx).await {
         Ok(done) => {
             write_status(ctx, api, drop, &done.status).await?;
+            // The mode is in Redis and the status written: an Event that cannot be
+            // recorded is logged, not retried (a retry would not see the change).
+            let mut events = Vec::new();
             if done.mode_changed()
                 && let Some(mode) = done.mode()
             {
-                publish_mode_event(ctx, drop, mode, &done).await?;
+                events.push(mode_event(mode, &done));
             }
-            for warning in new_warnings(drop.status.as_ref(), &done.status) {
-                publish(ctx, drop, EventType::Warning, warning.reason, warning.note).await?;
+            events.extend(new_warnings(drop.status.as_ref(), &done.status));
+            for event in events {
+                if let Err(error) = publish(ctx, drop, event.type_, event.reason, event.note).await
+                {
+                    tracing::warn!(drop = %object_key(drop), reason = event.reason, %error, "could not record an Event");
+                }
             }
             if done.status_says_unknown() {
                 // An unanswered HA check: ask again soon, backing off.
@@ -244,8 +252,9 @@ async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconcil
     reconcile::reconcile(drop, &mut conn, ha, kept, previous, now).await
 }
 
-/// A warning worth one Event when its condition first appears.
-struct Warning {
+/// An Event to record about a drop.
+struct Note {
+    type_: EventType,
     reason: &'static str,
     note: String,
 }
@@ -255,7 +264,7 @@ struct Warning {
 fn new_warnings(
     previous: Option<&InventoryDropStatus>,
     next: &InventoryDropStatus,
-) -> Vec<Warning> {
+) -> Vec<Note> {
     let find = |status: Option<&InventoryDropStatus>, type_: &str| {
         status.and_then(|s| s.conditions.iter().find(|c| c.type_ == type_).cloned())
     };
@@ -264,7 +273,8 @@ fn new_warnings(
         && ha.status == "Unknown"
         && find(previous, "HighlyAvailable").is_none_or(|c| c.status != "Unknown")
     {
-        warnings.push(Warning {
+        warnings.push(Note {
+            type_: EventType::Warning,
             reason: "HighAvailabilityUnknown",
             note: ha.message,
         });
@@ -273,7 +283,8 @@ fn new_warnings(
         && seeded.reason == decide::EVICTION_POSSIBLE
         && find(previous, "Seeded").is_none_or(|c| c.reason != decide::EVICTION_POSSIBLE)
     {
-        warnings.push(Warning {
+        warnings.push(Note {
+            type_: EventType::Warning,
             reason: decide::EVICTION_POSSIBLE,
             note: seeded.message,
         });
@@ -361,12 +372,8 @@ async fn write_status(
     Ok(())
 }
 
-async fn publish_mode_event(
-    ctx: &Context,
-    drop: &InventoryDrop,
-    mode: Mode,
-    done: &Reconciled,
-) -> Result<()> {
+/// The Event of a mode change: GateEnabled, FailOpenEnabled or GateClosed.
+fn mode_event(mode: Mode, done: &Reconciled) -> Note {
     let (type_, reason) = match mode {
         Mode::Gate => (EventType::Normal, "GateEnabled"),
         Mode::FailOpen => (EventType::Warning, "FailOpenEnabled"),
@@ -380,14 +387,11 @@ async fn publish_mode_event(
         .map(|c| c.message.clone())
         .unwrap_or_default();
     let from = done.previous_mode.map_or("unpublished", Mode::as_str);
-    publish(
-        ctx,
-        drop,
+    Note {
         type_,
         reason,
-        format!("mode {from} -> {mode}: {why}"),
-    )
-    .await
+        note: format!("mode {from} -> {mode}: {why}"),
+    }
 }
 
 async fn publish(
@@ -479,13 +483,10 @@ pub async fn run(
     tokio::spawn(crate::admin::serve(settings.admin_listen, metrics.clone()));
     // Every replica answers admission, leader or not.
     if let Some((addr, cert_dir)) = settings.webhook {
-        let webhook =
-            crate::inject::webhook::serve(addr, cert_dir, settings.injection, shutdown.clone());
-        tokio::spawn(async move {
-            if let Err(error) = webhook.await {
-                tracing::error!(%error, "the injection webhook stopped");
-            }
-        });
+        let webhook = Webhook::bind(addr, cert_dir, settings.injection)
+            .await
+            .map_err(Error::Webhook)?;
+        tokio::spawn(webhook.run(shutdown.clone()));
     }
     let ctx = Arc::new(Context::new(
         client.clone(),

@@ -70,6 +70,8 @@ pub enum Error {
     Timeout(String),
     #[error("a newer config of this drop is already in Redis ({0}): not written back")]
     StaleConfig(String),
+    #[error("the injection webhook cannot serve: {0}")]
+    Webhook(String),
 }
 
 impl Error {
@@ -93,6 +95,7 @@ impl Error {
             Error::LeadershipLost(_) => "leadership_lost",
             Error::Timeout(_) => "timeout",
             Error::StaleConfig(_) => "stale_config",
+            Error::Webhook(_) => "webhook",
         }
     }
 
@@ -124,9 +127,11 @@ impl Error {
             Error::Config(_) => "ConfigUnreadable",
             Error::StaleConfig(_) => "StaleConfig",
             Error::HighAvailabilityMissing(_) => "HighAvailabilityMissing",
-            Error::Kube(_) | Error::Finalizer(_) | Error::LeadershipLost(_) | Error::Timeout(_) => {
-                "KubernetesApiError"
-            }
+            Error::Kube(_)
+            | Error::Finalizer(_)
+            | Error::LeadershipLost(_)
+            | Error::Timeout(_)
+            | Error::Webhook(_) => "KubernetesApiError",
         }
     }
 }

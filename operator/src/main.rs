@@ -66,8 +66,9 @@ enum Command {
         google: Google,
     },
     /// Print a manifest with the sidecar injected into its Pods and pod templates
-    /// (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs), as
-    /// the webhook would inject them.
+    /// (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs), the
+    /// webhook's mutation. The file is the opt-in: every pod not labelled
+    /// dropgate.io/inject: "false" is injected, whatever its other labels.
     Inject {
         /// The manifest (`-` reads standard input).
         #[arg(short = 'f', long = "filename", value_name = "FILE")]

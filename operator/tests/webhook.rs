@@ -310,12 +310,10 @@ async fn the_webhook_serves_tls_and_picks_up_a_rotated_certificate() {
 
     let port = dropgate_testkit::free_port().expect("port");
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(webhook::serve(
-        ([127, 0, 0, 1], port).into(),
-        served.clone(),
-        settings(),
-        shutdown.clone(),
-    ));
+    let bound = webhook::Webhook::bind(([127, 0, 0, 1], port).into(), served.clone(), settings())
+        .await
+        .expect("binds with the first certificate");
+    let server = tokio::spawn(bound.run(shutdown.clone()));
     let mut answer = Err(String::new());
     for _ in 0..50 {
         answer = post_over_tls(port, &first_ca).await;
@@ -351,5 +349,18 @@ async fn the_webhook_serves_tls_and_picks_up_a_rotated_certificate() {
     assert!(post_over_tls(port, &second_ca).await.is_ok());
 
     shutdown.cancel();
-    assert_eq!(server.await.expect("joins"), Ok(()));
+    server.await.expect("joins");
+}
+
+#[tokio::test]
+async fn a_webhook_without_a_usable_certificate_does_not_start() {
+    let dir = tempfile::tempdir().expect("dir");
+    let port = dropgate_testkit::free_port().expect("port");
+    let addr = ([127, 0, 0, 1], port).into();
+    let missing = webhook::Webhook::bind(addr, dir.path().to_path_buf(), settings()).await;
+    assert!(missing.is_err_and(|e| e.contains("tls.crt")));
+    std::fs::write(dir.path().join("tls.crt"), b"not a certificate").expect("write");
+    std::fs::write(dir.path().join("tls.key"), b"not a key").expect("write");
+    let garbage = webhook::Webhook::bind(addr, dir.path().to_path_buf(), settings()).await;
+    assert!(garbage.is_err(), "refused");
 }

@@ -5,57 +5,100 @@
 //! buyers who never confirm cannot lock the whole stock away from the ones who do.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 #[derive(Debug)]
 pub struct Throttle {
-    /// Replaced whole on resize: permits of the old semaphore return to it and
-    /// vanish with it, so a shrink takes effect without tracking a debt.
-    semaphore: RwLock<(u32, Arc<Semaphore>)>,
+    /// One semaphore for the drop's life: a resize adds or removes permits on it,
+    /// so permits held across a resize still count.
+    semaphore: Arc<Semaphore>,
+    /// The current `throttle.permits`.
+    size: Mutex<u32>,
+    /// Permits a shrink could not take away because they were held: each is
+    /// forgotten instead of returned when it is let go.
+    debt: Arc<AtomicUsize>,
     /// Permits held for admitted reservations, by idempotency key, with the hold's
     /// deadline (ms since the epoch) so that expiry elsewhere still frees them.
-    held: Mutex<HashMap<String, (OwnedSemaphorePermit, i64)>>,
+    held: Mutex<HashMap<String, (Permit, i64)>>,
+}
+
+/// One throttle permit. Let go, it returns to the throttle, unless a shrink is
+/// still owed a permit: then it pays that debt instead.
+#[derive(Debug)]
+pub struct Permit {
+    permit: Option<OwnedSemaphorePermit>,
+    debt: Arc<AtomicUsize>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(permit) = self.permit.take()
+            && self
+                .debt
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+                .is_ok()
+        {
+            permit.forget();
+        }
+    }
 }
 
 impl Throttle {
     pub fn new(permits: u32) -> Self {
         Self {
-            semaphore: RwLock::new((permits, Arc::new(Semaphore::new(permits as usize)))),
+            semaphore: Arc::new(Semaphore::new(permits as usize)),
+            size: Mutex::new(permits),
+            debt: Arc::new(AtomicUsize::new(0)),
             held: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Applies a changed `throttle.permits`.
+    /// Applies a changed `throttle.permits` to the same semaphore: a grow first
+    /// cancels what a shrink still owes, a shrink takes free permits away and owes
+    /// the rest, paid as held permits are let go. Never more permits in use than
+    /// the new size, once the holds from before it end.
     pub fn resize(&self, permits: u32) {
-        let mut guard = self.semaphore.write().unwrap_or_else(|e| e.into_inner());
-        if guard.0 != permits {
-            *guard = (permits, Arc::new(Semaphore::new(permits as usize)));
+        let mut size = self.size.lock().unwrap_or_else(|e| e.into_inner());
+        let (old, new) = (*size as usize, permits as usize);
+        if new > old {
+            let mut grow = new - old;
+            let _ = self
+                .debt
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |debt| {
+                    let paid = debt.min(new - old);
+                    grow = new - old - paid;
+                    Some(debt - paid)
+                });
+            self.semaphore.add_permits(grow);
+        } else if new < old {
+            let taken = self.semaphore.forget_permits(old - new);
+            self.debt.fetch_add(old - new - taken, Ordering::SeqCst);
         }
+        *size = permits;
     }
 
     /// Waits at most `timeout` for a permit.
-    pub async fn acquire(&self, timeout: Duration) -> Option<OwnedSemaphorePermit> {
-        let semaphore = self
-            .semaphore
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .1
-            .clone();
-        if let Ok(permit) = semaphore.clone().try_acquire_owned() {
-            return Some(permit);
-        }
-        tokio::time::timeout(timeout, semaphore.acquire_owned())
-            .await
-            .ok()?
-            .ok()
+    pub async fn acquire(&self, timeout: Duration) -> Option<Permit> {
+        let permit = match self.semaphore.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => tokio::time::timeout(timeout, self.semaphore.clone().acquire_owned())
+                .await
+                .ok()?
+                .ok()?,
+        };
+        Some(Permit {
+            permit: Some(permit),
+            debt: self.debt.clone(),
+        })
     }
 
     /// Keeps `permit` for the reservation `key` until [`Throttle::release`] or its
     /// deadline.
-    pub fn hold(&self, key: &str, permit: OwnedSemaphorePermit, deadline_ms: i64) {
+    pub fn hold(&self, key: &str, permit: Permit, deadline_ms: i64) {
         self.lock_held()
             .insert(key.to_string(), (permit, deadline_ms));
     }
@@ -78,7 +121,7 @@ impl Throttle {
         self.lock_held().len()
     }
 
-    fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, (OwnedSemaphorePermit, i64)>> {
+    fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Permit, i64)>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -108,13 +151,48 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn resize_applies_to_new_acquisitions() {
+    async fn a_grow_applies_at_once() {
         let throttle = Throttle::new(1);
         let first = throttle.acquire(Duration::ZERO).await.expect("free");
         throttle.resize(2);
-        let a = throttle.acquire(Duration::ZERO).await;
-        let b = throttle.acquire(Duration::ZERO).await;
-        assert!(a.is_some() && b.is_some());
+        assert!(throttle.acquire(Duration::ZERO).await.is_some());
         drop(first);
+    }
+
+    #[tokio::test]
+    async fn a_shrink_counts_the_permits_held_across_it() {
+        let throttle = Throttle::new(3);
+        for key in ["a", "b", "c"] {
+            let permit = throttle.acquire(Duration::ZERO).await.expect("free");
+            throttle.hold(key, permit, i64::MAX);
+        }
+        throttle.resize(2);
+        throttle.release("a");
+        assert!(
+            throttle.acquire(Duration::ZERO).await.is_none(),
+            "b and c are still in flight: two, the new size"
+        );
+        throttle.release("b");
+        let d = throttle
+            .acquire(Duration::ZERO)
+            .await
+            .expect("c alone in flight");
+        assert!(throttle.acquire(Duration::ZERO).await.is_none(), "c and d");
+        drop(d);
+        // Grown again while c is held: the debt is gone, the size is the size.
+        throttle.resize(4);
+        let mut more = Vec::new();
+        while let Some(permit) = throttle.acquire(Duration::ZERO).await {
+            more.push(permit);
+        }
+        assert_eq!(more.len(), 3, "four permits, c holds one");
+    }
+
+    #[tokio::test]
+    async fn a_shrink_while_nothing_is_held_takes_effect_at_once() {
+        let throttle = Throttle::new(3);
+        throttle.resize(1);
+        let one = throttle.acquire(Duration::ZERO).await;
+        assert!(one.is_some() && throttle.acquire(Duration::ZERO).await.is_none());
     }
 }

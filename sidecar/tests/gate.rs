@@ -385,3 +385,74 @@ async fn duplicates_racing_a_throttled_admission_are_never_promised_an_undone_un
     );
     sidecar.assert_invariants("sale", 50);
 }
+
+/// Script calls Redis answered so far (`INFO commandstats`).
+fn script_calls(sidecar: &Sidecar) -> u64 {
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut conn)
+        .expect("INFO");
+    info.lines()
+        .filter(|line| line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:"))
+        .filter_map(|line| {
+            line.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn a_retry_waiting_on_a_pending_admission_backs_off() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            &spec(5, "  throttle: {permits: 10, acquireTimeoutMs: 1000}\n"),
+        )
+        .await;
+    assert_eq!(sidecar.reserve("sale", "first", "bob", 1).await.status, 201);
+    // Another attempt's admission of key k: pending, and not overdue for a minute
+    // (its sidecar is slow, not dead).
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let config = format!("dropgate:{{{}/sale}}:config", common::NS);
+    let sale: String = redis::cmd("HGET")
+        .arg(&config)
+        .arg("sale")
+        .query(&mut conn)
+        .expect("sale");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as i64;
+    let _: () = redis::cmd("HSET")
+        .arg(format!("dropgate:{{{}/sale}}:res:k", common::NS))
+        .arg(&[
+            ("user", "alice".to_string()),
+            ("quantity", "1".into()),
+            ("state", "pending".into()),
+            ("expiresAt", (now + 600_000).to_string()),
+            ("attempt", "someone-else".into()),
+            ("sale", sale),
+            ("overdueAt", (now + 60_000).to_string()),
+            ("ledger", "another-pod".into()),
+        ])
+        .query(&mut conn)
+        .expect("HSET");
+    let before = script_calls(&sidecar);
+    let retry = sidecar.reserve("sale", "k", "alice", 1).await;
+    let calls = script_calls(&sidecar) - before;
+    assert_eq!(retry.status, 503, "{}", retry.text);
+    assert!(
+        retry.text.contains("unresolved"),
+        "says what it waited for: {}",
+        retry.text
+    );
+    // 1.25 s of waiting: polled every 2 ms that was ~600 script calls; backing off
+    // to 50 ms it is a few dozen, with the background sweeper's calls.
+    assert!(calls < 150, "{calls} script calls while one request waited");
+}

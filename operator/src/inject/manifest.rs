@@ -39,29 +39,20 @@ pub fn inject_manifest(text: &str, settings: &Settings) -> Result<String, String
             .unwrap_or("default")
             .to_string();
         let at = |e: String| format!("{kind} {name} (document {}): {e}", index + 1);
-        if kind == "Pod" {
-            let pod: Pod = serde_json::from_value(value.clone()).map_err(|e| at(e.to_string()))?;
-            if let Decision::Inject(pod) =
+        let path = if kind == "Pod" {
+            Some(&[][..])
+        } else {
+            template_path(&kind)
+        };
+        if let Some(pod_json) =
+            path.and_then(|path| path.iter().try_fold(&mut value, |v, key| v.get_mut(*key)))
+        {
+            let pod: Pod = serde_json::from_value(pod_json.clone())
+                .map_err(|e| at(format!("not a pod (template): {e}")))?;
+            if let Decision::Inject(mutation) =
                 inject(&pod, &namespace, settings).map_err(|e| at(e.to_string()))?
             {
-                value = serde_json::to_value(&*pod).map_err(|e| at(e.to_string()))?;
-            }
-        } else if let Some(path) = template_path(&kind) {
-            let template = path.iter().try_fold(&mut value, |v, key| v.get_mut(*key));
-            if let Some(template) = template {
-                let pod: Pod = serde_json::from_value(template.clone())
-                    .map_err(|e| at(format!("its pod template: {e}")))?;
-                if let Decision::Inject(pod) =
-                    inject(&pod, &namespace, settings).map_err(|e| at(e.to_string()))?
-                {
-                    let mut injected =
-                        serde_json::to_value(&*pod).map_err(|e| at(e.to_string()))?;
-                    // A template has no apiVersion, kind or status.
-                    if let Some(object) = injected.as_object_mut() {
-                        object.retain(|key, _| key == "metadata" || key == "spec");
-                    }
-                    *template = injected;
-                }
+                mutation.apply(pod_json).map_err(|e| at(e.to_string()))?;
             }
         }
         out.push(serde_norway::to_string(&value).map_err(|e| at(e.to_string()))?);
@@ -126,6 +117,7 @@ spec:
             "dropgate-sidecar"
         );
         assert!(template.get("apiVersion").is_none() && template.get("status").is_none());
+        assert_eq!(template["metadata"]["labels"]["app"], "shop");
         assert_eq!(docs[0]["spec"]["replicas"], 3);
         assert_eq!(docs[1]["kind"], "Service");
         let job = &docs[2]["spec"]["jobTemplate"]["spec"]["template"]["spec"];

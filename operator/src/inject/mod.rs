@@ -30,11 +30,13 @@ pub const INJECT_LABEL: &str = "dropgate.io/inject";
 /// Set on every injected pod: the operator version that injected it.
 pub const INJECTED: &str = "dropgate.io/injected";
 /// Per-pod overrides an app team may set.
-pub const IMAGE: &str = "dropgate.io/sidecar-image";
+pub const IMAGE: &str = "dropgate.io/image";
 pub const CPU: &str = "dropgate.io/sidecar-cpu";
 pub const MEMORY: &str = "dropgate.io/sidecar-memory";
 pub const PORT: &str = "dropgate.io/port";
 pub const DATABASE_SECRET: &str = "dropgate.io/database-secret";
+/// Every annotation that tunes the sidecar; another `dropgate.io/` one is a typo.
+const TUNING: [&str; 5] = [IMAGE, CPU, MEMORY, PORT, DATABASE_SECRET];
 /// Where the probes and scrapes reach the sidecar from outside the pod.
 pub const HEALTH_PORT: u16 = 7071;
 /// The default port of the API on 127.0.0.1.
@@ -108,10 +110,72 @@ pub struct Settings {
 /// What [`inject`] decided.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
-    /// The pod with the sidecar.
-    Inject(Box<Pod>),
+    /// Add this to the pod.
+    Inject(Box<Mutation>),
     /// Left alone, and why.
     Skip(Skip),
+}
+
+/// What injection adds to a pod: the sidecar first among the init containers, the
+/// SQLite ledger's emptyDir when there is no PostgreSQL ledger, and the
+/// `dropgate.io/injected` annotation. Applied to the pod's JSON as it came, so
+/// that fields this operator's API types do not know survive untouched.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mutation {
+    pub sidecar: Container,
+    pub ledger_volume: Option<Volume>,
+}
+
+impl Mutation {
+    /// The JSON patch (RFC 6902) that makes `pod` (the object as sent) injected:
+    /// additions only, never a rewrite of what the pod has.
+    pub fn patch(&self, pod: &serde_json::Value) -> json_patch::Patch {
+        use json_patch::jsonptr::PointerBuf;
+        use json_patch::{AddOperation, PatchOperation};
+        let add = |path: &[&str], value: serde_json::Value| {
+            PatchOperation::Add(AddOperation {
+                path: PointerBuf::from_tokens(path.iter().copied()),
+                value,
+            })
+        };
+        let has = |path: &[&str]| path.iter().try_fold(pod, |v, key| v.get(*key)).is_some();
+        let sidecar = serde_json::to_value(&self.sidecar).unwrap_or_default();
+        let mut ops = Vec::new();
+        if has(&["spec", "initContainers"]) {
+            ops.push(add(&["spec", "initContainers", "0"], sidecar));
+        } else {
+            ops.push(add(
+                &["spec", "initContainers"],
+                serde_json::Value::Array(vec![sidecar]),
+            ));
+        }
+        if let Some(volume) = &self.ledger_volume {
+            let volume = serde_json::to_value(volume).unwrap_or_default();
+            if has(&["spec", "volumes"]) {
+                ops.push(add(&["spec", "volumes", "-"], volume));
+            } else {
+                ops.push(add(
+                    &["spec", "volumes"],
+                    serde_json::Value::Array(vec![volume]),
+                ));
+            }
+        }
+        let version = serde_json::Value::String(env!("CARGO_PKG_VERSION").into());
+        if has(&["metadata", "annotations"]) {
+            ops.push(add(&["metadata", "annotations", INJECTED], version));
+        } else {
+            ops.push(add(
+                &["metadata", "annotations"],
+                serde_json::json!({ INJECTED: version }),
+            ));
+        }
+        json_patch::Patch(ops)
+    }
+
+    /// `pod` (a Pod or a pod template, as JSON) with the injection applied.
+    pub fn apply(&self, pod: &mut serde_json::Value) -> Result<(), json_patch::PatchError> {
+        json_patch::patch(pod, &self.patch(pod))
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,26 +233,14 @@ pub fn inject(
         return Ok(Decision::Skip(Skip::AlreadyInjected));
     }
     let tuning = Tuning::read(pod.metadata.annotations.as_ref(), settings)?;
-
-    let mut pod = pod.clone();
-    let spec = pod.spec.get_or_insert_with(Default::default);
-    let sqlite = tuning.database_secret.is_none();
-    // First, so that the app's own init containers can already use the gate.
-    spec.init_containers
-        .get_or_insert_with(Vec::new)
-        .insert(0, sidecar(&tuning, settings));
-    if sqlite {
-        spec.volumes.get_or_insert_with(Vec::new).push(Volume {
+    Ok(Decision::Inject(Box::new(Mutation {
+        sidecar: sidecar(&tuning, settings),
+        ledger_volume: tuning.database_secret.is_none().then(|| Volume {
             name: LEDGER_VOLUME.into(),
             empty_dir: Some(EmptyDirVolumeSource::default()),
             ..Volume::default()
-        });
-    }
-    pod.metadata
-        .annotations
-        .get_or_insert_with(BTreeMap::new)
-        .insert(INJECTED.into(), env!("CARGO_PKG_VERSION").into());
-    Ok(Decision::Inject(Box::new(pod)))
+        }),
+    })))
 }
 
 /// The settings after the pod's annotations.
@@ -205,6 +257,17 @@ impl Tuning {
         annotations: Option<&BTreeMap<String, String>>,
         settings: &Settings,
     ) -> Result<Self, AnnotationError> {
+        if let Some((name, value)) = annotations.into_iter().flatten().find(|(name, _)| {
+            name.starts_with("dropgate.io/")
+                && !TUNING.contains(&name.as_str())
+                && *name != INJECTED
+        }) {
+            return Err(AnnotationError {
+                annotation: "dropgate.io/*",
+                value: format!("{name}: {value}"),
+                problem: "is not an annotation dropgate knows (dropgate.io/image, sidecar-cpu, sidecar-memory, port, database-secret)",
+            });
+        }
         let get = |name: &str| annotations.and_then(|a| a.get(name));
         let bad = |annotation, value: &String, problem| AnnotationError {
             annotation,
@@ -427,9 +490,14 @@ mod tests {
         .expect("pod")
     }
 
-    fn injected(decision: Decision) -> Pod {
-        match decision {
-            Decision::Inject(pod) => *pod,
+    /// `pod` as the API server stores it after the webhook's patch.
+    fn injected(pod: &Pod, namespace: &str) -> Pod {
+        match inject(pod, namespace, &settings()).expect("no refusal") {
+            Decision::Inject(mutation) => {
+                let mut value = serde_json::to_value(pod).expect("json");
+                mutation.apply(&mut value).expect("the patch applies");
+                serde_json::from_value(value).expect("a pod")
+            }
             Decision::Skip(why) => panic!("skipped: {}", why.as_str()),
         }
     }
@@ -452,12 +520,8 @@ mod tests {
     #[test]
     fn a_labelled_pod_gets_a_native_sidecar_that_passes_restricted() {
         let pod = injected(
-            inject(
-                &pod(json!({"dropgate.io/inject": "true"}), json!({})),
-                "shop",
-                &settings(),
-            )
-            .expect("ok"),
+            &pod(json!({"dropgate.io/inject": "true"}), json!({})),
+            "shop",
         );
         let sidecar = sidecar_of(&pod);
         assert_eq!(sidecar.name, CONTAINER);
@@ -525,7 +589,7 @@ mod tests {
     fn pods_that_must_not_change_are_skipped() {
         let s = settings();
         let labelled = pod(json!({"dropgate.io/inject": "true"}), json!({}));
-        let once = injected(inject(&labelled, "shop", &s).expect("ok"));
+        let once = injected(&labelled, "shop");
         let table = [
             (once, "shop", Skip::AlreadyInjected),
             (
@@ -561,7 +625,7 @@ mod tests {
             PORT: "7171",
             DATABASE_SECRET: "shop-ledger",
         });
-        let pod = injected(inject(&pod(json!({}), annotations), "shop", &settings()).expect("ok"));
+        let pod = injected(&pod(json!({}), annotations), "shop");
         let sidecar = sidecar_of(&pod);
         assert_eq!(
             sidecar.image.as_deref(),
@@ -618,6 +682,74 @@ mod tests {
                 "{error}"
             );
         }
+    }
+
+    #[test]
+    fn the_patch_only_adds_and_keeps_what_the_api_types_do_not_know() {
+        let raw = json!({
+            "metadata": {"name": "shop-1", "labels": {"dropgate.io/inject": "true"}},
+            "spec": {
+                "initContainers": [{"name": "migrate", "image": "m:1", "fieldFromTheFuture": {"x": 1}}],
+                "volumes": [{"name": "data", "emptyDir": {}}],
+                "containers": [{"name": "app", "image": "shop:1"}]
+            }
+        });
+        let pod: Pod = serde_json::from_value(raw.clone()).expect("pod");
+        let Decision::Inject(mutation) = inject(&pod, "shop", &settings()).expect("ok") else {
+            panic!("skipped");
+        };
+        let patch = serde_json::to_value(mutation.patch(&raw)).expect("json");
+        let ops: Vec<(&str, &str)> = patch
+            .as_array()
+            .expect("ops")
+            .iter()
+            .map(|op| {
+                (
+                    op["op"].as_str().unwrap_or(""),
+                    op["path"].as_str().unwrap_or(""),
+                )
+            })
+            .collect();
+        assert_eq!(
+            ops,
+            [
+                ("add", "/spec/initContainers/0"),
+                ("add", "/spec/volumes/-"),
+                ("add", "/metadata/annotations")
+            ]
+        );
+        let mut after = raw.clone();
+        mutation.apply(&mut after).expect("applies");
+        let init = &after["spec"]["initContainers"];
+        assert_eq!(init[0]["name"], CONTAINER);
+        assert_eq!(
+            init[1], raw["spec"]["initContainers"][0],
+            "untouched, unknown field and all"
+        );
+        assert_eq!(after["spec"]["volumes"][0], raw["spec"]["volumes"][0]);
+        assert_eq!(after["spec"]["volumes"][1]["name"], "dropgate-ledger");
+    }
+
+    #[test]
+    fn an_unknown_dropgate_annotation_is_a_typo_refused_by_name() {
+        let error = inject(
+            &pod(json!({}), json!({"dropgate.io/sidecar-image": "x:1"})),
+            "shop",
+            &settings(),
+        )
+        .expect_err("refused");
+        assert!(
+            error.to_string().contains("dropgate.io/sidecar-image"),
+            "{error}"
+        );
+        let other = pod(
+            json!({}),
+            json!({"example.com/team": "shoes", INJECTED: "0.0.9"}),
+        );
+        assert!(
+            inject(&other, "shop", &settings()).is_ok(),
+            "other prefixes and our own mark pass"
+        );
     }
 
     #[test]

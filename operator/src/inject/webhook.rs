@@ -38,29 +38,34 @@ const RELOAD_EVERY: Duration = Duration::from_secs(2);
 
 /// Answers one review. Anything the API server sent that is not a pod review is
 /// answered with a refusal that says why; a pod is never changed by an error.
-pub fn review(review: AdmissionReview<Pod>, settings: &Settings) -> AdmissionReview<DynamicObject> {
-    let request: AdmissionRequest<Pod> = match review.try_into() {
+pub fn review(
+    review: AdmissionReview<DynamicObject>,
+    settings: &Settings,
+) -> AdmissionReview<DynamicObject> {
+    let request: AdmissionRequest<DynamicObject> = match review.try_into() {
         Ok(request) => request,
         Err(e) => return AdmissionResponse::invalid(e.to_string()).into_review(),
     };
     let response = AdmissionResponse::from(&request);
-    let Some(pod) = request.object.as_ref() else {
+    let Some(object) = request.object.as_ref() else {
         return response.into_review();
+    };
+    // The pod as sent, for the patch; the typed pod, for the decision.
+    let (raw, pod) = match serde_json::to_value(object)
+        .and_then(|raw| serde_json::from_value::<Pod>(raw.clone()).map(|pod| (raw, pod)))
+    {
+        Ok(both) => both,
+        Err(e) => return response.deny(format!("not a Pod: {e}")).into_review(),
     };
     let namespace = request
         .namespace
         .as_deref()
         .or(pod.metadata.namespace.as_deref())
         .unwrap_or("default");
-    let answer = match inject(pod, namespace, settings) {
-        Ok(Decision::Inject(mutated)) => {
-            match (serde_json::to_value(pod), serde_json::to_value(&*mutated)) {
-                (Ok(before), Ok(after)) => response
-                    .with_patch(json_patch::diff(&before, &after))
-                    .unwrap_or_else(|e| AdmissionResponse::invalid(e.to_string())),
-                (Err(e), _) | (_, Err(e)) => AdmissionResponse::invalid(e.to_string()),
-            }
-        }
+    let answer = match inject(&pod, namespace, settings) {
+        Ok(Decision::Inject(mutation)) => response
+            .with_patch(mutation.patch(&raw))
+            .unwrap_or_else(|e| AdmissionResponse::invalid(e.to_string())),
         Ok(Decision::Skip(why)) => {
             tracing::debug!(pod = ?pod.metadata.name, namespace, why = why.as_str(), "not injected");
             response
@@ -98,7 +103,7 @@ pub async fn handle(request: Request<Incoming>, settings: &Settings) -> Response
 
 /// The answer to a request body (split from [`handle`] for tests without sockets).
 pub fn answer(body: &[u8], settings: &Settings) -> Response<Full<Bytes>> {
-    let parsed: AdmissionReview<Pod> = match serde_json::from_slice(body) {
+    let parsed: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
         Ok(parsed) => parsed,
         Err(e) => {
             return text(
@@ -123,60 +128,79 @@ fn text(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
     response
 }
 
-/// Serves the webhook on `addr` with the certificate in `cert_dir` (`tls.crt`,
-/// `tls.key`) until `shutdown`.
-pub async fn serve(
-    addr: SocketAddr,
-    cert_dir: PathBuf,
-    settings: Settings,
-    shutdown: CancellationToken,
-) -> Result<(), String> {
-    let certificates = Arc::new(Certificates::load(cert_dir)?);
-    tokio::spawn(certificates.clone().reload_until(shutdown.clone()));
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS: {e}"))?
-        .with_no_client_auth()
-        .with_cert_resolver(certificates);
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = TlsAcceptor::from(Arc::new(config));
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| format!("cannot listen on {addr} for the webhook: {e}"))?;
-    tracing::info!(listen = %addr, "serving the injection webhook at /mutate");
-    let settings = Arc::new(settings);
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!(%error, "webhook accept failed");
-                    continue;
-                }
-            },
-            () = shutdown.cancelled() => return Ok(()),
-        };
-        let (acceptor, settings) = (acceptor.clone(), settings.clone());
-        tokio::spawn(async move {
-            let tls = match acceptor.accept(stream).await {
-                Ok(tls) => tls,
-                Err(error) => {
-                    tracing::debug!(%peer, %error, "TLS handshake failed");
-                    return;
-                }
+/// The webhook, bound and with its certificate loaded: a replica whose webhook
+/// cannot serve fails at start-up instead of running Ready behind the Service.
+pub struct Webhook {
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    certificates: Arc<Certificates>,
+    settings: Arc<Settings>,
+}
+
+impl Webhook {
+    /// Binds `addr` and loads `tls.crt` / `tls.key` from `cert_dir`.
+    pub async fn bind(
+        addr: SocketAddr,
+        cert_dir: PathBuf,
+        settings: Settings,
+    ) -> Result<Self, String> {
+        let certificates = Arc::new(Certificates::load(cert_dir)?);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS: {e}"))?
+            .with_no_client_auth()
+            .with_cert_resolver(certificates.clone());
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr} for the webhook: {e}"))?;
+        Ok(Self {
+            listener,
+            acceptor: TlsAcceptor::from(Arc::new(config)),
+            certificates,
+            settings: Arc::new(settings),
+        })
+    }
+
+    /// Serves until `shutdown`, reloading the certificate when its files change.
+    pub async fn run(self, shutdown: CancellationToken) {
+        tokio::spawn(self.certificates.clone().reload_until(shutdown.clone()));
+        if let Ok(addr) = self.listener.local_addr() {
+            tracing::info!(listen = %addr, "serving the injection webhook at /mutate");
+        }
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = self.listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        tracing::warn!(%error, "webhook accept failed");
+                        continue;
+                    }
+                },
+                () = shutdown.cancelled() => return,
             };
-            let service = hyper::service::service_fn(move |request| {
-                let settings = settings.clone();
-                async move { Ok::<_, Infallible>(handle(request, &settings).await) }
+            let (acceptor, settings) = (self.acceptor.clone(), self.settings.clone());
+            tokio::spawn(async move {
+                let tls = match acceptor.accept(stream).await {
+                    Ok(tls) => tls,
+                    Err(error) => {
+                        tracing::debug!(%peer, %error, "TLS handshake failed");
+                        return;
+                    }
+                };
+                let service = hyper::service::service_fn(move |request| {
+                    let settings = settings.clone();
+                    async move { Ok::<_, Infallible>(handle(request, &settings).await) }
+                });
+                if let Err(error) = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await
+                {
+                    tracing::debug!(%peer, %error, "webhook connection ended");
+                }
             });
-            if let Err(error) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(tls), service)
-                .await
-            {
-                tracing::debug!(%peer, %error, "webhook connection ended");
-            }
-        });
+        }
     }
 }
 

@@ -40,6 +40,9 @@ enum Decision {
     NotAuthority(String),
 }
 
+/// [`Ledger::fallback_retry`]'s word for a key the ledger does not hold.
+const NEW_KEY: &str = "new_key";
+
 /// Attempts at a transaction that lost a race (a PostgreSQL unique or
 /// serialisation conflict) before giving up.
 const ATTEMPTS: usize = 5;
@@ -136,6 +139,39 @@ impl Ledger {
         .await
     }
 
+    /// The answer to a retry of `key`, when the ledger already holds it: what the
+    /// gate checks first, before the sale window, the permit and the stock, so
+    /// that a retry of an admitted key hears `already_reserved` (or
+    /// `idempotency_key_reused`) whatever else changed since. `None`: a new key.
+    pub async fn fallback_retry(
+        &self,
+        drop_key: &str,
+        config: &DropConfig,
+        key: &str,
+        user: &str,
+        quantity: i64,
+        now: i64,
+    ) -> Result<Option<GateReply>, LedgerError> {
+        let reply = retry(|| async {
+            let mut tx = self.pool.begin().await?;
+            if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
+                return Ok(not_authority(authority));
+            }
+            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
+            let reply = match expire_if_due(&mut tx, drop_key, config, key, now).await? {
+                None => refusal(NEW_KEY, None, None, None, None),
+                Some(row) if row.user == user && row.quantity == quantity => {
+                    answer(&mut tx, drop_key, "already_reserved", Some(&row)).await?
+                }
+                Some(_) => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
+            };
+            tx.commit().await?;
+            Ok(Decision::Reply(reply))
+        })
+        .await?;
+        Ok((reply.outcome != NEW_KEY).then_some(reply))
+    }
+
     /// confirm, cancel or look-up (`to` = None) on the fallback path.
     pub async fn fallback_settle(
         &self,
@@ -165,8 +201,9 @@ impl Ledger {
             let expired_now = before.as_ref().is_some_and(|b| b.state == State::Active)
                 && row.state == State::Expired;
             let outcome = match (to, row.state) {
-                (_, State::Expired) if expired_now => "expired",
+                // A look-up that expired the hold answers it like any look-up.
                 (None, _) => "found",
+                (_, State::Expired) if expired_now => "expired",
                 (Some(State::Confirmed), State::Active)
                 | (Some(State::Cancelled), State::Active | State::Confirmed) => {
                     let target = to.unwrap_or(State::Cancelled);

@@ -23,8 +23,12 @@ use crate::record::{change_of, record_expiry};
 
 /// Seconds a throttled buyer is told to wait: permits free up as others confirm.
 const RETRY_AFTER_SECONDS: u64 = 1;
-/// How often a request re-reads a key whose admission another request holds pending.
+/// How soon a request first re-reads a key whose admission another request holds
+/// pending; each further wait doubles, up to [`PENDING_POLL_MAX`]. Most pending
+/// admissions settle within a few ms (a group commit); a slow one is not worth a
+/// script call every 2 ms.
 const PENDING_POLL: Duration = Duration::from_millis(2);
+const PENDING_POLL_MAX: Duration = Duration::from_millis(50);
 /// Slack beyond the permit wait for that other request to activate or undo.
 const PENDING_GRACE: Duration = Duration::from_millis(250);
 /// How long the ledger's commit of an admission may take before the admission is
@@ -191,6 +195,7 @@ async fn admit_gate(
     // the permit wait; until then this request asks again rather than promise a
     // unit that may be undone.
     let settle_by = Instant::now() + permit_wait + PENDING_GRACE;
+    let mut poll = PENDING_POLL;
     let reply = loop {
         let reply = match gate::reserve(
             &mut conn,
@@ -211,7 +216,14 @@ async fn admit_gate(
         if reply.outcome != "pending" || Instant::now() >= settle_by {
             break reply;
         }
-        tokio::time::sleep(PENDING_POLL).await;
+        tracing::debug!(
+            drop = %drop.name,
+            key = %request.key,
+            wait_ms = poll.as_millis() as u64,
+            "waiting for another attempt's pending admission of this key to be activated or undone"
+        );
+        tokio::time::sleep(poll.min(settle_by.saturating_duration_since(Instant::now()))).await;
+        poll = (poll * 2).min(PENDING_POLL_MAX);
     };
     record_expiry(app, drop, config, &request.key, &reply).await;
     match reply.outcome.as_str() {
@@ -403,22 +415,22 @@ async fn admit_gate(
     )))
 }
 
-fn drop_permit(permit: tokio::sync::OwnedSemaphorePermit) {
+fn drop_permit(permit: crate::throttle::Permit) {
     std::mem::drop(permit);
 }
 
 /// Runs a fallback-gate call; when the ledger is not the drop's authority yet,
 /// hands the drop to it (if it may be) and runs the call once more. `Ok(None)`: the
 /// drop is back on the gate (this sidecar's view was stale), nothing was done.
-async fn on_fallback<F, Fut>(
+async fn on_fallback<T, F, Fut>(
     app: &App,
     drop: &Drop,
     reason: Reason,
     call: F,
-) -> Result<Option<GateReply>, Answer>
+) -> Result<Option<T>, Answer>
 where
     F: Fn() -> Fut,
-    Fut: std::future::Future<Output = Result<GateReply, LedgerError>>,
+    Fut: std::future::Future<Output = Result<T, LedgerError>>,
 {
     match call().await {
         Err(LedgerError::NotAuthority(_)) => {
@@ -445,6 +457,28 @@ async fn admit_fallback(
     reason: Reason,
 ) -> Option<Result<Answer, Answer>> {
     let now = now_ms();
+    let ledger_key = drop.ledger_key();
+    // A retry first, as on the gate: it hears what its key holds, whatever the
+    // window, the permits or the stock say now.
+    let retried = on_fallback(app, drop, reason, || {
+        app.ledger.fallback_retry(
+            &ledger_key,
+            config,
+            &request.key,
+            &request.user,
+            request.quantity,
+            now,
+        )
+    })
+    .await;
+    match retried {
+        Ok(Some(Some(reply))) => {
+            return Some(refused(app, drop, request, &reply, Path::Fallback));
+        }
+        Ok(Some(None)) => {}
+        Ok(None) => return None,
+        Err(answer) => return Some(Err(answer)),
+    }
     if config.starts_at_ms.is_some_and(|start| now < start) {
         let reply = window_reply("not_open", config.starts_at_ms);
         return Some(refused(app, drop, request, &reply, Path::Fallback));
@@ -460,7 +494,6 @@ async fn admit_fallback(
     let Some(permit) = drop.throttle.acquire(wait).await else {
         return Some(Err(throttled(config, "nothing was reserved").via_fallback()));
     };
-    let ledger_key = drop.ledger_key();
     let reply = match on_fallback(app, drop, reason, || {
         app.ledger.fallback_reserve(
             &ledger_key,
