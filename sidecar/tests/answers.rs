@@ -1,0 +1,153 @@
+//! The same answers on both paths: every case runs once through the Redis gate and
+//! once through the ledger's fallback gate (the kill switch), and must read the same.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Sidecar;
+
+/// The two gates a sidecar sells through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Gate,
+    Fallback,
+}
+
+const PATHS: [Path; 2] = [Path::Gate, Path::Fallback];
+
+impl Path {
+    /// The drop's spec lines for this path, with `extra`.
+    fn spec(self, extra: &str) -> String {
+        let switch = match self {
+            Path::Gate => "",
+            Path::Fallback => "  gate: {enabled: false}\n",
+        };
+        format!("  sku: X\n  limitedQuantity: 10\n  perUserLimit: 5\n{switch}{extra}")
+    }
+
+    /// The `Dropgate-Path` header an answer on this path carries.
+    fn header(self) -> Option<&'static str> {
+        match self {
+            Path::Gate => None,
+            Path::Fallback => Some("fallback"),
+        }
+    }
+}
+
+/// Checks status, outcome and path of an answer.
+fn says(path: Path, reply: &dropgate_testkit::Reply, status: u16, outcome: &str) {
+    assert_eq!(
+        (reply.status.as_u16(), reply.outcome()),
+        (status, outcome),
+        "{path:?}: {}",
+        reply.text
+    );
+    let header = reply
+        .headers
+        .get("dropgate-path")
+        .and_then(|v| v.to_str().ok());
+    assert_eq!(
+        header,
+        path.header(),
+        "{path:?}: answered on the wrong path"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_an_admitted_key_is_already_reserved_when_every_permit_is_in_use() {
+    for path in PATHS {
+        let sidecar = Sidecar::start().await;
+        sidecar
+            .seed(
+                "sale",
+                &path.spec("  throttle: {permits: 1, acquireTimeoutMs: 20}\n"),
+            )
+            .await;
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "alice", 1).await,
+            201,
+            "admitted",
+        );
+        says(
+            path,
+            &sidecar.reserve("sale", "b", "bob", 1).await,
+            503,
+            "throttled",
+        );
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "alice", 1).await,
+            200,
+            "already_reserved",
+        );
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "mallory", 1).await,
+            422,
+            "idempotency_key_reused",
+        );
+        sidecar.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_an_admitted_key_is_already_reserved_after_the_sale_ended() {
+    for path in PATHS {
+        let sidecar = Sidecar::start().await;
+        sidecar.seed("sale", &path.spec("")).await;
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "alice", 1).await,
+            201,
+            "admitted",
+        );
+        sidecar
+            .seed("sale", &path.spec("  endsAt: 2020-01-01T00:00:00Z\n"))
+            .await;
+        let mut ended = None;
+        // Until the sidecar reads the new config, a new key may still be sold.
+        for i in 0..100 {
+            let reply = sidecar
+                .reserve("sale", &format!("late-{i}"), "bob", 1)
+                .await;
+            if reply.outcome() == "ended" {
+                ended = Some(reply);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        says(path, &ended.expect("the sidecar saw the end"), 403, "ended");
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "alice", 1).await,
+            200,
+            "already_reserved",
+        );
+        sidecar.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
+    for path in PATHS {
+        let sidecar = Sidecar::start().await;
+        sidecar.seed("sale", &path.spec("  holdSeconds: 1\n")).await;
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "alice", 1).await,
+            201,
+            "admitted",
+        );
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        // Whether this look-up or the sweeper expires it: 200, state expired, and
+        // the same the second time.
+        for _ in 0..2 {
+            let found = sidecar.lookup("sale", "a").await;
+            says(path, &found, 200, "found");
+            assert_eq!(found.body["state"], "expired", "{path:?}: {}", found.text);
+        }
+        sidecar.shutdown().await;
+    }
+}
