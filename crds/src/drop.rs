@@ -33,10 +33,12 @@ use crate::config::{FailurePolicy, Mode};
     ),
     // Moving a live drop to another Redis would strand its stock and its buyers'
     // reservations in the old one.
+    // Only where the Redis is: requireHighAvailability or the Memorystore instance
+    // may change mid-sale (an HA incident may call for it).
     validation = Rule::new(
-        "!has(oldSelf.status) || !has(oldSelf.status.mode) || oldSelf.status.phase == 'Ended' || self.spec.redis == oldSelf.spec.redis"
+        "!has(oldSelf.status) || !has(oldSelf.status.mode) || oldSelf.status.phase == 'Ended' || ((has(self.spec.redis.url) ? self.spec.redis.url : '') == (has(oldSelf.spec.redis.url) ? oldSelf.spec.redis.url : '') && has(self.spec.redis.secretRef) == has(oldSelf.spec.redis.secretRef) && (!has(self.spec.redis.secretRef) || self.spec.redis.secretRef == oldSelf.spec.redis.secretRef))"
     ).message(
-        "spec.redis cannot change while the sale runs (its stock and reservations live in that Redis): wait until it ended, or delete and re-create the drop"
+        "spec.redis.url and spec.redis.secretRef cannot change while the sale runs (its stock and reservations live in that Redis): wait until it ended, or delete and re-create the drop"
     ).field_path(".spec.redis")
 )]
 // Unknown fields are ignored here (the API server prunes them anyway), so that an

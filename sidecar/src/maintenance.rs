@@ -89,8 +89,13 @@ async fn refresh_configs(app: &App) {
 
 async fn dispatch_events(app: &App) {
     let mut conn = app.redis.clone();
-    if let Err(error) =
-        crate::ledger::outbox::dispatch(app.ledger.pool(), &mut conn, DISPATCH_BATCH).await
+    if let Err(error) = crate::ledger::outbox::dispatch(
+        app.ledger.pool(),
+        &mut conn,
+        app.ledger.id(),
+        DISPATCH_BATCH,
+    )
+    .await
     {
         tracing::debug!(%error, "outbox dispatch failed; events stay pending");
     }

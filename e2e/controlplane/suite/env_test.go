@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -34,6 +36,7 @@ const (
 	operatorSA    = "dropgate-operator"
 	operatorID    = "e2e-operator"
 	finalizerName = "dropgate.io/cleanup"
+	leaseName     = "dropgate-operator" // the chart's DROPGATE_LEASE_NAME
 	// resyncSeconds keeps REMAINING current in status; the suite only polls for it.
 	resyncSeconds = "2"
 )
@@ -46,10 +49,12 @@ type env struct {
 	databaseURL          string // a shared ledger for the sidecars; "" = SQLite each
 	helmSet              string
 
-	installed bool
-	operator  *process
-	saConfig  string // kubeconfig holding the operator ServiceAccount's token
-	procs     []*process
+	installed     bool
+	operator      *process
+	operatorSet   map[string]string // the settings it runs with
+	operatorAdmin string            // host:port of its /metrics
+	saConfig      string            // kubeconfig holding the operator ServiceAccount's token
+	procs         []*process
 }
 
 // run runs a command with the cluster's kubeconfig, bounded by commandTimeout.
@@ -141,19 +146,117 @@ func (e *env) installChart(t *testing.T) {
 	e.installed = true
 }
 
-// startOperator runs `dropgate-operator run` once per run, as the chart's
-// ServiceAccount: its kubeconfig holds a token from `kubectl create token`, so
-// the chart's RBAC is all that it may do.
+// startOperator makes sure that the suite's operator runs `dropgate-operator run`
+// with the suite's default settings (operatorSettings), as the chart's
+// ServiceAccount: its kubeconfig holds a token from `kubectl create token`, so the
+// chart's RBAC is all that it may do. It starts once per run, and again after a
+// scenario ran it with other settings.
 func (e *env) startOperator(t *testing.T) {
 	t.Helper()
+	e.startOperatorWith(t, nil)
+}
+
+// startOperatorWith is startOperator with some settings changed (name -> value; ""
+// leaves the variable out). An operator running with other settings is stopped
+// first (SIGTERM: it releases the Lease) and started again.
+func (e *env) startOperatorWith(t *testing.T, changes map[string]string) {
+	t.Helper()
 	e.installChart(t)
+	settings := e.operatorSettings(t, changes)
 	if e.operator != nil {
+		if e.operator.exited() {
+			t.Fatalf("the suite's operator exited (%v): see %s", e.operator.err, e.operator.log)
+		}
+		if maps.Equal(settings, e.operatorSet) {
+			return
+		}
+	}
+	e.launchOperator(t, settings)
+}
+
+// restartOperator stops the suite's operator and starts a fresh process with the
+// same settings: nothing it cached in memory survives.
+func (e *env) restartOperator(t *testing.T) {
+	t.Helper()
+	if e.operator == nil || e.operator.exited() {
+		t.Fatal("restartOperator: the suite's operator is not running")
+	}
+	e.launchOperator(t, e.operatorSet)
+}
+
+// launchOperator (re)starts the suite's operator and waits until it leads.
+func (e *env) launchOperator(t *testing.T, settings map[string]string) {
+	t.Helper()
+	e.stopOperator()
+	e.operatorAdmin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	e.operator = e.startOperatorProcess(t, "operator", settings, e.operatorAdmin)
+	e.operatorSet = settings
+	// It leads once the Lease names it.
+	e.eventually(t, "the operator holds the leader Lease", func() (bool, string) {
+		holder, err := e.run("kubectl", "-n", operatorNS, "get", "lease", leaseName,
+			"-o", "jsonpath={.spec.holderIdentity}")
+		return err == nil && holder == operatorID, fmt.Sprintf("holder %q, %v", holder, err)
+	})
+}
+
+// stopOperator stops the suite's operator (SIGTERM); the next startOperator starts
+// it again.
+func (e *env) stopOperator() {
+	if e.operator != nil {
+		e.operator.stop()
+		e.operator = nil
+	}
+}
+
+// operatorSettings is the environment of an operator process (its admin port
+// aside): the suite's defaults with changes applied ("" leaves a variable out).
+func (e *env) operatorSettings(t *testing.T, changes map[string]string) map[string]string {
+	t.Helper()
+	e.writeOperatorKubeconfig(t)
+	settings := map[string]string{
+		"KUBECONFIG":              e.saConfig,
+		"POD_NAME":                operatorID,
+		"POD_NAMESPACE":           operatorNS,
+		"DROPGATE_RESYNC_SECONDS": resyncSeconds,
+		"DROPGATE_LEASE_SECONDS":  "15",
+		// Every drop's Redis is the suite's; nothing is sent anywhere else.
+		"DROPGATE_REDIS_URL":            e.redisURL,
+		"DROPGATE_MEMORYSTORE_ENDPOINT": "http://127.0.0.1:9",
+		"DROPGATE_METADATA_ENDPOINT":    "http://127.0.0.1:9",
+		"RUST_LOG":                      "info",
+	}
+	for name, value := range changes {
+		if value == "" {
+			delete(settings, name)
+		} else {
+			settings[name] = value
+		}
+	}
+	return settings
+}
+
+// startOperatorProcess runs one `dropgate-operator run` process with these
+// settings, serving /metrics on admin.
+func (e *env) startOperatorProcess(t *testing.T, name string, settings map[string]string, admin string) *process {
+	t.Helper()
+	vars := []string{"DROPGATE_ADMIN_LISTEN=" + admin}
+	for _, k := range slices.Sorted(maps.Keys(settings)) {
+		vars = append(vars, k+"="+settings[k])
+	}
+	return e.start(t, name, filepath.Join(e.bin, "dropgate-operator"), []string{"run"}, vars)
+}
+
+// writeOperatorKubeconfig writes, once, a kubeconfig with a token of the chart's
+// ServiceAccount.
+func (e *env) writeOperatorKubeconfig(t *testing.T) {
+	t.Helper()
+	if e.saConfig != "" {
 		return
 	}
 	token := strings.TrimSpace(e.kubectl(t, "-n", operatorNS, "create", "token", operatorSA, "--duration=2h"))
 	server := e.kubectl(t, "config", "view", "--raw", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}")
 	ca := e.kubectl(t, "config", "view", "--raw", "--minify", "-o", "jsonpath={.clusters[0].cluster.certificate-authority-data}")
-	e.saConfig = filepath.Join(e.work, "operator.kubeconfig")
+	path := filepath.Join(e.work, "operator.kubeconfig")
 	config := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
@@ -167,44 +270,31 @@ contexts:
   context: {cluster: e2e, user: %s}
 current-context: e2e
 `, server, ca, operatorSA, token, operatorSA)
-	if err := os.WriteFile(e.saConfig, []byte(config), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	adminPort := freePort(t)
-	e.operator = e.start(t, "operator", filepath.Join(e.bin, "dropgate-operator"), []string{"run"}, []string{
-		"KUBECONFIG=" + e.saConfig,
-		"POD_NAME=" + operatorID,
-		"POD_NAMESPACE=" + operatorNS,
-		"DROPGATE_ADMIN_LISTEN=" + fmt.Sprintf("127.0.0.1:%d", adminPort),
-		"DROPGATE_RESYNC_SECONDS=" + resyncSeconds,
-		"DROPGATE_LEASE_SECONDS=15",
-		// Every drop's Redis is the suite's; nothing is sent anywhere else.
-		"DROPGATE_REDIS_URL=" + e.redisURL,
-		"DROPGATE_MEMORYSTORE_ENDPOINT=http://127.0.0.1:9",
-		"DROPGATE_METADATA_ENDPOINT=http://127.0.0.1:9",
-		"RUST_LOG=info",
-	})
-	// It leads once the Lease names it.
-	e.eventually(t, "the operator holds the leader Lease", func() (bool, string) {
-		holder, err := e.run("kubectl", "-n", operatorNS, "get", "lease", "dropgate-operator",
-			"-o", "jsonpath={.spec.holderIdentity}")
-		return err == nil && holder == operatorID, fmt.Sprintf("holder %q, %v", holder, err)
-	})
+	e.saConfig = path
 }
 
 // process is a program the suite started, with its output in a log file.
 type process struct {
-	name string
-	cmd  *exec.Cmd
-	log  string
-	done chan struct{}
-	err  error
+	name     string
+	cmd      *exec.Cmd
+	log      string
+	done     chan struct{}
+	err      error
+	exitedAt time.Time // valid once done is closed
 }
 
 // start runs a program in the background; it is stopped at the end of the run
 // (stopAll) or by stop.
 func (e *env) start(t *testing.T, name, program string, args, envVars []string) *process {
 	t.Helper()
+	logName := name
+	for n := 2; slices.ContainsFunc(e.procs, func(p *process) bool { return p.name == logName }); n++ {
+		logName = fmt.Sprintf("%s-%d", name, n) // a restarted process keeps its predecessor's log
+	}
+	name = logName
 	logPath := filepath.Join(e.work, name+".log")
 	logFile, err := os.Create(logPath)
 	if err != nil {
@@ -223,6 +313,7 @@ func (e *env) start(t *testing.T, name, program string, args, envVars []string) 
 	p := &process{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
 	go func() {
 		p.err = cmd.Wait()
+		p.exitedAt = time.Now()
 		logFile.Close()
 		close(p.done)
 	}()
@@ -281,7 +372,14 @@ func (e *env) dumpLogs(t *testing.T) {
 // checks what happens, not how fast.
 func (e *env) eventually(t *testing.T, what string, check func() (bool, string)) {
 	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
+	e.eventuallyWithin(t, waitTimeout, what, check)
+}
+
+// eventuallyWithin is eventually with another deadline: only for a bound that the
+// behaviour itself defines (a lease duration, "within a minute").
+func (e *env) eventuallyWithin(t *testing.T, timeout time.Duration, what string, check func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
 	last := ""
 	for {
 		ok, seen := check()
@@ -293,7 +391,7 @@ func (e *env) eventually(t *testing.T, what string, check func() (bool, string))
 			t.Fatalf("waiting for %s: the operator exited (%v); last seen: %s", what, e.operator.err, last)
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("gave up waiting for %s after %s; last seen: %s", what, waitTimeout, last)
+			t.Fatalf("gave up waiting for %s after %s; last seen: %s", what, timeout, last)
 		}
 		time.Sleep(pollInterval)
 	}

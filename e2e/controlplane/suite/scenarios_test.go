@@ -293,6 +293,13 @@ type sidecar struct {
 
 func (e *env) startSidecar(t *testing.T, name string) *sidecar {
 	t.Helper()
+	return e.startSidecarFor(t, name, shopNS, dropName)
+}
+
+// startSidecarFor starts a sidecar serving namespace ns, its requests aimed at the
+// drop named drop.
+func (e *env) startSidecarFor(t *testing.T, name, ns, drop string) *sidecar {
+	t.Helper()
 	ledger := e.databaseURL
 	if ledger == "" {
 		file := filepath.Join(e.work, name+"-ledger.db")
@@ -305,11 +312,11 @@ func (e *env) startSidecar(t *testing.T, name string) *sidecar {
 	p := e.start(t, name, filepath.Join(e.bin, "dropgate-sidecar"), []string{
 		"--listen", fmt.Sprintf("127.0.0.1:%d", port),
 		"--redis-url", e.redisURL,
-		"--namespace", shopNS,
+		"--namespace", ns,
 		"--database-url", ledger,
 	}, []string{"DROPGATE_HEALTH_LISTEN=127.0.0.1:" + strconv.Itoa(freePort(t)), "RUST_LOG=info"})
 	t.Cleanup(p.stop)
-	return &sidecar{name: name, proc: p, base: fmt.Sprintf("http://127.0.0.1:%d/v1/drops/%s", port, dropName)}
+	return &sidecar{name: name, proc: p, base: fmt.Sprintf("http://127.0.0.1:%d/v1/drops/%s", port, drop)}
 }
 
 // says polls GET /v1/drops/DROP until field reads want.

@@ -36,6 +36,12 @@ var scenarios = []scenario{
 	{"helm_chart_on_real_api", helmChartOnRealAPI},
 	{"operator_rbac_is_enough", operatorRBACIsEnough},
 	{"kubectl_apply_drop_lifecycle", kubectlApplyDropLifecycle},
+	{"sidecar_injected_by_webhook", sidecarInjectedByWebhook},
+	{"no_self_triggered_reconcile", noSelfTriggeredReconcile},
+	{"leader_failover", leaderFailover},
+	{"namespace_deletion_finishes", namespaceDeletionFinishes},
+	{"invalid_drops_rejected_at_apply", invalidDropsRejectedAtApply},
+	{"ha_blip_keeps_mode", haBlipKeepsMode},
 }
 
 func TestScenarios(t *testing.T) {

@@ -35,32 +35,66 @@ pub fn canonical(value: &Value) -> Result<String, String> {
     }
 }
 
-/// Publishes up to `batch` pending events, in id order, each to its drop's stream,
-/// and marks sent exactly those whose publish succeeded. A failed publish stops the
-/// round: that event and the later ones stay pending for the next round (a crash
-/// before the marking redelivers the round; consumers deduplicate by event id).
-/// Returns how many were published.
+/// How long a dispatcher's claim on a batch lasts: far longer than a round takes;
+/// past it, another dispatcher may take the events of one that died.
+const CLAIM_MS: i64 = 30_000;
+
+/// Publishes up to `batch` pending events, in id order per drop, each to its drop's
+/// stream, and marks sent exactly those whose publish succeeded.
+///
+/// The batch is claimed first (as `owner`), so that sidecars sharing a ledger do
+/// not publish the same events. An event that fails to publish holds back the
+/// later events of its own drop (their order is the drop's history), never those of
+/// other drops. Unpublished events are retried next round (a crash before the
+/// marking redelivers them; consumers deduplicate by event id). Returns how many
+/// were published.
 pub async fn dispatch(
     pool: &AnyPool,
     redis: &mut ConnectionManager,
+    owner: &str,
     batch: i64,
 ) -> Result<usize, String> {
-    let rows = sqlx::query(
-        "SELECT id, event_id, drop_key, payload FROM outbox WHERE sent_at_ms IS NULL ORDER BY id LIMIT $1",
+    let now = now_ms();
+    let claim_until = now + CLAIM_MS;
+    // The claim re-checks the row's claim in the outer WHERE, so of two
+    // dispatchers claiming at once (PostgreSQL re-evaluates it after waiting for
+    // the other's row lock) one gets each row.
+    sqlx::query(
+        "UPDATE outbox SET claimed_by = $1, claimed_until_ms = $2 \
+         WHERE sent_at_ms IS NULL AND (claimed_until_ms IS NULL OR claimed_until_ms < $3) \
+         AND id IN (SELECT id FROM outbox WHERE sent_at_ms IS NULL \
+                    AND (claimed_until_ms IS NULL OR claimed_until_ms < $4) ORDER BY id LIMIT $5)",
     )
+    .bind(owner)
+    .bind(claim_until)
+    .bind(now)
+    .bind(now)
     .bind(batch)
+    .execute(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    let rows = sqlx::query(
+        "SELECT id, event_id, drop_key, payload FROM outbox \
+         WHERE sent_at_ms IS NULL AND claimed_by = $1 AND claimed_until_ms = $2 ORDER BY id",
+    )
+    .bind(owner)
+    .bind(claim_until)
     .fetch_all(pool)
     .await
     .map_err(|e| e.to_string())?;
     // Published ids, marked sent together afterwards: one commit per round rather
     // than one per event, and never an id whose publish did not succeed.
     let mut published = Vec::with_capacity(rows.len());
+    let mut held_back = std::collections::HashSet::new();
     let mut failure = None;
     for row in rows {
         let id: i64 = row.try_get(0).map_err(|e| e.to_string())?;
         let event_id: String = row.try_get(1).map_err(|e| e.to_string())?;
         let drop_key: String = row.try_get(2).map_err(|e| e.to_string())?;
         let payload: String = row.try_get(3).map_err(|e| e.to_string())?;
+        if held_back.contains(&drop_key) {
+            continue;
+        }
         let Some((namespace, name)) = dropgate_api::keys::ledger_drop(&drop_key).split_once('/')
         else {
             continue;
@@ -75,17 +109,19 @@ pub async fn dispatch(
             .arg(&payload)
             .query_async(redis)
             .await;
-        if let Err(e) = sent {
-            failure = Some(e.to_string());
-            break;
+        let sent = sent
+            .map_err(|e| e.to_string())
+            .and_then(|_| faults::check(Fault::AfterPublishBeforeAck).map_err(|e| e.to_string()));
+        match sent {
+            Ok(()) => published.push(id),
+            Err(e) => {
+                tracing::warn!(drop = %drop_key, %event_id, error = %e, "event not published; its drop's later events wait");
+                failure = Some(e);
+                held_back.insert(drop_key);
+            }
         }
-        if let Err(e) = faults::check(Fault::AfterPublishBeforeAck) {
-            failure = Some(e.to_string());
-            break;
-        }
-        published.push(id);
     }
-    if !published.is_empty() {
+    if !published.is_empty() || failure.is_some() {
         let mark = async {
             let mut tx = pool.begin().await?;
             let now = now_ms();
@@ -96,13 +132,22 @@ pub async fn dispatch(
                     .execute(&mut *tx)
                     .await?;
             }
+            // What was not published is free for the next round, anyone's.
+            sqlx::query(
+                "UPDATE outbox SET claimed_by = NULL, claimed_until_ms = NULL \
+                 WHERE sent_at_ms IS NULL AND claimed_by = $1 AND claimed_until_ms = $2",
+            )
+            .bind(owner)
+            .bind(claim_until)
+            .execute(&mut *tx)
+            .await?;
             tx.commit().await
         };
         mark.await.map_err(|e: sqlx::Error| e.to_string())?;
     }
     match failure {
-        Some(e) => Err(e),
-        None => Ok(published.len()),
+        Some(e) if published.is_empty() => Err(e),
+        _ => Ok(published.len()),
     }
 }
 
