@@ -57,5 +57,22 @@ pub async fn apply(
     };
     let mut conn = store::connect(&url).await?;
     let report = reconcile::verify_ha(&drop, &url, &mut conn, memorystore).await;
-    reconcile::reconcile(&drop, &mut conn, report, None, None, Timestamp::now()).await
+    // A one-shot run has no grace period to wait out: an unanswered check keeps
+    // the mode already published and says the drop is not Ready.
+    let (kept, unanswered) = if report.is_verified() {
+        (None, None)
+    } else {
+        let published = store::published(&mut conn, &reconcile::keys_of(&drop)).await?;
+        (published.map(|c| c.mode), Some(report.message.clone()))
+    };
+    let mut done =
+        reconcile::reconcile(&drop, &mut conn, report, kept, None, Timestamp::now()).await?;
+    if drop.spec.redis.require_high_availability
+        && let Some(message) = unanswered
+    {
+        done.not_ready = Some(Error::HighAvailabilityMissing(format!(
+            "could not check: {message}"
+        )));
+    }
+    Ok(done)
 }

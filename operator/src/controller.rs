@@ -216,16 +216,27 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
             {
                 events.push(mode_event(mode, &done));
             }
-            events.extend(new_warnings(drop.status.as_ref(), &done.status));
+            events.extend(new_warnings(
+                drop.status.as_ref(),
+                &done.status,
+                drop.spec.redis.require_high_availability,
+            ));
             for event in events {
                 if let Err(error) = publish(ctx, drop, event.type_, event.reason, event.note).await
                 {
                     tracing::warn!(drop = %object_key(drop), reason = event.reason, %error, "could not record an Event");
                 }
             }
-            if done.status_says_unknown() {
-                // An unanswered HA check: ask again soon, backing off.
-                return Ok(Action::requeue(ctx.backoff(&object_key(drop))));
+            if drop.spec.redis.require_high_availability && done.status_says_unknown() {
+                // An unanswered HA check that decides the mode: ask again soon,
+                // backing off, but never later than the resync or half the grace
+                // period (the failure policy must apply when the grace ends).
+                let grace = ctx.settings.ha_grace / 2;
+                let delay = ctx
+                    .backoff(&object_key(drop))
+                    .min(ctx.settings.resync)
+                    .min(grace.max(Duration::from_secs(1)));
+                return Ok(Action::requeue(delay));
             }
             ctx.succeeded(&object_key(drop));
             Ok(Action::requeue(ctx.settings.resync))
@@ -264,12 +275,14 @@ struct Note {
 fn new_warnings(
     previous: Option<&InventoryDropStatus>,
     next: &InventoryDropStatus,
+    require_ha: bool,
 ) -> Vec<Note> {
     let find = |status: Option<&InventoryDropStatus>, type_: &str| {
         status.and_then(|s| s.conditions.iter().find(|c| c.type_ == type_).cloned())
     };
     let mut warnings = Vec::new();
     if let Some(ha) = find(Some(next), "HighlyAvailable")
+        && require_ha
         && ha.status == "Unknown"
         && find(previous, "HighlyAvailable").is_none_or(|c| c.status != "Unknown")
     {

@@ -92,10 +92,22 @@ async fn serves_elsewhere(name: &str, instance: &Instance, redis_url: &str) -> O
             ),
         ));
     };
-    let same_host = host == their_host
-        || tokio::net::lookup_host((host.as_str(), port))
-            .await
-            .is_ok_and(|mut addrs| addrs.any(|a| a.ip().to_string() == their_host));
+    let same_host = if host == their_host {
+        true
+    } else {
+        match tokio::net::lookup_host((host.as_str(), port)).await {
+            Ok(mut addrs) => addrs.any(|a| a.ip().to_string() == their_host),
+            // A name that does not resolve now says nothing about the instance.
+            Err(e) => {
+                return Some(HaReport::unknown(
+                    "RedisHostUnresolved",
+                    format!(
+                        "cannot resolve the drop's Redis host {host} to compare it with Memorystore instance {name}: {e}"
+                    ),
+                ));
+            }
+        }
+    };
     (!(same_host && port == their_port)).then(|| {
         HaReport::verdict(
             Tier::Unknown,

@@ -88,7 +88,12 @@ pub async fn reconcile(
         && spec.redis.require_high_availability
         && !ha_report.is_verified();
     let config = decide::config(drop, mode);
-    let seeded = store::seed(conn, &keys, &config).await?;
+    let created_ms = drop
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0.as_millisecond());
+    let seeded = store::seed(conn, &keys, &config, created_ms).await?;
     let stock = store::stock(conn, &keys).await?;
     let eviction_policy = ha::eviction_policy(conn).await;
     tracing::info!(

@@ -40,10 +40,13 @@ pub struct Seeded {
 }
 
 /// Publishes `config` and seeds or restocks the stock, atomically (see `lua/seed.lua`).
+/// `created_ms` is when the drop's object was created (None outside Kubernetes):
+/// it orders two sales of the same name (see `lua/seed.lua`).
 pub async fn seed(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     config: &DropConfig,
+    created_ms: Option<i64>,
 ) -> Result<Seeded> {
     static SEED: std::sync::LazyLock<Script> =
         std::sync::LazyLock::new(|| Script::new(include_str!("lua/seed.lua")));
@@ -65,6 +68,7 @@ pub async fn seed(
             .unwrap_or_default(),
     );
     invocation.arg(&config.sale);
+    invocation.arg(created_ms.map(|t| t.to_string()).unwrap_or_default());
     for (field, value) in config.to_fields() {
         invocation.arg(field).arg(value);
     }

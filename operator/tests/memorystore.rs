@@ -25,6 +25,10 @@ fn token(n: usize) -> String {
 #[derive(Clone, Default)]
 struct Calls(Arc<AtomicUsize>);
 
+/// The port the instance `live` serves (STANDARD_HA, READY); 0: the API answers
+/// 503 for it.
+static LIVE_PORT: AtomicUsize = AtomicUsize::new(0);
+
 /// Serves the fake Google endpoints on a free port.
 async fn fake_google() -> (SocketAddr, Calls) {
     let issued = Arc::new(AtomicUsize::new(0));
@@ -61,7 +65,10 @@ async fn fake_google() -> (SocketAddr, Calls) {
             let instance = |tier: &str, state: &str, host: &str| {
                 format!(r#"{{"name":"projects/p/locations/l/instances/{name}","tier":"{tier}","state":"{state}","host":"{host}","port":6379,"memorySizeGb":1,"replicaCount":1}}"#)
             };
+            let live = LIVE_PORT.load(Ordering::SeqCst);
             let (status, body) = match name.as_str() {
+                "live" if live == 0 => (StatusCode::SERVICE_UNAVAILABLE, "later".to_string()),
+                "live" => (StatusCode::OK, instance("STANDARD_HA", "READY", "127.0.0.1").replace("6379", &live.to_string())),
                 "ha-ready" | "rotated" => (StatusCode::OK, instance("STANDARD_HA", "READY", "127.0.0.1")),
                 "elsewhere" => (StatusCode::OK, instance("STANDARD_HA", "READY", "10.9.9.9")),
                 "ha-updating" => (StatusCode::OK, instance("STANDARD_HA", "UPDATING", "127.0.0.1")),
@@ -255,4 +262,47 @@ async fn an_unreachable_api_is_reported_not_passed() {
     let report = client.verify(&instance("ha-ready"), REDIS).await;
     assert_eq!(report.reason, "MemorystoreUnreachable");
     assert!(!report.is_highly_available());
+}
+
+#[tokio::test]
+async fn a_redis_host_that_does_not_resolve_is_no_verdict() {
+    let (addr, _) = fake_google().await;
+    let base = format!("http://{addr}");
+    let client = Memorystore::new(&base, &base, Duration::from_millis(500));
+    let report = client
+        .verify(&instance("ha-ready"), "redis://redis-primary.invalid:6379")
+        .await;
+    assert_eq!(
+        (report.verdict, report.reason),
+        (Verdict::Unknown, "RedisHostUnresolved"),
+        "{report:?}"
+    );
+}
+
+#[tokio::test]
+async fn apply_keeps_the_published_mode_when_the_check_goes_unanswered() {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis");
+    let (addr, _) = fake_google().await;
+    let base = format!("http://{addr}");
+    let manifest = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: sale, namespace: shop}\nspec:\n  sku: X\n  limitedQuantity: 5\n  redis: {requireHighAvailability: true, memorystore: {project: p, location: l, instance: live}}\n  gate: {failurePolicy: Closed}\n";
+    LIVE_PORT.store(usize::from(redis.port()), Ordering::SeqCst);
+    // A fresh client each time, as each `apply` run is a fresh process.
+    let apply = || async {
+        let client = Memorystore::new(&base, &base, Duration::from_millis(500));
+        dropgate_operator::apply::apply(manifest, Some(&redis.url()), &client)
+            .await
+            .expect("applies")
+    };
+    let first = apply().await;
+    assert_eq!(first.status.mode, Some(dropgate_api::Mode::Gate));
+    assert!(first.not_ready.is_none());
+    LIVE_PORT.store(0, Ordering::SeqCst);
+    let blip = apply().await;
+    assert_eq!(
+        blip.status.mode,
+        Some(dropgate_api::Mode::Gate),
+        "a 503 closes nothing"
+    );
+    let why = blip.not_ready.map(|e| e.to_string()).unwrap_or_default();
+    assert!(why.contains("could not check"), "{why}");
 }

@@ -226,11 +226,11 @@ async fn a_stale_config_is_refused_and_changes_nothing() {
         drop.metadata.generation = Some(generation);
         dropgate_operator::decide::config(&drop, Mode::Gate)
     };
-    store::seed(&mut conn, &keys(), &at_generation(3, 100))
+    store::seed(&mut conn, &keys(), &at_generation(3, 100), CREATED)
         .await
         .expect("seeds");
     // A replica that lost its Lease still holds generation 2 (limit 500).
-    let stale = store::seed(&mut conn, &keys(), &at_generation(2, 500))
+    let stale = store::seed(&mut conn, &keys(), &at_generation(2, 500), CREATED)
         .await
         .expect_err("refused");
     assert!(matches!(stale, Error::StaleConfig(_)), "{stale}");
@@ -246,11 +246,58 @@ async fn a_stale_config_is_refused_and_changes_nothing() {
         .expect("HGET");
     assert_eq!(limit, "100");
     // The same generation again, and a newer one, are written.
-    store::seed(&mut conn, &keys(), &at_generation(3, 100))
+    store::seed(&mut conn, &keys(), &at_generation(3, 100), CREATED)
         .await
         .expect("same generation");
-    store::seed(&mut conn, &keys(), &at_generation(4, 120))
+    store::seed(&mut conn, &keys(), &at_generation(4, 120), CREATED)
         .await
         .expect("newer");
     assert_eq!(remaining(&redis), 120);
+}
+
+/// When the test drops' objects were created (ms).
+const CREATED: Option<i64> = Some(1_796_000_000_000);
+
+#[tokio::test]
+async fn writers_that_would_wipe_or_roll_back_a_sale_are_refused() {
+    let redis = RedisServer::start().expect("redis");
+    let mut conn = store::connect(&redis.url()).await.expect("connects");
+    let config = |uid: Option<&str>, generation: i64, limit: i64| {
+        let mut drop = dropgate_operator::apply::parse_manifest(&manifest(&format!(
+            "  limitedQuantity: {limit}"
+        )))
+        .expect("manifest");
+        drop.metadata.uid = uid.map(String::from);
+        drop.metadata.generation = Some(generation);
+        dropgate_operator::decide::config(&drop, Mode::Gate)
+    };
+    let (old_uid, new_uid) = (
+        Some("0d6c3a52-4b8e-4d7a-9a63-5d2f3e1b7a10"),
+        Some("7f0e9b1c-2a3d-4e5f-8a9b-0c1d2e3f4a5b"),
+    );
+    let later = CREATED.map(|t| t + 60_000);
+    // Kubernetes publishes the re-created drop (created a minute later).
+    store::seed(&mut conn, &keys(), &config(new_uid, 1, 5), later)
+        .await
+        .expect("seeds");
+    hold(&redis, 3);
+    let refused = |e: Result<_, Error>| matches!(e, Err(Error::StaleConfig(_)));
+    // The old incarnation's stale writer, whatever its generation.
+    assert!(refused(
+        store::seed(&mut conn, &keys(), &config(old_uid, 7, 100), CREATED).await
+    ));
+    // apply -f of a manifest without a uid: would start the sale over.
+    assert!(refused(
+        store::seed(&mut conn, &keys(), &config(None, 0, 100), None).await
+    ));
+    // apply -f of an export with the uid but no generation.
+    assert!(refused(
+        store::seed(&mut conn, &keys(), &config(new_uid, 0, 100), None).await
+    ));
+    assert_eq!(remaining(&redis), 2, "the running sale is untouched");
+    // Its next generation is written.
+    store::seed(&mut conn, &keys(), &config(new_uid, 2, 6), later)
+        .await
+        .expect("newer generation");
+    assert_eq!(remaining(&redis), 3);
 }

@@ -275,25 +275,36 @@ impl Tuning {
             problem,
         };
         let image = match get(IMAGE) {
-            Some(v) if v.is_empty() || v.chars().any(|c| c.is_whitespace() || c.is_control()) => {
-                return Err(bad(IMAGE, v, "is not an image reference"));
+            Some(v) if !is_image_reference(v) => {
+                return Err(bad(
+                    IMAGE,
+                    v,
+                    "is not an image reference (registry/name:tag, the name in lowercase)",
+                ));
             }
             Some(v) => v.clone(),
             None => settings.image.clone(),
         };
         let cpu = match get(CPU) {
-            Some(v) if !is_quantity(v, false) => {
-                return Err(bad(CPU, v, "is not a CPU quantity (such as 100m or 0.5)"));
+            Some(v) if !quantity(v, false).is_some_and(|cores| (0.001..=64.0).contains(&cores)) => {
+                return Err(bad(
+                    CPU,
+                    v,
+                    "is not a CPU quantity from 1m to 64 (such as 100m or 0.5)",
+                ));
             }
             Some(v) => v.clone(),
             None => settings.cpu.clone(),
         };
         let memory = match get(MEMORY) {
-            Some(v) if !is_quantity(v, true) => {
+            Some(v)
+                if !quantity(v, true)
+                    .is_some_and(|bytes| (16.0 * MI..=64.0 * GI).contains(&bytes)) =>
+            {
                 return Err(bad(
                     MEMORY,
                     v,
-                    "is not a memory quantity (such as 64Mi or 1Gi)",
+                    "is not a memory quantity from 16Mi to 64Gi (such as 64Mi or 1Gi)",
                 ));
             }
             Some(v) => v.clone(),
@@ -361,6 +372,7 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
             ..HTTPGetAction::default()
         }),
         period_seconds: Some(5),
+        timeout_seconds: Some(3),
         failure_threshold: Some(failures),
         ..Probe::default()
     };
@@ -439,24 +451,80 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
     }
 }
 
-/// A Kubernetes quantity as a sidecar's request may use: a decimal number with an
-/// optional suffix (binary suffixes only for memory).
-fn is_quantity(text: &str, memory: bool) -> bool {
+const MI: f64 = 1024.0 * 1024.0;
+const GI: f64 = 1024.0 * MI;
+
+/// A Kubernetes quantity as a sidecar's request may use, as a number (cores, or
+/// bytes for memory): a decimal with an optional suffix (binary ones only for
+/// memory). `None` when it is not one.
+fn quantity(text: &str, memory: bool) -> Option<f64> {
     let digits_end = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());
     let (number, suffix) = text.split_at(digits_end);
-    let number_ok = !number.is_empty()
-        && number.matches('.').count() <= 1
-        && !number.starts_with('.')
-        && !number.ends_with('.')
-        && number.parse::<f64>().is_ok_and(|n| n > 0.0);
-    let suffixes: &[&str] = if memory {
-        &["", "k", "M", "G", "T", "Ki", "Mi", "Gi", "Ti"]
-    } else {
-        &["", "m"]
+    if number.is_empty() || number.starts_with('.') || number.ends_with('.') {
+        return None;
+    }
+    let number: f64 = number.parse().ok().filter(|n: &f64| *n > 0.0)?;
+    let scale = match (memory, suffix) {
+        (_, "") => 1.0,
+        (false, "m") => 0.001,
+        (true, "k") => 1e3,
+        (true, "M") => 1e6,
+        (true, "G") => 1e9,
+        (true, "T") => 1e12,
+        (true, "Ki") => 1024.0,
+        (true, "Mi") => MI,
+        (true, "Gi") => GI,
+        (true, "Ti") => 1024.0 * GI,
+        _ => return None,
     };
-    number_ok && suffixes.contains(&suffix)
+    Some(number * scale)
+}
+
+/// An image reference the kubelet can pull: `[registry[:port]/]path[:tag][@digest]`,
+/// the path in lowercase (a registry host may have capitals).
+fn is_image_reference(text: &str) -> bool {
+    if text.is_empty() || text.len() > 512 {
+        return false;
+    }
+    let (name, digest) = match text.split_once('@') {
+        Some((name, digest)) => (name, Some(digest)),
+        None => (text, None),
+    };
+    let digest_ok = digest.is_none_or(|d| {
+        d.split_once(':').is_some_and(|(algo, hex)| {
+            !algo.is_empty() && hex.len() >= 32 && hex.chars().all(|c| c.is_ascii_hexdigit())
+        })
+    });
+    let (registry, path) = match name.split_once('/') {
+        Some((first, rest)) if first.contains(['.', ':']) || first == "localhost" => {
+            (Some(first), rest)
+        }
+        _ => (None, name),
+    };
+    let (path, tag) = match path.rsplit_once(':') {
+        Some((path, tag)) => (path, Some(tag)),
+        None => (path, None),
+    };
+    let registry_ok = registry.is_none_or(|r| {
+        r.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':'))
+    });
+    let path_ok = !path.is_empty()
+        && path.split('/').all(|part| {
+            part.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                && part.chars().all(|c| {
+                    c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-')
+                })
+        });
+    let tag_ok = tag.is_none_or(|t| {
+        !t.is_empty()
+            && t.len() <= 128
+            && t.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    });
+    digest_ok && registry_ok && path_ok && tag_ok
 }
 
 /// A DNS subdomain name (Secret names may contain dots).
@@ -658,6 +726,9 @@ mod tests {
             (CPU, "lots"),
             (CPU, "100Mi"),
             (CPU, "-1"),
+            (CPU, "100000"),
+            (MEMORY, "1"),
+            (IMAGE, "Registry.Example/DropGate:Canary"),
             (MEMORY, "64MB"),
             (MEMORY, ""),
             (IMAGE, "two words"),
@@ -753,15 +824,33 @@ mod tests {
     }
 
     #[test]
-    fn quantities() {
-        for good in ["1", "0.5", "250m"] {
-            assert!(is_quantity(good, false), "{good}");
-        }
-        for good in ["64Mi", "1Gi", "100M", "1000"] {
-            assert!(is_quantity(good, true), "{good}");
-        }
+    fn quantities_and_image_references() {
+        assert_eq!(quantity("250m", false), Some(0.25));
+        assert_eq!(quantity("64Mi", true), Some(64.0 * MI));
         for bad in ["", "m", "1.2.3", ".5", "5.", "1e3", "0"] {
-            assert!(!is_quantity(bad, false) && !is_quantity(bad, true), "{bad}");
+            assert_eq!(
+                (quantity(bad, false), quantity(bad, true)),
+                (None, None),
+                "{bad}"
+            );
+        }
+        for good in [
+            "dropgate:0.1.0",
+            "registry.example.com/shop/dropgate:canary",
+            "Registry.Example:5000/dropgate",
+            "localhost/dropgate@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ] {
+            assert!(is_image_reference(good), "{good}");
+        }
+        for bad in [
+            "",
+            "two words",
+            "Registry.Example/DropGate:Canary",
+            "dropgate:",
+            "dropgate@sha256:xyz",
+            "/dropgate",
+        ] {
+            assert!(!is_image_reference(bad), "{bad}");
         }
     }
 }

@@ -33,6 +33,10 @@ use super::{Decision, Settings, inject};
 /// The largest AdmissionReview read: a pod is a few KB; the API server's own limit
 /// for a request is 3 MiB.
 const MAX_REVIEW_BYTES: usize = 3 * 1024 * 1024;
+/// Connections served at once: the API server keeps a few; more is an attack.
+const MAX_CONNECTIONS: usize = 256;
+/// Time for a TLS handshake, and then for a request's head.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the certificate files are read again (two small files).
 const RELOAD_EVERY: Duration = Duration::from_secs(2);
 
@@ -169,12 +173,20 @@ impl Webhook {
         if let Ok(addr) = self.listener.local_addr() {
             tracing::info!(listen = %addr, "serving the injection webhook at /mutate");
         }
+        // Whoever reaches the port cannot hold the webhook: connections are capped,
+        // and each has bounded time for its handshake and its request head.
+        let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         loop {
+            let Ok(slot) = connections.clone().acquire_owned().await else {
+                return;
+            };
             let (stream, peer) = tokio::select! {
                 accepted = self.listener.accept() => match accepted {
                     Ok(accepted) => accepted,
                     Err(error) => {
+                        // Out of file descriptors, say: wait instead of spinning.
                         tracing::warn!(%error, "webhook accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
                 },
@@ -182,18 +194,26 @@ impl Webhook {
             };
             let (acceptor, settings) = (self.acceptor.clone(), self.settings.clone());
             tokio::spawn(async move {
-                let tls = match acceptor.accept(stream).await {
-                    Ok(tls) => tls,
-                    Err(error) => {
-                        tracing::debug!(%peer, %error, "TLS handshake failed");
-                        return;
-                    }
-                };
+                let _slot = slot;
+                let tls =
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => tls,
+                        Ok(Err(error)) => {
+                            tracing::debug!(%peer, %error, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
                 let service = hyper::service::service_fn(move |request| {
                     let settings = settings.clone();
                     async move { Ok::<_, Infallible>(handle(request, &settings).await) }
                 });
                 if let Err(error) = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HANDSHAKE_TIMEOUT)
                     .serve_connection(TokioIo::new(tls), service)
                     .await
                 {

@@ -5,7 +5,8 @@
 -- ARGV[1] the new limit
 -- ARGV[2] when the keys expire (ms since the epoch), or '' to keep them
 -- ARGV[3] the sale's identity (the object's uid, or a fixed word outside Kubernetes)
--- ARGV[4..] the config hash's field/value pairs (limit and sale among them)
+-- ARGV[4] when the object was created (ms since the epoch), or '' outside Kubernetes
+-- ARGV[5..] the config hash's field/value pairs (limit and sale among them)
 --
 -- Fresh stock is SET NX, so stock in use is never overwritten. When the config hash
 -- already holds a limit, remaining moves by the difference to the new one: a repeat
@@ -17,9 +18,13 @@
 -- starts over: its stock, counts and gate are new, and the gate scripts ignore
 -- reservation markers that carry another sale.
 --
--- A config older than the one published for the same sale (a lower generation: a
--- replica that lost its Lease, an old manifest) changes nothing and fails with
--- STALE, so a stale writer can never roll a drop back.
+-- Writers are ordered, so a stale one can never roll a drop back or wipe it; each
+-- of these changes nothing and fails with STALE:
+-- - a lower generation of the same sale (a replica that lost its Lease);
+-- - an unversioned write (apply -f, generation 0) over a sale the API server
+--   versions, and a versioned one over a sale apply -f stamped;
+-- - another sale created before the published one (an old incarnation of a
+--   re-created drop), or any unversioned sale over one Kubernetes created.
 --
 -- Returns {created (0/1), moved, previous mode or '', remaining after}.
 local new_limit = tonumber(ARGV[1])
@@ -29,15 +34,36 @@ local old_limit = redis.call('HGET', KEYS[1], 'limit')
 local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
 local old_generation = redis.call('HGET', KEYS[1], 'generation')
 local generation_in = 0
-for i = 4, #ARGV - 1, 2 do
+for i = 5, #ARGV - 1, 2 do
   if ARGV[i] == 'generation' then
     generation_in = tonumber(ARGV[i + 1]) or 0
   end
 end
-if old_sale == sale and generation_in > 0 and old_generation
-    and tonumber(old_generation) > generation_in then
-  return redis.error_reply('STALE generation ' .. generation_in ..
-    ' is older than the published generation ' .. old_generation)
+local created_in = tonumber(ARGV[4]) or 0
+local old_created = tonumber(redis.call('HGET', KEYS[1], 'saleCreatedAt') or '0') or 0
+-- Generations below this come from the API server; above, they are seed times.
+local STAMPED = 1e12
+local function stale(why)
+  return redis.error_reply('STALE ' .. why)
+end
+if old_sale and old_sale ~= sale then
+  if created_in > 0 and old_created > created_in then
+    return stale('sale ' .. sale .. ' was created before the published sale ' .. old_sale)
+  end
+  if created_in == 0 and old_created > 0 then
+    return stale('sale ' .. old_sale .. ' is managed through the Kubernetes API: this write would start it over')
+  end
+elseif old_sale == sale and old_generation then
+  local published = tonumber(old_generation) or 0
+  if generation_in > 0 and published < STAMPED and published > generation_in then
+    return stale('generation ' .. generation_in .. ' is older than the published generation ' .. old_generation)
+  end
+  if generation_in > 0 and published >= STAMPED then
+    return stale('generation ' .. generation_in .. ' cannot follow what apply -f published (generation ' .. old_generation .. '): re-create the drop')
+  end
+  if generation_in == 0 and published > 0 and published < STAMPED then
+    return stale('the drop is managed through the Kubernetes API at generation ' .. old_generation .. ': apply -f cannot change it')
+  end
 end
 if old_sale and old_sale ~= sale then
   for i = 2, #KEYS do
@@ -55,7 +81,12 @@ elseif old_limit then
     redis.call('INCRBY', KEYS[2], moved)
   end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+if created_in > 0 then
+  redis.call('HSET', KEYS[1], 'saleCreatedAt', created_in)
+else
+  redis.call('HDEL', KEYS[1], 'saleCreatedAt')
+end
 -- Outside Kubernetes there is no metadata.generation (it is published as 0). The
 -- ledgers order limit changes by generation, so a manifest's limit change gets one
 -- that only grows: the seed time, also across a Redis that lost its data.
