@@ -44,9 +44,13 @@ impl Fields {
     pub fn parse(body: &[u8], allowed: &[&str]) -> Result<Self, Invalid> {
         let value: Value = serde_json::from_slice(body)
             .map_err(|e| Invalid(format!("the body is not valid JSON: {e}")))?;
-        let Value::Object(map) = value else {
+        if !value.is_object() {
             return Err(Invalid("the body must be a JSON object".into()));
-        };
+        }
+        // serde_json keeps the last of two equal keys; a body that says two things
+        // is refused instead of read as one of them.
+        let UniqueKeys(map) = serde_json::from_slice(body)
+            .map_err(|e| Invalid(format!("the body is not valid JSON: {e}")))?;
         let mut unknown: Vec<&str> = map
             .keys()
             .map(String::as_str)
@@ -101,10 +105,48 @@ impl Fields {
     }
 }
 
-/// Checks an identifier taken from a body or a path: not empty, at most 256 bytes.
+/// A JSON object whose keys are each given once.
+struct UniqueKeys(Map<String, Value>);
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut access: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut map = Map::new();
+                while let Some((key, value)) = access.next_entry::<String, Value>()? {
+                    if map.contains_key(&key) {
+                        return Err(serde::de::Error::custom(format!(
+                            "the field `{key}` is given twice"
+                        )));
+                    }
+                    map.insert(key, value);
+                }
+                Ok(UniqueKeys(map))
+            }
+        }
+        deserializer.deserialize_map(Visitor)
+    }
+}
+
+/// Checks an identifier taken from a body or a path: not empty, at most 256 bytes,
+/// no control characters (NUL among them: PostgreSQL refuses it in text, SQLite
+/// keeps it, and logs and headers mangle them all).
 pub fn id(field: &str, value: &str) -> Result<(), Invalid> {
     if value.is_empty() {
         Err(Invalid(format!("`{field}` must not be empty")))
+    } else if let Some((at, c)) = value.char_indices().find(|(_, c)| c.is_control()) {
+        Err(Invalid(format!(
+            "`{field}` must not contain control characters (U+{:04X} at byte {at})",
+            u32::from(c)
+        )))
     } else if value.len() > MAX_ID_BYTES {
         Err(Invalid(format!(
             "`{field}` must be at most {MAX_ID_BYTES} bytes, not {}",
@@ -227,6 +269,18 @@ mod tests {
                 format!(r#"{{"key":"k","user":"{long}","quantity":1}}"#),
                 "`user` must be at most 256",
             ),
+            (
+                r#"{"key":"k\u0000","user":"u","quantity":1}"#.into(),
+                "`key` must not contain control characters (U+0000 at byte 1)",
+            ),
+            (
+                r#"{"key":"k","user":"u\n","quantity":1}"#.into(),
+                "`user` must not contain control characters",
+            ),
+            (
+                r#"{"key":"k","user":"u","quantity":1,"quantity":5}"#.into(),
+                "the field `quantity` is given twice",
+            ),
         ];
         for (body, want) in table {
             let got = refusal(&body);
@@ -239,5 +293,6 @@ mod tests {
         assert_eq!(path_id("key", "order%2F1"), Ok("order/1".into()));
         assert!(path_id("key", "%FF").is_err());
         assert!(path_id("key", &"a".repeat(257)).is_err());
+        assert!(path_id("key", "a%00b").is_err(), "a decoded NUL");
     }
 }

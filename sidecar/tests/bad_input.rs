@@ -201,6 +201,48 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
             "not_found",
             "nope",
         ),
+        (
+            reserve.into(),
+            r#"{"key":"k\u0000","user":"u","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "control characters",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u\u001b","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "`user`",
+        ),
+        (
+            reserve.into(),
+            r#"{"key":"k","user":"u","quantity":1,"quantity":9}"#.into(),
+            400,
+            "invalid",
+            "twice",
+        ),
+        (
+            "/v1/drops/sale/reservations/k%00/confirm".into(),
+            "".into(),
+            400,
+            "invalid",
+            "control characters",
+        ),
+        (
+            "/v1/drops//reservations".into(),
+            r#"{"key":"k","user":"u","quantity":1}"#.into(),
+            400,
+            "invalid",
+            "empty segment",
+        ),
+        (
+            "/v1/drops/sale/reservations//confirm".into(),
+            "".into(),
+            400,
+            "invalid",
+            "empty segment",
+        ),
     ];
     for (path, body, status, outcome, word) in table {
         let reply = sidecar.http.post(&path, &body).await.expect("answers");
@@ -227,4 +269,31 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
     let route = sidecar.http.get("/v2/whatever").await.expect("answers");
     assert_eq!((route.status.as_u16(), route.outcome()), (404, "not_found"));
     assert_eq!(sidecar.snapshot(), before);
+}
+
+/// PostgreSQL refuses a NUL in text: a key with one must be refused before it
+/// reaches the ledger, not answered 503 (and not send the group commit's whole
+/// batch back to one commit per change).
+#[tokio::test]
+async fn a_control_character_is_refused_before_the_shared_ledger() {
+    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
+    let sidecar = Sidecar::start_with_database(Some(postgres.url())).await;
+    sidecar
+        .seed("sale", "  sku: X\n  limitedQuantity: 10\n")
+        .await;
+    let reply = sidecar
+        .http
+        .post(
+            "/v1/drops/sale/reservations",
+            r#"{"key":"nul\u0000key","user":"u","quantity":1}"#,
+        )
+        .await
+        .expect("answers");
+    assert_eq!(
+        (reply.status.as_u16(), reply.outcome()),
+        (400, "invalid"),
+        "{}",
+        reply.text
+    );
+    assert_eq!(sidecar.reserve("sale", "fine", "u", 1).await.status, 201);
 }

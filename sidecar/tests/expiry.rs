@@ -63,3 +63,42 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
     assert_eq!(sidecar.held("sale"), confirmed);
     sidecar.assert_invariants("sale", 40);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_of_the_due_set_without_a_hold_never_stop_the_sweep() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("sale", "  sku: X\n  limitedQuantity: 5\n  holdSeconds: 1\n")
+        .await;
+    // 300 due entries whose markers are gone (lived out their TTL, say): more than
+    // one sweep takes at a time, all ahead of the real hold.
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let holds = format!("dropgate:{{{}/sale}}:holds", common::NS);
+    for i in 0..300 {
+        let _: () = redis::cmd("ZADD")
+            .arg(&holds)
+            .arg(i)
+            .arg(format!("gone-{i}"))
+            .query(&mut conn)
+            .expect("ZADD");
+    }
+    assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
+    assert_eq!(sidecar.remaining("sale"), 4);
+    let mut returned = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if sidecar.remaining("sale") == 5 {
+            returned = true;
+            break;
+        }
+    }
+    assert!(
+        returned,
+        "the sweeper reached the real hold and returned its unit"
+    );
+    let left: i64 = redis::cmd("ZCARD")
+        .arg(&holds)
+        .query(&mut conn)
+        .expect("ZCARD");
+    assert_eq!(left, 0, "the stale entries were dropped");
+}

@@ -73,7 +73,23 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(app)
         .then(health::metrics);
 
-    reserve
+    // `/v1/drops//reservations` or a trailing `/`: an empty segment is a missing
+    // name, said as such rather than as a route or method that does not exist.
+    let empty_segment = warp::path::full().and_then(|path: warp::path::FullPath| async move {
+        let path = path.as_str();
+        if path.contains("//") || (path.len() > 1 && path.ends_with('/')) {
+            Ok(Answer::invalid(format!(
+                "the path {path} has an empty segment: a name is missing"
+            ))
+            .into_response())
+        } else {
+            Err(warp::reject::not_found())
+        }
+    });
+
+    empty_segment
+        .or(reserve)
+        .unify()
         .or(confirm)
         .unify()
         .or(cancel)
