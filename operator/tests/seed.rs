@@ -301,3 +301,65 @@ async fn writers_that_would_wipe_or_roll_back_a_sale_are_refused() {
         .expect("newer generation");
     assert_eq!(remaining(&redis), 3);
 }
+
+#[tokio::test]
+async fn moving_the_end_moves_every_key_s_expiry_in_the_same_step() {
+    let redis = RedisServer::start().expect("redis");
+    let url = redis.url();
+    let mut conn = redis.connection().expect("connect");
+    let ends = |at: &str| manifest(&format!("  limitedQuantity: 10\n  endsAt: {at}"));
+    apply(&ends("2030-01-01T00:00:00Z"), Some(&url))
+        .await
+        .expect("seeds");
+    // A buyer's count and a hold, as an admission leaves them.
+    let _: () = conn.hincr(keys().buyers(), "alice", 1).expect("HINCRBY");
+    let _: () = redis::cmd("ZADD")
+        .arg(keys().holds())
+        .arg(1)
+        .arg("k")
+        .query(&mut conn)
+        .expect("ZADD");
+    hold(&redis, 1);
+    let expiry = |conn: &mut redis::Connection, key: String| -> i64 {
+        redis::cmd("PEXPIRETIME")
+            .arg(key)
+            .query(conn)
+            .expect("PEXPIRETIME")
+    };
+    let state_keys = || {
+        [
+            keys().remaining(),
+            keys().held(),
+            keys().buyers(),
+            keys().holds(),
+        ]
+    };
+    let before = expiry(&mut conn, keys().remaining());
+    assert!(before > 0);
+    apply(&ends("2031-01-01T00:00:00Z"), Some(&url))
+        .await
+        .expect("moves the end");
+    let moved: Vec<i64> = state_keys()
+        .into_iter()
+        .map(|k| expiry(&mut conn, k))
+        .collect();
+    assert!(
+        moved.iter().all(|t| *t == moved[0] && *t > before),
+        "{moved:?}"
+    );
+
+    apply(&manifest("  limitedQuantity: 10"), Some(&url))
+        .await
+        .expect("removes the end");
+    let removed: Vec<i64> = state_keys()
+        .into_iter()
+        .map(|k| expiry(&mut conn, k))
+        .collect();
+    assert_eq!(
+        removed,
+        [-1, -1, -1, -1],
+        "no end: the keys live with the drop"
+    );
+    let bought: i64 = conn.hget(keys().buyers(), "alice").expect("HGET");
+    assert_eq!(bought, 1, "the per-user count survived every move");
+}

@@ -29,6 +29,8 @@ mod armed {
 
     /// How many more times each point fails.
     pub static ARMED: Mutex<Option<HashMap<Fault, u32>>> = Mutex::new(None);
+    /// How far the wall clock is moved.
+    pub static SKEW_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 }
 
 /// Makes the next `times` passes through `fault` fail.
@@ -57,4 +59,23 @@ pub fn check(fault: Fault) -> Result<(), Injected> {
 #[inline(always)]
 pub fn check(_fault: Fault) -> Result<(), Injected> {
     Ok(())
+}
+
+/// Moves this process's wall clock by `ms` (a machine whose clock is off), for
+/// every clock reading after it.
+#[cfg(feature = "fault-injection")]
+pub fn skew_clock(ms: i64) {
+    armed::SKEW_MS.store(ms, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// How far a test moved the wall clock (0 in every other build).
+#[cfg(feature = "fault-injection")]
+pub fn clock_skew_ms() -> i64 {
+    armed::SKEW_MS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub fn clock_skew_ms() -> i64 {
+    0
 }

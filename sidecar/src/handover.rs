@@ -303,6 +303,7 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
         // now (of two sidecars registering, the later sees the earlier).
         let registered = match gate::register(&mut conn, &drop.keys, app.ledger.id()).await {
             Ok(ledgers) => {
+                say_per_pod_peers(app, drop, &ledgers);
                 app.ledger
                     .note_peers(&key, &ledgers)
                     .await
@@ -390,6 +391,7 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
     let ledgers = gate::register(&mut conn, &drop.keys, app.ledger.id())
         .await
         .map_err(|e| format!("Redis: {e}"))?;
+    say_per_pod_peers(app, drop, &ledgers);
     app.ledger
         .note_peers(&key, &ledgers)
         .await
@@ -411,4 +413,29 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
         replay_unseen(app, drop).await?;
     }
     Ok(())
+}
+
+/// A per-pod (SQLite) ledger that finds other sidecars' ledgers registered for
+/// the drop says so loudly, once per change of their number, and in the metric
+/// `dropgate_sidecar_per_pod_ledger_peers`: its fallback path is per pod, so with
+/// more than one replica a Redis outage stops the sale instead of failing open
+/// (use PostgreSQL, shared by the replicas).
+fn say_per_pod_peers(app: &App, drop: &Drop, ledgers: &[String]) {
+    if !app.ledger.is_per_pod() {
+        return;
+    }
+    let peers = ledgers.iter().filter(|l| *l != app.ledger.id()).count() as i64;
+    let gauge = app
+        .metrics
+        .per_pod_ledger_peers
+        .get_or_create(&crate::metrics::DropLabel {
+            drop: drop.name.clone(),
+        });
+    if gauge.set(peers) != peers && peers > 0 {
+        tracing::warn!(
+            drop = %drop.name,
+            peers,
+            "this sidecar keeps a per-pod SQLite ledger, and {peers} other sidecar(s) sell this drop: its fallback path is per pod (a Redis outage closes the drop instead of failing open); give the replicas one PostgreSQL ledger (--database-url postgres://...)"
+        );
+    }
 }

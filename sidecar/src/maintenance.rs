@@ -55,8 +55,20 @@ const DISPATCH_BATCH: i64 = 512;
 /// waiting for a request.
 async fn refresh_configs(app: &App) {
     let mut conn = app.redis.clone();
-    let reached = match redis::cmd("PING").query_async::<String>(&mut conn).await {
-        Ok(_) => {
+    // TIME rather than PING: the answer also keeps the sidecar's clock on Redis's.
+    let sent = crate::clock::local_ms();
+    let reached = match redis::cmd("TIME")
+        .query_async::<(String, String)>(&mut conn)
+        .await
+    {
+        Ok((seconds, micros)) => {
+            if let (Ok(seconds), Ok(micros)) = (seconds.parse::<i64>(), micros.parse::<i64>()) {
+                crate::clock::observe_redis(
+                    seconds * 1000 + micros / 1000,
+                    sent,
+                    crate::clock::local_ms(),
+                );
+            }
             app.redis_answered();
             true
         }

@@ -40,6 +40,10 @@ pub struct Metrics {
     /// Admissions answered 201 before the replicas `--wait-replicas` asks for
     /// acknowledged them (durable in the ledger all the same).
     pub replica_wait_timeouts: Counter<u64, AtomicU64>,
+    /// Other sidecars' ledgers registered for a drop, counted by a sidecar whose
+    /// own ledger is per pod (SQLite): anything but 0 means its fallback is per pod
+    /// in a shop with several replicas.
+    pub per_pod_ledger_peers: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
 }
 
 impl Metrics {
@@ -52,6 +56,7 @@ impl Metrics {
         let permits_in_use = Family::default();
         let expired = Counter::default();
         let replica_wait_timeouts = Counter::default();
+        let per_pod_ledger_peers = Family::default();
         registry.register("answers", "Answers by route and outcome", answers.clone());
         registry.register(
             "request_duration_seconds",
@@ -73,6 +78,11 @@ impl Metrics {
             "Admissions answered before the replicas asked for acknowledged them",
             replica_wait_timeouts.clone(),
         );
+        registry.register(
+            "per_pod_ledger_peers",
+            "Other sidecars selling a drop, seen by a sidecar with a per-pod SQLite ledger",
+            per_pod_ledger_peers.clone(),
+        );
         Self {
             registry,
             answers,
@@ -80,6 +90,7 @@ impl Metrics {
             permits_in_use,
             expired,
             replica_wait_timeouts,
+            per_pod_ledger_peers,
         }
     }
 

@@ -27,6 +27,11 @@ pub async fn run(
         redis = %dropgate_api::redact_url(&settings.redis_url),
         "serving"
     );
+    if app.ledger.is_per_pod() {
+        tracing::info!(
+            "the ledger is per pod (SQLite): fine for one replica; several replicas of a shop need one PostgreSQL ledger (a warning and dropgate_sidecar_per_pod_ledger_peers say when others sell the same drop)"
+        );
+    }
     let (stop, stopped) = watch::channel(false);
     let health = match settings.health_listen {
         Some(addr) => {

@@ -356,3 +356,36 @@ async fn a_per_pod_ledger_closes_rather_than_fail_open_when_redis_is_down() {
     );
     assert!(reply.text.contains("per pod"), "{}", reply.text);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_pod_ledgers_selling_one_drop_say_so_in_the_metrics() {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    common::seed(&redis.url(), "sale", &spec(10, "")).await;
+    let ledger = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
+    let a = Peer::start(&redis.url(), &ledger("a.db")).await;
+    let b = Peer::start(&redis.url(), &ledger("b.db")).await;
+    let peers_of = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("dropgate_sidecar_per_pod_ledger_peers{drop=\"sale\"}"))
+            .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
+    };
+    let mut seen = None;
+    for i in 0..50 {
+        let _ = a
+            .reserve("sale", &format!("a-{i}"), &format!("a-{i}"), 1)
+            .await;
+        let _ = b
+            .reserve("sale", &format!("b-{i}"), &format!("b-{i}"), 1)
+            .await;
+        let metrics = a.http.get("/metrics").await.expect("answers");
+        seen = peers_of(&metrics.text);
+        if seen.as_deref() == Some("1") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(seen.as_deref(), Some("1"), "a sees b's ledger");
+    a.shutdown().await;
+    b.shutdown().await;
+}
