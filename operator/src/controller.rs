@@ -7,10 +7,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dropgate_api::{InventoryDrop, InventoryDropStatus, Mode, Phase};
+use dropgate_api::{InventoryDrop, InventoryDropStatus, Mode};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -243,7 +242,7 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
         }
         Err(error) => {
             // Say why in status before backing off; the error itself is what counts.
-            let status = failed_status(drop, &error, Timestamp::now());
+            let status = decide::failed_status(drop, &error, Timestamp::now());
             if let Err(e) = write_status(ctx, api, drop, &status).await {
                 tracing::warn!(error = %e, "could not write the failure into status");
             }
@@ -427,30 +426,6 @@ async fn publish(
         )
         .await?;
     Ok(())
-}
-
-/// The status after a failed reconcile: what was known stays, phase Error, and the
-/// Ready condition says why.
-pub fn failed_status(drop: &InventoryDrop, error: &Error, now: Timestamp) -> InventoryDropStatus {
-    let mut status = drop.status.clone().unwrap_or_default();
-    status.phase = Phase::Error;
-    status.observed_generation = drop.metadata.generation;
-    let message = error.to_string();
-    let keep_time = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready" && c.status == "False")
-        .map(|c| c.last_transition_time.clone());
-    status.conditions.retain(|c| c.type_ != "Ready");
-    status.conditions.push(Condition {
-        type_: "Ready".into(),
-        status: "False".into(),
-        reason: error.reason().into(),
-        message,
-        observed_generation: drop.metadata.generation,
-        last_transition_time: keep_time.unwrap_or(Time(now)),
-    });
-    status
 }
 
 /// Process settings of `dropgate-operator run`.

@@ -5,6 +5,7 @@ use dropgate_api::{DropConfig, FailurePolicy, InventoryDrop, InventoryDropStatus
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+use crate::Error;
 use crate::ha::{HaReport, Verdict};
 use crate::store::{Seeded, Stock};
 
@@ -298,6 +299,30 @@ fn condition(
         observed_generation: generation,
         last_transition_time,
     }
+}
+
+/// The status after a failed reconcile: what was known stays, phase Error, and the
+/// Ready condition says why.
+pub fn failed_status(drop: &InventoryDrop, error: &Error, now: Timestamp) -> InventoryDropStatus {
+    let mut status = drop.status.clone().unwrap_or_default();
+    status.phase = Phase::Error;
+    status.observed_generation = drop.metadata.generation;
+    let message = error.to_string();
+    let keep_time = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "False")
+        .map(|c| c.last_transition_time.clone());
+    status.conditions.retain(|c| c.type_ != "Ready");
+    status.conditions.push(Condition {
+        type_: "Ready".into(),
+        status: "False".into(),
+        reason: error.reason().into(),
+        message,
+        observed_generation: drop.metadata.generation,
+        last_transition_time: keep_time.unwrap_or(Time(now)),
+    });
+    status
 }
 
 fn true_false(value: bool) -> &'static str {

@@ -16,11 +16,13 @@
 //!   [`reconcile`], with the finalizer, status by server-side apply, Events on mode
 //!   changes and backoff; [`lease`] keeps it to one active replica.
 //! - [`admin`] and [`metrics`]: `/metrics` and `/healthz` on the admin port.
+//! - [`cli`]: the command line and what each command runs; `main` only calls it.
 //! - [`inject`]: sidecar injection, a pure function from pod to injected pod, served
 //!   by the webhook ([`inject::webhook`]) and `inject -f` ([`inject::manifest`]).
 
 pub mod admin;
 pub mod apply;
+pub mod cli;
 pub mod controller;
 pub mod decide;
 pub mod ha;

@@ -65,6 +65,10 @@ async fn next(handle: &mut ApiHandle) -> Call {
 }
 
 fn context(redis_url: Option<String>) -> (Arc<Context>, ApiHandle) {
+    context_with(redis_url, Memorystore::default())
+}
+
+fn context_with(redis_url: Option<String>, memorystore: Memorystore) -> (Arc<Context>, ApiHandle) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "default");
     let settings = Settings {
@@ -74,12 +78,7 @@ fn context(redis_url: Option<String>) -> (Arc<Context>, ApiHandle) {
         redis_url,
         ha_grace: Duration::from_secs(300),
     };
-    let ctx = Context::new(
-        client,
-        Memorystore::default(),
-        Arc::new(Metrics::default()),
-        settings,
-    );
+    let ctx = Context::new(client, memorystore, Arc::new(Metrics::default()), settings);
     (Arc::new(ctx), handle)
 }
 
@@ -658,4 +657,166 @@ fn only_spec_finalizer_and_deletion_changes_wake_the_controller() {
     ] {
         assert_ne!(controller::worth_a_reconcile(&changed), base, "{what}");
     }
+}
+
+#[tokio::test]
+async fn a_failed_status_write_backs_off() {
+    let redis = RedisServer::start().expect("redis");
+    let (ctx, mut handle) = context(None);
+    let drop = finalized(drop_of("sku: X\nlimitedQuantity: 5", &redis));
+    let server = tokio::spawn(async move {
+        let call = next(&mut handle).await;
+        assert_eq!(call.path, format!("{OBJECT}/status"));
+        call.respond(500, &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500, "message": "etcdserver: leader changed"}));
+        handle
+    });
+    let error = controller::reconcile(Arc::new(drop.clone()), ctx.clone())
+        .await
+        .expect_err("the write failed");
+    let handle = server.await.expect("script ran");
+    assert_eq!(
+        controller::error_policy(Arc::new(drop), &error, ctx.clone()),
+        Action::requeue(Duration::from_secs(2)),
+        "backs off, no immediate retry"
+    );
+    expect_no_more(ctx, handle).await;
+}
+
+#[tokio::test]
+async fn a_redis_that_hangs_for_one_drop_does_not_hold_up_another() {
+    let redis = RedisServer::start().expect("redis");
+    // Accepts connections and never answers: a Redis that hangs.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let hung_url = format!("redis://{}", hung.local_addr().expect("addr"));
+    let (ctx, mut handle) = context(None);
+    let mut stuck = finalized(drop_of("sku: X\nlimitedQuantity: 5", &redis));
+    stuck.metadata.name = Some("stuck".into());
+    stuck.spec.redis.url = Some(hung_url);
+    let healthy = finalized(drop_of("sku: X\nlimitedQuantity: 5", &redis));
+    let stuck_task = tokio::spawn(controller::reconcile(Arc::new(stuck), ctx.clone()));
+    tokio::time::sleep(Duration::from_millis(200)).await; // it is connecting
+    let for_server = healthy.clone();
+    let server = tokio::spawn(async move {
+        expect_status_patch(&mut handle, &for_server).await;
+        expect_event(&mut handle).await;
+        handle
+    });
+    controller::reconcile(Arc::new(healthy), ctx.clone())
+        .await
+        .expect("the healthy drop reconciles");
+    assert!(
+        !stuck_task.is_finished(),
+        "the other drop is still waiting for its Redis"
+    );
+    let mut handle = server.await.expect("script ran");
+    // The stuck one fails in its own time and says so in its status.
+    let call = next(&mut handle).await;
+    assert_eq!(
+        call.path,
+        "/apis/dropgate.io/v1alpha1/namespaces/shop/inventorydrops/stuck/status"
+    );
+    call.respond(200, &json!({}));
+    assert!(stuck_task.await.expect("joins").is_err());
+    drop(hung);
+    expect_no_more(ctx, handle).await;
+}
+
+/// A Memorystore API and metadata server that answer 503 for every instance.
+async fn google_unavailable() -> String {
+    use warp::Filter;
+    let token = warp::path!(
+        "computeMetadata" / "v1" / "instance" / "service-accounts" / "default" / "token"
+    )
+    .map(|| r#"{"access_token":"ya29.t","expires_in":3599,"token_type":"Bearer"}"#);
+    let instance = warp::path!(
+        "v1" / "projects" / String / "locations" / String / "instances" / String
+    )
+    .map(|_: String, _: String, _: String| {
+        warp::reply::with_status("later", warp::http::StatusCode::SERVICE_UNAVAILABLE)
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        warp::serve(
+            token
+                .map(warp::reply::Reply::into_response)
+                .or(instance.map(warp::reply::Reply::into_response)),
+        )
+        .incoming(listener)
+        .run(),
+    );
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn an_unanswered_ha_check_keeps_the_mode_warns_once_and_asks_again_soon() {
+    let redis = RedisServer::start().expect("redis");
+    let google = google_unavailable().await;
+    let (ctx, mut handle) = context_with(
+        None,
+        Memorystore::new(&google, &google, Duration::from_millis(500)),
+    );
+    let mut drop = finalized(drop_of(
+        "sku: X\nlimitedQuantity: 5\ngate: {failurePolicy: Closed}",
+        &redis,
+    ));
+    drop.spec.redis.require_high_availability = true;
+    drop.spec.redis.memorystore = Some(dropgate_api::drop::MemorystoreInstance {
+        project: "p".into(),
+        location: "l".into(),
+        instance: "i".into(),
+    });
+    // Last verified: highly available, the gate on.
+    drop.status = Some(
+        serde_json::from_value(json!({
+            "phase": "Active", "mode": "gate",
+            "conditions": [{"type": "HighlyAvailable", "status": "True", "reason": "StandardHaReady",
+                            "message": "ok", "lastTransitionTime": "2026-12-01T10:00:00Z"}]
+        }))
+        .expect("status"),
+    );
+    let for_server = drop.clone();
+    let server = tokio::spawn(async move {
+        let status = expect_status_patch(&mut handle, &for_server).await;
+        assert_eq!(status["mode"], "gate", "kept");
+        assert_eq!(condition(&status, "HighlyAvailable")["status"], "Unknown");
+        assert_eq!(condition(&status, "Ready")["status"], "True");
+        // This Redis is new to the drop: the mode is published, then the warning.
+        assert_eq!(expect_event(&mut handle).await["reason"], "GateEnabled");
+        let event = expect_event(&mut handle).await;
+        assert_eq!(
+            (event["type"].as_str(), event["reason"].as_str()),
+            (Some("Warning"), Some("HighAvailabilityUnknown"))
+        );
+        (handle, status)
+    });
+    let action = controller::reconcile(Arc::new(drop.clone()), ctx.clone())
+        .await
+        .expect("reconciles");
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(2)),
+        "asks again soon"
+    );
+    let (mut handle, status) = server.await.expect("script ran");
+    // Still unanswered: the status again, no second Warning.
+    drop.status = Some(serde_json::from_value(status).expect("status"));
+    let for_server = drop.clone();
+    let server = tokio::spawn(async move {
+        let status = expect_status_patch(&mut handle, &for_server).await;
+        assert_eq!(status["mode"], "gate");
+        handle
+    });
+    let action = controller::reconcile(Arc::new(drop), ctx.clone())
+        .await
+        .expect("reconciles");
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(4)),
+        "backing off"
+    );
+    let handle = server.await.expect("script ran");
+    expect_no_more(ctx, handle).await;
 }
