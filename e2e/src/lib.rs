@@ -7,7 +7,10 @@
 //!   processes, the way a user would.
 //! - [`flash_sale`]: thousands of concurrent buyers with retries, duplicate cancels
 //!   and throttling; counts every answer and checks DESIGN.md's invariants.
+//! - [`designs`]: the stock-keeping designs the `bench` binary compares the
+//!   sidecar with (lock-and-counter, the SQL row).
 
+pub mod designs;
 pub mod flash_sale;
 pub mod processes;
 

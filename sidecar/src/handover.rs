@@ -415,11 +415,12 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
     Ok(())
 }
 
-/// A per-pod (SQLite) ledger that finds other sidecars' ledgers registered for
-/// the drop says so loudly, once per change of their number, and in the metric
-/// `dropgate_sidecar_per_pod_ledger_peers`: its fallback path is per pod, so with
-/// more than one replica a Redis outage stops the sale instead of failing open
-/// (use PostgreSQL, shared by the replicas).
+/// A per-pod (SQLite) ledger that finds other ledgers registered for the drop
+/// says so loudly, once per change of their number, and in the metric
+/// `dropgate_sidecar_per_pod_ledger_peers`: other replicas sell the drop (or this
+/// pod sold it before a restart that lost its emptyDir), and a per-pod fallback
+/// then closes the drop on a Redis outage instead of failing open (use one
+/// PostgreSQL ledger for all replicas).
 fn say_per_pod_peers(app: &App, drop: &Drop, ledgers: &[String]) {
     if !app.ledger.is_per_pod() {
         return;
@@ -431,11 +432,12 @@ fn say_per_pod_peers(app: &App, drop: &Drop, ledgers: &[String]) {
         .get_or_create(&crate::metrics::DropLabel {
             drop: drop.name.clone(),
         });
-    if gauge.set(peers) != peers && peers > 0 {
+    let before = gauge.set(peers);
+    if before != peers && peers > 0 {
         tracing::warn!(
             drop = %drop.name,
             peers,
-            "this sidecar keeps a per-pod SQLite ledger, and {peers} other sidecar(s) sell this drop: its fallback path is per pod (a Redis outage closes the drop instead of failing open); give the replicas one PostgreSQL ledger (--database-url postgres://...)"
+            "this sidecar keeps a per-pod SQLite ledger, and {peers} other ledger(s) registered for this drop (other replicas, or this pod before a restart that lost its ledger): its fallback path is per pod, so a Redis outage closes the drop instead of failing open; give the replicas one PostgreSQL ledger (--database-url postgres://...)"
         );
     }
 }

@@ -103,8 +103,9 @@ async fn dispatch_events(app: &App) {
     let mut conn = app.redis.clone();
     if let Err(error) = crate::ledger::outbox::dispatch(
         app.ledger.pool(),
+        !app.ledger.is_per_pod(),
         &mut conn,
-        app.ledger.id(),
+        &app.sidecar_id,
         DISPATCH_BATCH,
     )
     .await

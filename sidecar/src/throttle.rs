@@ -5,7 +5,6 @@
 //! buyers who never confirm cannot lock the whole stock away from the ones who do.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,8 +18,9 @@ pub struct Throttle {
     /// The current `throttle.permits`.
     size: Mutex<u32>,
     /// Permits a shrink could not take away because they were held: each is
-    /// forgotten instead of returned when it is let go.
-    debt: Arc<AtomicUsize>,
+    /// forgotten instead of returned when it is let go. Behind a lock that a resize
+    /// and every let-go permit take, so that none slips back in between.
+    debt: Arc<Mutex<usize>>,
     /// Permits held for admitted reservations, by idempotency key, with the hold's
     /// deadline (ms since the epoch) so that expiry elsewhere still frees them.
     held: Mutex<HashMap<String, (Permit, i64)>>,
@@ -31,18 +31,21 @@ pub struct Throttle {
 #[derive(Debug)]
 pub struct Permit {
     permit: Option<OwnedSemaphorePermit>,
-    debt: Arc<AtomicUsize>,
+    debt: Arc<Mutex<usize>>,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        if let Some(permit) = self.permit.take()
-            && self
-                .debt
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-                .is_ok()
-        {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        let mut debt = self.debt.lock().unwrap_or_else(|e| e.into_inner());
+        if *debt > 0 {
+            *debt -= 1;
             permit.forget();
+        } else {
+            // Returned to the semaphore while the lock is held: a resize sees it.
+            std::mem::drop(permit);
         }
     }
 }
@@ -52,7 +55,7 @@ impl Throttle {
         Self {
             semaphore: Arc::new(Semaphore::new(permits as usize)),
             size: Mutex::new(permits),
-            debt: Arc::new(AtomicUsize::new(0)),
+            debt: Arc::new(Mutex::new(0)),
             held: Mutex::new(HashMap::new()),
         }
     }
@@ -63,20 +66,15 @@ impl Throttle {
     /// the new size, once the holds from before it end.
     pub fn resize(&self, permits: u32) {
         let mut size = self.size.lock().unwrap_or_else(|e| e.into_inner());
+        let mut debt = self.debt.lock().unwrap_or_else(|e| e.into_inner());
         let (old, new) = (*size as usize, permits as usize);
         if new > old {
-            let mut grow = new - old;
-            let _ = self
-                .debt
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |debt| {
-                    let paid = debt.min(new - old);
-                    grow = new - old - paid;
-                    Some(debt - paid)
-                });
-            self.semaphore.add_permits(grow);
+            let paid = (*debt).min(new - old);
+            *debt -= paid;
+            self.semaphore.add_permits(new - old - paid);
         } else if new < old {
             let taken = self.semaphore.forget_permits(old - new);
-            self.debt.fetch_add(old - new - taken, Ordering::SeqCst);
+            *debt += old - new - taken;
         }
         *size = permits;
     }

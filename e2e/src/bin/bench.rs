@@ -4,7 +4,14 @@
 //! no ledger). These machines are shared and noisy, so the ratios are the figures to
 //! quote, not the milliseconds.
 //!
+//! A second table compares, with concurrent clients on one hot drop, the sidecar
+//! with the designs it replaces (see [`dropgate_e2e::designs`]) and with the gate
+//! script called straight from Rust: operations/s, p50/p99/p99.9 and the ratio to
+//! that raw script, each row followed by its oversell check.
+//!
 //! `cargo run --release -p dropgate-e2e --bin bench -- --requests 3000`
+//! (`--quick` for the few hundred calls the test command runs so the bench never
+//! rots).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -22,6 +29,9 @@ struct Cli {
     /// Clients for the concurrent measurement.
     #[arg(long, default_value_t = 64)]
     clients: usize,
+    /// A few hundred calls per row: proves the bench runs, measures nothing.
+    #[arg(long)]
+    quick: bool,
 }
 
 struct Row {
@@ -51,7 +61,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: &Cli) -> Result<(), String> {
-    let n = cli.requests.max(10);
+    let n = if cli.quick { 100 } else { cli.requests.max(10) };
     let redis = RedisServer::start().map_err(|e| e.to_string())?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let manifest = dir.path().join("bench.yaml");
@@ -237,6 +247,7 @@ async fn run(cli: &Cli) -> Result<(), String> {
         waiting_rate / healthz_rate
     );
     drop(replica);
+    compare_designs(cli, n, &redis, &http).await?;
     for process in [sidecar, waiting] {
         let status = process.terminate()?;
         if !status.success() {
@@ -264,4 +275,310 @@ where
     .await;
     results.into_iter().collect::<Result<Vec<()>, String>>()?;
     Ok((clients * per_client) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// One row of the comparison: what was measured and how it went.
+struct Measured {
+    name: String,
+    per_second: f64,
+    p50: Duration,
+    p99: Duration,
+    p999: Duration,
+    check: String,
+}
+
+/// Runs `per_client` calls on each of `clients` concurrent clients and times each.
+async fn measure<F, Fut>(
+    clients: usize,
+    per_client: usize,
+    call: F,
+) -> Result<(f64, Vec<Duration>), String>
+where
+    F: Fn(usize, usize) -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let started = Instant::now();
+    let results = join_all((0..clients).map(|c| {
+        let call = &call;
+        async move {
+            let mut times = Vec::with_capacity(per_client);
+            for i in 0..per_client {
+                let t = Instant::now();
+                call(c, i).await?;
+                times.push(t.elapsed());
+            }
+            Ok::<Vec<Duration>, String>(times)
+        }
+    }))
+    .await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut all = Vec::with_capacity(clients * per_client);
+    for times in results {
+        all.extend(times?);
+    }
+    Ok((all.len() as f64 / elapsed, all))
+}
+
+fn row(name: &str, (per_second, mut times): (f64, Vec<Duration>), check: String) -> Measured {
+    times.sort_unstable();
+    Measured {
+        name: name.to_string(),
+        per_second,
+        p50: dropgate_e2e::quantile(&times, 0.5),
+        p99: dropgate_e2e::quantile(&times, 0.99),
+        p999: dropgate_e2e::quantile(&times, 0.999),
+        check,
+    }
+}
+
+/// The second table: one hot drop, `cli.clients` clients, every design.
+async fn compare_designs(
+    cli: &Cli,
+    n: usize,
+    redis: &RedisServer,
+    http: &HttpClient,
+) -> Result<(), String> {
+    use dropgate_e2e::designs::{LockAndCounter, SqlRow, Took};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicI64, Ordering};
+    let clients = cli.clients.max(1);
+    let per_client = (n / clients).max(if cli.quick { 2 } else { 20 });
+    let units = (clients * per_client) as i64;
+    let client = redis::Client::open(redis.url()).map_err(|e| e.to_string())?;
+    let conn = redis::aio::ConnectionManager::new(client.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut rows = Vec::new();
+
+    // 1. The sidecar: HTTP reserve, durable in its SQLite ledger.
+    let sidecar = measure(clients, per_client, |c, i| {
+        let http = http.clone();
+        async move {
+            let body = format!(r#"{{"key":"d{c}-{i}","user":"d{c}-{i}","quantity":1}}"#);
+            let reply = http
+                .post("/v1/drops/bench/reservations", &body)
+                .await
+                .map_err(|e| e.to_string())?;
+            if reply.status == 201 {
+                Ok(())
+            } else {
+                Err(format!("reserve answered {}", reply.text))
+            }
+        }
+    })
+    .await?;
+    let keys = dropgate_api::DropKeys::new("shop", "bench");
+    let (remaining, held): (i64, i64) = redis::pipe()
+        .get(keys.remaining())
+        .get(keys.held())
+        .query_async(&mut conn.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    if remaining + held != 10_000_000 || remaining < 0 {
+        return Err(format!(
+            "the sidecar's drop does not add up: remaining {remaining}, held {held}"
+        ));
+    }
+    rows.push(row(
+        "sidecar reserve (HTTP, ledger)",
+        sidecar,
+        format!("remaining + held = {} (limit 10000000)", remaining + held),
+    ));
+
+    // 2. The same gate script by EVALSHA from a Rust client, on the open gate.
+    let raw = measure(clients, per_client, |c, i| {
+        let mut conn = conn.clone();
+        let keys = keys.clone();
+        async move {
+            let key = format!("r{c}-{i}");
+            let reply = dropgate_sidecar::gate::reserve(
+                &mut conn, &keys, &key, &key, 1, "bench", "bench", 60_000,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            if reply.outcome == "admitted" {
+                Ok(())
+            } else {
+                Err(format!("the gate script answered {}", reply.outcome))
+            }
+        }
+    })
+    .await?;
+    rows.push(row(
+        "gate script by EVALSHA (raw)",
+        raw,
+        "pending markers, as admitted".into(),
+    ));
+
+    // 3. Lock-and-counter, stock exactly the calls: every call must get a unit.
+    let sold = Arc::new(AtomicI64::new(0));
+    let mut design = LockAndCounter {
+        conn: conn.clone(),
+        stock: "bench:lock:stock".into(),
+        lock: "bench:lock".into(),
+    };
+    design.seed(units).await.map_err(|e| e.to_string())?;
+    let lock = measure(clients, per_client, |_, _| {
+        let mut design = LockAndCounter {
+            conn: conn.clone(),
+            stock: "bench:lock:stock".into(),
+            lock: "bench:lock".into(),
+        };
+        let sold = sold.clone();
+        async move {
+            if design.take().await.map_err(|e| e.to_string())? == Took::Unit {
+                sold.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+    })
+    .await?;
+    let left = design.left().await.map_err(|e| e.to_string())?;
+    if left < 0 || sold.load(Ordering::Relaxed) + left != units {
+        return Err(format!("lock-and-counter oversold: left {left}"));
+    }
+    rows.push(row(
+        "lock + GET/DECRBY + release",
+        lock,
+        format!(
+            "sold {} of {units}, left {left}",
+            sold.load(Ordering::Relaxed)
+        ),
+    ));
+
+    // 4. The SQL row, on PostgreSQL and on SQLite (synchronous=FULL).
+    sqlx::any::install_default_drivers();
+    let postgres = dropgate_testkit::PostgresServer::start().map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let sqlite = format!("sqlite://{}?mode=rwc", dir.path().join("row.db").display());
+    for (name, url) in [
+        ("SQL row UPDATE (PostgreSQL)", postgres.url()),
+        ("SQL row UPDATE (SQLite)", sqlite),
+    ] {
+        let pool = sqlx::any::AnyPoolOptions::new()
+            .max_connections(if url.starts_with("sqlite") { 1 } else { 16 })
+            .connect(&url)
+            .await
+            .map_err(|e| format!("{name}: {e}"))?;
+        if url.starts_with("sqlite") {
+            for pragma in ["PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL"] {
+                sqlx::query(pragma)
+                    .execute(&pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let design = Arc::new(SqlRow { pool });
+        design.seed(units).await.map_err(|e| e.to_string())?;
+        let sold = Arc::new(AtomicI64::new(0));
+        let timed = measure(clients, per_client, |_, _| {
+            let (design, sold) = (design.clone(), sold.clone());
+            async move {
+                if design.take().await.map_err(|e| e.to_string())? == Took::Unit {
+                    sold.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        })
+        .await?;
+        let left = design.left().await.map_err(|e| e.to_string())?;
+        rows.push(row(
+            name,
+            timed,
+            format!(
+                "sold {} of {units}, left {left}",
+                sold.load(Ordering::Relaxed)
+            ),
+        ));
+    }
+
+    // 5. Sold-out answers: the bulk of a flash sale, through the sidecar and raw.
+    let apply_dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let manifest = apply_dir.path().join("gone.yaml");
+    std::fs::write(
+        &manifest,
+        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: gone, namespace: shop}\n\
+         spec:\n  sku: GONE\n  limitedQuantity: 0\n  redis: {url: redis://unused:1}\n",
+    )
+    .map_err(|e| e.to_string())?;
+    apply(&manifest, &redis.url())?;
+    let gone = dropgate_api::DropKeys::new("shop", "gone");
+    // The first call opens the drop's gate (a sidecar rebuilds it before selling).
+    let first = http
+        .post(
+            "/v1/drops/gone/reservations",
+            r#"{"key":"open","user":"open","quantity":1}"#,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    if first.outcome() != "sold_out" {
+        return Err(format!("the empty drop answered {}", first.text));
+    }
+    let sold_out = measure(clients, per_client, |c, i| {
+        let http = http.clone();
+        async move {
+            let body = format!(r#"{{"key":"g{c}-{i}","user":"g{c}-{i}","quantity":1}}"#);
+            let reply = http
+                .post("/v1/drops/gone/reservations", &body)
+                .await
+                .map_err(|e| e.to_string())?;
+            if reply.status == 409 {
+                Ok(())
+            } else {
+                Err(format!("sold out answered {}", reply.text))
+            }
+        }
+    })
+    .await?;
+    rows.push(row(
+        "sidecar sold-out answer",
+        sold_out,
+        "409 sold_out every time".into(),
+    ));
+    let raw_sold_out = measure(clients, per_client, |c, i| {
+        let mut conn = conn.clone();
+        let gone = gone.clone();
+        async move {
+            let key = format!("rg{c}-{i}");
+            let reply = dropgate_sidecar::gate::reserve(
+                &mut conn, &gone, &key, &key, 1, "bench", "bench", 60_000,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            if reply.outcome == "sold_out" {
+                Ok(())
+            } else {
+                Err(format!("the gate script answered {}", reply.outcome))
+            }
+        }
+    })
+    .await?;
+    rows.push(row(
+        "gate script sold-out (raw)",
+        raw_sold_out,
+        "sold_out every time".into(),
+    ));
+
+    let baseline = rows[1].per_second;
+    println!();
+    println!(
+        "{clients} clients, one hot drop: ops/s and latency (ms); x raw = ops/s over the raw gate script's"
+    );
+    println!(
+        "{:<32} {:>9} {:>7} {:>7} {:>7} {:>7}  check",
+        "design", "ops/s", "p50", "p99", "p99.9", "x raw"
+    );
+    for r in &rows {
+        println!(
+            "{:<32} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>7.2}  {}",
+            r.name,
+            r.per_second,
+            r.p50.as_secs_f64() * 1e3,
+            r.p99.as_secs_f64() * 1e3,
+            r.p999.as_secs_f64() * 1e3,
+            r.per_second / baseline,
+            r.check
+        );
+    }
+    Ok(())
 }

@@ -38,41 +38,58 @@ pub fn canonical(value: &Value) -> Result<String, String> {
 /// How long a dispatcher's claim on a batch lasts: far longer than a round takes;
 /// past it, another dispatcher may take the events of one that died.
 const CLAIM_MS: i64 = 30_000;
+/// Events of one drop claimed per round: a drop whose events cannot be published
+/// takes at most this many of a round's places, never the whole round.
+const PER_DROP: i64 = 64;
 
 /// Publishes up to `batch` pending events, in id order per drop, each to its drop's
 /// stream, and marks sent exactly those whose publish succeeded.
 ///
-/// The batch is claimed first (as `owner`), so that sidecars sharing a ledger do
-/// not publish the same events. An event that fails to publish holds back the
-/// later events of its own drop (their order is the drop's history), never those of
-/// other drops. Unpublished events are retried next round (a crash before the
-/// marking redelivers them; consumers deduplicate by event id). Returns how many
-/// were published.
+/// `owner` (one per sidecar process) claims whole drops: the first [`PER_DROP`]
+/// unsent events of each drop no other dispatcher holds a claim on. So sidecars
+/// sharing a ledger publish each event once and each drop's events in order, and a
+/// drop whose events cannot be published holds back only its own later events. On
+/// PostgreSQL the claims are taken one dispatcher at a time (an advisory lock for
+/// the claiming statement only; admissions writing events never wait for it).
+/// Unpublished events are retried next round (a crash before the marking
+/// redelivers them; consumers deduplicate by event id). Returns how many were
+/// published.
 pub async fn dispatch(
     pool: &AnyPool,
+    postgres: bool,
     redis: &mut ConnectionManager,
     owner: &str,
     batch: i64,
 ) -> Result<usize, String> {
     let now = now_ms();
     let claim_until = now + CLAIM_MS;
-    // The claim re-checks the row's claim in the outer WHERE, so of two
-    // dispatchers claiming at once (PostgreSQL re-evaluates it after waiting for
-    // the other's row lock) one gets each row.
-    sqlx::query(
-        "UPDATE outbox SET claimed_by = $1, claimed_until_ms = $2 \
-         WHERE sent_at_ms IS NULL AND (claimed_until_ms IS NULL OR claimed_until_ms < $3) \
-         AND id IN (SELECT id FROM outbox WHERE sent_at_ms IS NULL \
-                    AND (claimed_until_ms IS NULL OR claimed_until_ms < $4) ORDER BY id LIMIT $5)",
-    )
-    .bind(owner)
-    .bind(claim_until)
-    .bind(now)
-    .bind(now)
-    .bind(batch)
-    .execute(pool)
-    .await
-    .map_err(|e| e.to_string())?;
+    let claim = async {
+        let mut tx = pool.begin().await?;
+        if postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock(7420111)")
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query(
+            "UPDATE outbox SET claimed_by = $1, claimed_until_ms = $2 \
+             WHERE sent_at_ms IS NULL AND id IN ( \
+               SELECT id FROM ( \
+                 SELECT id, drop_key, ROW_NUMBER() OVER (PARTITION BY drop_key ORDER BY id) AS place \
+                 FROM outbox WHERE sent_at_ms IS NULL) AS pending \
+               WHERE place <= $3 AND drop_key NOT IN ( \
+                 SELECT drop_key FROM outbox WHERE sent_at_ms IS NULL AND claimed_until_ms >= $4) \
+               ORDER BY id LIMIT $5)",
+        )
+        .bind(owner)
+        .bind(claim_until)
+        .bind(PER_DROP)
+        .bind(now)
+        .bind(batch)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
+    };
+    claim.await.map_err(|e: sqlx::Error| e.to_string())?;
     let rows = sqlx::query(
         "SELECT id, event_id, drop_key, payload FROM outbox \
          WHERE sent_at_ms IS NULL AND claimed_by = $1 AND claimed_until_ms = $2 ORDER BY id",
