@@ -156,3 +156,37 @@ async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
         sidecar.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_up_that_expires_a_hold_frees_its_permit_at_once() {
+    for path in PATHS {
+        let redis = dropgate_testkit::RedisServer::start().expect("redis-server");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+        common::seed(
+            &redis.url(),
+            "sale",
+            &path.spec("  holdSeconds: 1\n  throttle: {permits: 1, acquireTimeoutMs: 20}\n"),
+        )
+        .await;
+        let sidecar = common::Peer::start_custom(&redis.url(), &ledger, |settings| {
+            settings.sweep_ms = 600_000;
+        })
+        .await;
+        says(
+            path,
+            &sidecar.reserve("sale", "a", "alice", 1).await,
+            201,
+            "admitted",
+        );
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert_eq!(sidecar.lookup("sale", "a").await.body["state"], "expired");
+        says(
+            path,
+            &sidecar.reserve("sale", "b", "bob", 1).await,
+            201,
+            "admitted",
+        );
+        sidecar.shutdown().await;
+    }
+}

@@ -165,3 +165,37 @@ async fn an_event_that_cannot_be_published_holds_back_only_its_drop() {
     );
     peer.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_drops_that_cannot_publish_never_fill_the_rounds() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    let mut conn = redis.connection().expect("connect");
+    // Eight drops whose streams are broken, 64 events each: eight times a drop's
+    // share of a round, 512, a round's whole size.
+    let blocked: Vec<String> = (0..8).map(|i| format!("blocked-{i}")).collect();
+    for drop in &blocked {
+        seed(&redis.url(), drop, &spec(32)).await;
+        let _: () = redis::cmd("SET")
+            .arg(format!("dropgate:{{{NS}/{drop}}}:events"))
+            .arg("not a stream")
+            .query(&mut conn)
+            .expect("SET");
+    }
+    seed(&redis.url(), "flowing", &spec(10)).await;
+    let peer = Peer::start(&redis.url(), &postgres.url()).await;
+    for drop in &blocked {
+        sell(&[&peer], drop, 32).await;
+    }
+    sell(&[&peer], "flowing", 1).await;
+    let mut flowing = (0, -1);
+    for _ in 0..150 {
+        flowing = ledger_events(&postgres.url(), "flowing").await;
+        if flowing.1 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(flowing, (2, 0), "the healthy drop's events went out");
+    peer.shutdown().await;
+}

@@ -21,9 +21,15 @@ local function holds(state)
 end
 local user = m[1] or ARGV[2]
 local quantity = tonumber(m[2] or ARGV[3])
-if holds(m[3]) and not holds(target) then
+-- A marker that is gone while its key is still in the due or pending set (an
+-- evicted marker): Redis still counts its units, as for an active hold.
+local before = m[3]
+if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.pending, KEY)) then
+  before = 'active'
+end
+if holds(before) and not holds(target) then
   give_back(user, quantity)
-elseif not holds(m[3]) and holds(target) then
+elseif not holds(before) and holds(target) then
   redis.call('DECRBY', K.remaining, quantity)
   redis.call('INCRBY', K.held, quantity)
   redis.call('HINCRBY', K.buyers, user, quantity)

@@ -38,6 +38,8 @@ pub fn canonical(value: &Value) -> Result<String, String> {
 /// How long a dispatcher's claim on a batch lasts: far longer than a round takes;
 /// past it, another dispatcher may take the events of one that died.
 const CLAIM_MS: i64 = 30_000;
+/// How long a drop whose publish failed is left out of the rounds.
+const FAILED_DROP_REST_MS: i64 = 5_000;
 /// Events of one drop claimed per round: a drop whose events cannot be published
 /// takes at most this many of a round's places, never the whole round.
 const PER_DROP: i64 = 64;
@@ -99,6 +101,7 @@ pub async fn dispatch(
     .fetch_all(pool)
     .await
     .map_err(|e| e.to_string())?;
+    let claimed = rows.len();
     // Published ids, marked sent together afterwards: one commit per round rather
     // than one per event, and never an id whose publish did not succeed.
     let mut published = Vec::with_capacity(rows.len());
@@ -111,6 +114,11 @@ pub async fn dispatch(
         let payload: String = row.try_get(3).map_err(|e| e.to_string())?;
         if held_back.contains(&drop_key) {
             continue;
+        }
+        // A round slower than half its claim ends here: past the claim another
+        // dispatcher may take these events, and they must not go out twice.
+        if now_ms() > claim_until - CLAIM_MS / 2 {
+            break;
         }
         let Some((namespace, name)) = dropgate_api::keys::ledger_drop(&drop_key).split_once('/')
         else {
@@ -138,7 +146,7 @@ pub async fn dispatch(
             }
         }
     }
-    if !published.is_empty() || failure.is_some() {
+    if claimed > 0 {
         let mark = async {
             let mut tx = pool.begin().await?;
             let now = now_ms();
@@ -149,7 +157,20 @@ pub async fn dispatch(
                     .execute(&mut *tx)
                     .await?;
             }
-            // What was not published is free for the next round, anyone's.
+            // A drop whose publish failed rests (its claim stays, longer) so that
+            // it cannot fill the next rounds; the rest is free for anyone's next round.
+            for drop_key in &held_back {
+                sqlx::query(
+                    "UPDATE outbox SET claimed_until_ms = $1 \
+                     WHERE sent_at_ms IS NULL AND claimed_by = $2 AND claimed_until_ms = $3 AND drop_key = $4",
+                )
+                .bind(now + FAILED_DROP_REST_MS)
+                .bind(owner)
+                .bind(claim_until)
+                .bind(drop_key)
+                .execute(&mut *tx)
+                .await?;
+            }
             sqlx::query(
                 "UPDATE outbox SET claimed_by = NULL, claimed_until_ms = NULL \
                  WHERE sent_at_ms IS NULL AND claimed_by = $1 AND claimed_until_ms = $2",

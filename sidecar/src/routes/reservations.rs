@@ -473,6 +473,12 @@ async fn admit_fallback(
     .await;
     match retried {
         Ok(Some(Some(reply))) => {
+            if matches!(
+                reply.state.as_deref(),
+                Some("confirmed" | "cancelled" | "expired")
+            ) {
+                drop.throttle.release(&request.key);
+            }
             return Some(refused(app, drop, request, &reply, Path::Fallback));
         }
         Ok(Some(None)) => {}
@@ -661,11 +667,12 @@ async fn settle(
             Turn::Reopen { .. } => return Err(being_rebuilt(&drop)),
         }
     };
+    // A reservation that no longer waits for its buyer frees its permit at once,
+    // whichever call found it so (a look-up that expired it included).
     if matches!(
-        reply.outcome.as_str(),
-        "confirmed" | "cancelled" | "expired"
-    ) && to.is_some()
-    {
+        reply.state.as_deref(),
+        Some("confirmed" | "cancelled" | "expired")
+    ) {
         drop.throttle.release(&key);
     }
     if path == Path::Gate && to.is_some() {
