@@ -132,6 +132,11 @@ pub fn ledger_drop(ledger_key: &str) -> &str {
         .map_or(ledger_key, |(drop, _sale)| drop)
 }
 
+/// The sale part of a ledger key.
+pub fn ledger_sale(ledger_key: &str) -> &str {
+    ledger_key.rsplit_once('/').map_or("", |(_drop, sale)| sale)
+}
+
 /// Key names of one fencing-token lock of a namespace. Both keys share the hash tag
 /// `{namespace/lock}`, so the acquire script touches one slot.
 #[derive(Clone, Debug, PartialEq, Eq)]

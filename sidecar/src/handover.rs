@@ -233,7 +233,7 @@ async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, String> {
         };
         after = last.key.clone();
         for row in &rows {
-            let reply = gate::replay(&mut conn, &drop.keys, row)
+            let reply = gate::replay(&mut conn, &drop.keys, row, key)
                 .await
                 .map_err(|e| format!("Redis: {e}"))?;
             if reply.outcome == "replayed" {
@@ -258,7 +258,7 @@ pub async fn replay_unseen(app: &App, drop: &Drop) -> Result<usize, String> {
         .await
         .map_err(|e| e.to_string())?;
     for row in &rows {
-        gate::replay(&mut conn, &drop.keys, row)
+        gate::replay(&mut conn, &drop.keys, row, &key)
             .await
             .map_err(|e| format!("Redis: {e}"))?;
         app.ledger

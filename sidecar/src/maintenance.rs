@@ -214,7 +214,9 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
             }
             Ok(Some(false)) => match app.ledger.reservation(&ledger_key, &key).await {
                 Ok(Some(row)) if row.state.holds_units() => {
-                    gate::replay(&mut conn, &drop.keys, &row).await.map(|_| ())
+                    gate::replay(&mut conn, &drop.keys, &row, &ledger_key)
+                        .await
+                        .map(|_| ())
                 }
                 _ => Ok(()),
             },

@@ -456,3 +456,33 @@ async fn a_retry_waiting_on_a_pending_admission_backs_off() {
     // to 50 ms it is a few dozen, with the background sweeper's calls.
     assert!(calls < 150, "{calls} script calls while one request waited");
 }
+
+/// A ledger row of another sale (read before the drop was re-created) is never
+/// replayed into the sale Redis holds now: it would take the new sale's units.
+#[tokio::test]
+async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", &spec(3, "")).await;
+    let mut conn = redis::Client::open(sidecar.redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connect");
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    let row = dropgate_sidecar::ledger::Recorded {
+        key: "k-0".into(),
+        user: "k-0".into(),
+        quantity: 1,
+        state: dropgate_sidecar::ledger::State::Active,
+        expires_at_ms: i64::MAX / 2,
+        seq: 1,
+    };
+    let before = sidecar.snapshot();
+    let old_sale = dropgate_api::keys::ledger_key(common::NS, "sale", "the-first-sale");
+    let reply = dropgate_sidecar::gate::replay(&mut conn, &keys, &row, &old_sale)
+        .await
+        .expect("runs");
+    assert_eq!(reply.outcome, "other_sale");
+    assert_eq!(sidecar.snapshot(), before, "nothing changed");
+    assert_eq!(sidecar.remaining("sale"), 3);
+}

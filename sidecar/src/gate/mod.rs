@@ -293,10 +293,14 @@ pub async fn undo(
 
 /// Brings the reservation `key` in Redis forward to the ledger's record of it:
 /// `replayed`, or `in_line` when Redis was already as far or further.
+/// `ledger_key` is where `row` was read: a row of another sale than the one Redis
+/// now holds (the drop was re-created while this ran) changes nothing
+/// (`other_sale`).
 pub async fn replay(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     row: &crate::ledger::Recorded,
+    ledger_key: &str,
 ) -> RedisResult<GateReply> {
     let (quantity, expires, seq) = (
         row.quantity.to_string(),
@@ -308,7 +312,14 @@ pub async fn replay(
         conn,
         keys,
         &row.key,
-        &[&row.user, &quantity, row.state.as_str(), &expires, &seq],
+        &[
+            &row.user,
+            &quantity,
+            row.state.as_str(),
+            &expires,
+            &seq,
+            dropgate_api::keys::ledger_sale(ledger_key),
+        ],
     )
     .await
 }

@@ -1,12 +1,17 @@
 -- replay: brings one reservation in Redis forward to the ledger's record of it
 -- (after the fallback path changed it, or to rebuild a Redis that lost writes).
 -- ARGV[2] user, ARGV[3] quantity, ARGV[4] the ledger's state, ARGV[5] its deadline
--- (ms), ARGV[6] the ledger's change number for it.
+-- (ms), ARGV[6] the ledger's change number for it, ARGV[7] its sale.
 --
 -- Only forward: pending < active < confirmed < cancelled / expired. A marker that is
 -- as far as the ledger or further is left alone (`in_line`), so an older ledger
 -- never turns a confirmed reservation back to active, and replaying twice changes
 -- nothing. Units move only when "holds units" changes.
+-- ARGV[7] the sale the row belongs to: a row of another sale (the drop was
+-- re-created since it was read) is not this sale's business.
+if ARGV[7] ~= SALE then
+  return reply('other_sale')
+end
 local rank = {pending = 0, active = 1, confirmed = 2, cancelled = 3, expired = 3}
 local target = ARGV[4]
 local m = {false, false, false}

@@ -269,11 +269,9 @@ async fn admit_gate(
         Ok(()) => app.ledger.record(change).await,
         Err(injected) => Err(RecordError::Failed(injected.to_string())),
     };
+    let ledger_key = change_key(drop, &reply);
     if let Err(RecordError::KeyUsed { .. }) = recorded
-        && let Ok(Some(row)) = app
-            .ledger
-            .reservation(&change_key(drop, &reply), &request.key)
-            .await
+        && let Ok(Some(row)) = app.ledger.reservation(&ledger_key, &request.key).await
         && row.user == request.user
         && row.quantity == request.quantity
         && row.state.holds_units()
@@ -281,21 +279,23 @@ async fn admit_gate(
         // The ledger already holds this buyer's reservation under the key (an
         // earlier attempt's commit landed after this one was admitted afresh):
         // this pending marker becomes that reservation, the unit it holds is its.
-        return Turn::Done(match gate::replay(&mut conn, &drop.keys, &row).await {
-            Ok(_) => {
-                drop.throttle.hold(&request.key, permit, row.expires_at_ms);
-                let shown = from_ledger(row, None, reply.remaining);
-                Ok(reservation(
-                    StatusCode::OK,
-                    "already_reserved",
-                    drop,
-                    &request.key,
-                    &shown,
-                    Path::Gate,
-                ))
-            }
-            Err(e) => Err(app.redis_down(drop, &e)),
-        });
+        return Turn::Done(
+            match gate::replay(&mut conn, &drop.keys, &row, &ledger_key).await {
+                Ok(_) => {
+                    drop.throttle.hold(&request.key, permit, row.expires_at_ms);
+                    let shown = from_ledger(row, None, reply.remaining);
+                    Ok(reservation(
+                        StatusCode::OK,
+                        "already_reserved",
+                        drop,
+                        &request.key,
+                        &shown,
+                        Path::Gate,
+                    ))
+                }
+                Err(e) => Err(app.redis_down(drop, &e)),
+            },
+        );
     }
     if let Err(refusal) = recorded {
         drop_permit(permit);
