@@ -236,6 +236,15 @@ async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, String> {
             let reply = gate::replay(&mut conn, &drop.keys, row, key)
                 .await
                 .map_err(|e| format!("Redis: {e}"))?;
+            if reply.outcome == "other_sale" {
+                // Redis's config changed under the rebuild (re-created, or lost and
+                // re-seeded): opening now could skip rows; the next attempt starts
+                // over from a config read afresh.
+                return Err(format!(
+                    "drop {}'s config changed in Redis during its rebuild: retrying",
+                    drop.name
+                ));
+            }
             if reply.outcome == "replayed" {
                 replayed += 1;
             }
