@@ -35,6 +35,27 @@ impl Path {
     }
 }
 
+/// A sidecar whose sweeper sleeps through the test, on its own Redis and SQLite
+/// ledger, selling `sale` seeded with `spec`: what finds a hold lapsed is the
+/// request, never the sweeper. The Redis and the folder live as long as the tuple.
+async fn without_sweeper(
+    spec: &str,
+) -> (
+    common::Peer,
+    dropgate_testkit::RedisServer,
+    tempfile::TempDir,
+) {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    common::seed(&redis.url(), "sale", spec).await;
+    let sidecar = common::Peer::start_custom(&redis.url(), &ledger, |settings| {
+        settings.sweep_ms = 600_000;
+    })
+    .await;
+    (sidecar, redis, dir)
+}
+
 /// Checks status, outcome and path of an answer.
 fn says(path: Path, reply: &dropgate_testkit::Reply, status: u16, outcome: &str) {
     assert_eq!(
@@ -132,15 +153,7 @@ async fn a_retry_of_an_admitted_key_is_already_reserved_after_the_sale_ended() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
     for path in PATHS {
-        // The sweeper asleep for the test: the look-up is what finds the hold lapsed.
-        let redis = dropgate_testkit::RedisServer::start().expect("redis-server");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
-        common::seed(&redis.url(), "sale", &path.spec("  holdSeconds: 1\n")).await;
-        let sidecar = common::Peer::start_custom(&redis.url(), &ledger, |settings| {
-            settings.sweep_ms = 600_000;
-        })
-        .await;
+        let (sidecar, _redis, _dir) = without_sweeper(&path.spec("  holdSeconds: 1\n")).await;
         says(
             path,
             &sidecar.reserve("sale", "a", "alice", 1).await,
@@ -160,18 +173,9 @@ async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_look_up_that_expires_a_hold_frees_its_permit_at_once() {
     for path in PATHS {
-        let redis = dropgate_testkit::RedisServer::start().expect("redis-server");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
-        common::seed(
-            &redis.url(),
-            "sale",
+        let (sidecar, _redis, _dir) = without_sweeper(
             &path.spec("  holdSeconds: 1\n  throttle: {permits: 1, acquireTimeoutMs: 20}\n"),
         )
-        .await;
-        let sidecar = common::Peer::start_custom(&redis.url(), &ledger, |settings| {
-            settings.sweep_ms = 600_000;
-        })
         .await;
         says(
             path,

@@ -351,22 +351,7 @@ async fn compare_designs(
     let mut rows = Vec::new();
 
     // 1. The sidecar: HTTP reserve, durable in its SQLite ledger.
-    let sidecar = measure(clients, per_client, |c, i| {
-        let http = http.clone();
-        async move {
-            let body = format!(r#"{{"key":"d{c}-{i}","user":"d{c}-{i}","quantity":1}}"#);
-            let reply = http
-                .post("/v1/drops/bench/reservations", &body)
-                .await
-                .map_err(|e| e.to_string())?;
-            if reply.status == 201 {
-                Ok(())
-            } else {
-                Err(format!("reserve answered {}", reply.text))
-            }
-        }
-    })
-    .await?;
+    let sidecar = http_reserves(clients, per_client, http, "bench", "d", 201).await?;
     let keys = dropgate_api::DropKeys::new("shop", "bench");
     let (remaining, held): (i64, i64) = redis::pipe()
         .get(keys.remaining())
@@ -386,24 +371,7 @@ async fn compare_designs(
     ));
 
     // 2. The same gate script by EVALSHA from a Rust client, on the open gate.
-    let raw = measure(clients, per_client, |c, i| {
-        let mut conn = conn.clone();
-        let keys = keys.clone();
-        async move {
-            let key = format!("r{c}-{i}");
-            let reply = dropgate_sidecar::gate::reserve(
-                &mut conn, &keys, &key, &key, 1, "bench", "bench", 60_000,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-            if reply.outcome == "admitted" {
-                Ok(())
-            } else {
-                Err(format!("the gate script answered {}", reply.outcome))
-            }
-        }
-    })
-    .await?;
+    let raw = script_reserves(clients, per_client, &conn, &keys, "r", "admitted").await?;
     rows.push(row(
         "gate script by EVALSHA (raw)",
         raw,
@@ -514,45 +482,13 @@ async fn compare_designs(
     if first.outcome() != "sold_out" {
         return Err(format!("the empty drop answered {}", first.text));
     }
-    let sold_out = measure(clients, per_client, |c, i| {
-        let http = http.clone();
-        async move {
-            let body = format!(r#"{{"key":"g{c}-{i}","user":"g{c}-{i}","quantity":1}}"#);
-            let reply = http
-                .post("/v1/drops/gone/reservations", &body)
-                .await
-                .map_err(|e| e.to_string())?;
-            if reply.status == 409 {
-                Ok(())
-            } else {
-                Err(format!("sold out answered {}", reply.text))
-            }
-        }
-    })
-    .await?;
+    let sold_out = http_reserves(clients, per_client, http, "gone", "g", 409).await?;
     rows.push(row(
         "sidecar sold-out answer",
         sold_out,
         "409 sold_out every time".into(),
     ));
-    let raw_sold_out = measure(clients, per_client, |c, i| {
-        let mut conn = conn.clone();
-        let gone = gone.clone();
-        async move {
-            let key = format!("rg{c}-{i}");
-            let reply = dropgate_sidecar::gate::reserve(
-                &mut conn, &gone, &key, &key, 1, "bench", "bench", 60_000,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-            if reply.outcome == "sold_out" {
-                Ok(())
-            } else {
-                Err(format!("the gate script answered {}", reply.outcome))
-            }
-        }
-    })
-    .await?;
+    let raw_sold_out = script_reserves(clients, per_client, &conn, &gone, "rg", "sold_out").await?;
     rows.push(row(
         "gate script sold-out (raw)",
         raw_sold_out,
@@ -581,4 +517,60 @@ async fn compare_designs(
         );
     }
     Ok(())
+}
+
+/// Reserves through the sidecar's HTTP API, each call a new key (`prefix`), each
+/// answered `want`.
+async fn http_reserves(
+    clients: usize,
+    per_client: usize,
+    http: &HttpClient,
+    drop: &str,
+    prefix: &str,
+    want: u16,
+) -> Result<(f64, Vec<Duration>), String> {
+    let path = format!("/v1/drops/{drop}/reservations");
+    measure(clients, per_client, |c, i| {
+        let (http, path) = (http.clone(), path.clone());
+        async move {
+            let body =
+                format!(r#"{{"key":"{prefix}{c}-{i}","user":"{prefix}{c}-{i}","quantity":1}}"#);
+            let reply = http.post(&path, &body).await.map_err(|e| e.to_string())?;
+            if reply.status == want {
+                Ok(())
+            } else {
+                Err(format!("reserve answered {}", reply.text))
+            }
+        }
+    })
+    .await
+}
+
+/// Runs the gate's reserve script straight from Rust, each call a new key, each
+/// answered `want`.
+async fn script_reserves(
+    clients: usize,
+    per_client: usize,
+    conn: &redis::aio::ConnectionManager,
+    keys: &dropgate_api::DropKeys,
+    prefix: &str,
+    want: &str,
+) -> Result<(f64, Vec<Duration>), String> {
+    measure(clients, per_client, |c, i| {
+        let (mut conn, keys) = (conn.clone(), keys.clone());
+        async move {
+            let key = format!("{prefix}{c}-{i}");
+            let reply = dropgate_sidecar::gate::reserve(
+                &mut conn, &keys, &key, &key, 1, "bench", "bench", 60_000,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            if reply.outcome == want {
+                Ok(())
+            } else {
+                Err(format!("the gate script answered {}", reply.outcome))
+            }
+        }
+    })
+    .await
 }

@@ -78,11 +78,9 @@ impl Ledger {
             ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
             if !insert_reservation(&mut tx, &change, "fallback", false, now).await? {
                 let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
-                let reply = match existing {
-                    Some(row) if row.user == user && row.quantity == quantity => {
-                        answer(&mut tx, drop_key, "already_reserved", Some(&row)).await?
-                    }
-                    _ => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
+                let reply = match retry_answer(&mut tx, drop_key, existing, user, quantity).await? {
+                    Some(reply) => reply,
+                    None => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
                 };
                 tx.commit().await?;
                 return Ok(Decision::Reply(reply));
@@ -158,13 +156,10 @@ impl Ledger {
                 return Ok(not_authority(authority));
             }
             ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
-            let reply = match expire_if_due(&mut tx, drop_key, config, key, now).await? {
-                None => refusal(NEW_KEY, None, None, None, None),
-                Some(row) if row.user == user && row.quantity == quantity => {
-                    answer(&mut tx, drop_key, "already_reserved", Some(&row)).await?
-                }
-                Some(_) => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
-            };
+            let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
+            let reply = retry_answer(&mut tx, drop_key, existing, user, quantity)
+                .await?
+                .unwrap_or_else(|| refusal(NEW_KEY, None, None, None, None));
             tx.commit().await?;
             Ok(Decision::Reply(reply))
         })
@@ -419,6 +414,25 @@ impl Ledger {
 
 /// The word a transaction that lost a race to a concurrent one fails with.
 const RACED: &str = "raced with a concurrent transaction; retrying";
+
+/// A retry's answer from the row its key holds: `already_reserved` for the same
+/// buyer and quantity, `idempotency_key_reused` for any other; `None` when the key
+/// holds nothing.
+async fn retry_answer(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    row: Option<Recorded>,
+    user: &str,
+    quantity: i64,
+) -> Result<Option<GateReply>, sqlx::Error> {
+    Ok(match row {
+        None => None,
+        Some(row) if row.user == user && row.quantity == quantity => {
+            Some(answer(tx, drop_key, "already_reserved", Some(&row)).await?)
+        }
+        Some(_) => Some(answer(tx, drop_key, "idempotency_key_reused", None).await?),
+    })
+}
 
 fn not_authority(authority: Option<super::Authority>) -> Decision {
     Decision::NotAuthority(authority.map_or_else(

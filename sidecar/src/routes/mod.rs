@@ -24,6 +24,7 @@ const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// Every route of the API.
 pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
+    let app_state = app.clone();
     let app = warp::any().map(move || app.clone());
     let body = warp::body::stream().then(read_body);
 
@@ -63,16 +64,6 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(app.clone())
         .and(body)
         .then(locks::release);
-    let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
-    let readyz = warp::path!("readyz")
-        .and(warp::get())
-        .and(app.clone())
-        .then(health::ready);
-    let metrics = warp::path!("metrics")
-        .and(warp::get())
-        .and(app)
-        .then(health::metrics);
-
     // `/v1/drops//reservations` or a trailing `/`: an empty segment is a missing
     // name, said as such rather than as a route or method that does not exist.
     let empty_segment = warp::path::full().and_then(|path: warp::path::FullPath| async move {
@@ -104,11 +95,7 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .unify()
         .or(lock_release)
         .unify()
-        .or(healthz)
-        .unify()
-        .or(readyz)
-        .unify()
-        .or(metrics)
+        .or(probes(app_state))
         .unify()
         .recover(rejected)
         .unify()
@@ -118,6 +105,11 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
 /// The probe and scrape endpoints alone: what `--health-listen` serves outside
 /// the pod, without the API.
 pub fn health_only(app: Arc<App>) -> BoxedFilter<(Response,)> {
+    probes(app).recover(rejected).unify().boxed()
+}
+
+/// `/healthz`, `/readyz` and `/metrics`, on the API's listener and the health one.
+fn probes(app: Arc<App>) -> BoxedFilter<(Response,)> {
     let app = warp::any().map(move || app.clone());
     let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
     let readyz = warp::path!("readyz")
@@ -128,14 +120,7 @@ pub fn health_only(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(warp::get())
         .and(app)
         .then(health::metrics);
-    healthz
-        .or(readyz)
-        .unify()
-        .or(metrics)
-        .unify()
-        .recover(rejected)
-        .unify()
-        .boxed()
+    healthz.or(readyz).unify().or(metrics).unify().boxed()
 }
 
 /// The request body, at most [`MAX_BODY_BYTES`]. Read as a stream so that an empty
