@@ -136,3 +136,102 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
         assert!(sidecar.terminate().expect("stops").success());
     }
 }
+
+/// Issue 10's second scenario: one sidecar with its own SQLite ledger, 900 buyers
+/// for 300 units, `kill -9` after the first few dozen 201s, restarted on the same
+/// ledger, every buyer retrying its key. Admissions the dead process left half-done
+/// (pending in Redis, maybe committed in the ledger) resolve within seconds: each
+/// retry ends in 201 or 200 `already_reserved` holding one unit, or its unit goes
+/// back to stock and someone else buys it; never both, and never a frozen unit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sidecar_killed_mid_admission_leaves_no_unit_frozen() {
+    const UNITS: usize = 300;
+    const BUYERS: usize = 900;
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let manifest = sale_manifest(
+        dir.path(),
+        &format!("  sku: X\n  limitedQuantity: {UNITS}\n  throttle: {{permits: 1000}}\n"),
+    )
+    .expect("manifest");
+    apply(&manifest, &redis.url()).expect("apply");
+    let doomed = SidecarProcess::start(&redis.url(), "shop", &ledger)
+        .await
+        .expect("sidecar");
+    let http = HttpClient::new(doomed.base.clone());
+
+    let admitted_so_far = std::sync::atomic::AtomicUsize::new(0);
+    let buyers = join_all((0..BUYERS).map(|i| {
+        let (http, admitted_so_far) = (http.clone(), &admitted_so_far);
+        async move {
+            let reply = reserve(&http, i).await;
+            if reply.as_ref().is_some_and(|r| r.status == 201) {
+                admitted_so_far.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            (i, reply)
+        }
+    }));
+    let killer = async {
+        for _ in 0..10_000 {
+            if admitted_so_far.load(std::sync::atomic::Ordering::SeqCst) >= 36 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        doomed.kill();
+    };
+    let (replies, ()) = tokio::join!(buyers, killer);
+    let acknowledged: HashSet<usize> = replies
+        .iter()
+        .filter(|(_, reply)| reply.as_ref().is_some_and(|r| r.status == 201))
+        .map(|(i, _)| *i)
+        .collect();
+    assert!(acknowledged.len() < UNITS, "the kill came mid-sale");
+
+    let back = SidecarProcess::start(&redis.url(), "shop", &ledger)
+        .await
+        .expect("sidecar restarts on the same ledger");
+    let http = HttpClient::new(back.base.clone());
+    let mut holders = HashSet::new();
+    let mut settled = false;
+    for _ in 0..40 {
+        let retries = join_all((0..BUYERS).map(|i| {
+            let http = http.clone();
+            async move { (i, reserve(&http, i).await) }
+        }))
+        .await;
+        holders = retries
+            .iter()
+            .filter(|(_, r)| {
+                r.as_ref()
+                    .is_some_and(|r| r.status == 201 || r.outcome() == "already_reserved")
+            })
+            .map(|(i, _)| *i)
+            .collect();
+        let waiting: Vec<String> = retries
+            .iter()
+            .filter_map(|(i, r)| match r {
+                None => Some(format!("k{i}: no answer")),
+                Some(r) if r.status == 503 => Some(format!("k{i}: {}", r.text)),
+                Some(r) if r.status == 201 || r.status == 200 || r.outcome() == "sold_out" => None,
+                Some(r) => panic!("k{i} answered {} {}", r.status, r.text),
+            })
+            .collect();
+        if waiting.is_empty() {
+            settled = true;
+            break;
+        }
+        eprintln!("{} retries still wait, e.g. {}", waiting.len(), waiting[0]);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(settled, "every half-done admission resolves within seconds");
+    assert!(
+        acknowledged.is_subset(&holders),
+        "every acknowledged reservation survives the kill"
+    );
+    assert_eq!(holders.len(), UNITS, "every unit sold once: none frozen");
+    assert_eq!(get(&redis, "held") as usize, UNITS);
+    assert_eq!(get(&redis, "remaining"), 0);
+    assert!(back.terminate().expect("stops").success());
+}

@@ -1,20 +1,17 @@
-//! What every request handler shares, and the answers about a drop itself.
+//! What every request shares: the drops, Redis and its breaker, the ledger, the
+//! metrics. State only: the service decides, the routes answer.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use dropgate_api::FailurePolicy;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use warp::http::StatusCode;
 
-use crate::answer::Answer;
+use crate::Error;
 use crate::clock::now_ms;
-use crate::drops::{Drop, Drops, LookupError};
+use crate::drops::Drops;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::replicas::Replicas;
 use crate::settings::Settings;
-use crate::{Error, input};
 use std::sync::atomic::{AtomicI64, Ordering};
 
 #[derive(Debug)]
@@ -104,60 +101,5 @@ impl App {
     /// When Redis last answered (ms since the epoch; 0 never).
     pub fn redis_reached_at(&self) -> i64 {
         self.redis_reached_at.load(Ordering::Acquire)
-    }
-
-    /// The drop named by a path segment, or the answer that ends the request.
-    pub async fn find_drop(&self, raw_name: &str) -> Result<Arc<Drop>, Answer> {
-        let name = input::path_id("drop", raw_name).map_err(|e| Answer::invalid(e.0))?;
-        if !dropgate_api::keys::is_object_name(&name) {
-            return Err(self.unknown_drop(&name));
-        }
-        let mut conn = self.redis.clone();
-        match self.drops.get(&mut conn, &name).await {
-            Ok(Some(drop)) => Ok(drop),
-            Ok(None) => Err(self.unknown_drop(&name)),
-            Err(LookupError::Unavailable(e)) => Err(Answer::unavailable(format!(
-                "Redis is unreachable and this sidecar has not seen drop {name} before: {e}"
-            ))),
-            Err(e @ LookupError::Damaged(_)) => Err(Answer::unavailable(format!(
-                "drop {name} cannot be served: {e}"
-            ))),
-        }
-    }
-
-    pub fn unknown_drop(&self, name: &str) -> Answer {
-        Answer::refusal(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!(
-                "no drop named {name} in namespace {}",
-                self.drops.namespace()
-            ),
-        )
-    }
-
-    /// The answer when Redis failed under a request and the drop's failure policy
-    /// is Closed (policy Open goes to the fallback path instead).
-    pub fn redis_down(&self, drop: &Drop, error: &redis::RedisError) -> Answer {
-        let policy = drop.config().failure_policy;
-        tracing::warn!(drop = %drop.name, %error, "Redis failed");
-        match policy {
-            FailurePolicy::Closed => Answer::unavailable(format!(
-                "Redis is unreachable and drop {} has failurePolicy Closed: nothing is sold until it is back",
-                drop.name
-            )),
-            FailurePolicy::Open => Answer::unavailable(format!(
-                "Redis is unreachable for drop {}: {error}",
-                drop.name
-            )),
-        }
-    }
-
-    /// The answer for a drop the operator closed (HA missing under policy Closed).
-    pub fn closed(&self, drop: &Drop) -> Answer {
-        Answer::unavailable(format!(
-            "drop {} is closed: its Redis is not highly available and the failure policy is Closed",
-            drop.name
-        ))
     }
 }

@@ -2,55 +2,68 @@
 //!
 //! # Layout
 //!
+//! Imports run one way: `routes` -> `service` -> storage (`gate`, `ledger`,
+//! `throttle`, `drops`); nothing below the routes knows HTTP, and background work
+//! calls the service, never a route.
+//!
 //! - [`server`]: `run(listener, settings, shutdown)`, the entry point; serves the
 //!   routes and runs the background work until shutdown, then drains.
-//! - [`routes`]: the HTTP API, one module per route group (reservations, drops,
-//!   locks, health). Handlers parse input, call the Redis gate or, for a drop off
-//!   it, the ledger's fallback gate, and answer.
+//! - `routes`: the HTTP API, one module per route group (reservations, drops,
+//!   locks, health). Handlers parse input, call the service, and turn what it
+//!   decided into a JSON answer (`answer`: `outcome`, `message`, headers).
 //! - [`input`]: request bodies and path segments, checked field by field; every
 //!   refusal names its field and nothing reaches Redis before it passed.
+//! - [`reservation`]: the vocabulary both gates speak: a reservation and its
+//!   [`State`](reservation::State), what a call came to
+//!   ([`Outcome`](reservation::Outcome), one variant per answer with only its own
+//!   fields), and the [`Change`](reservation::Change) the ledger records.
+//! - [`service`]: the reservation service. It chooses each call's gate once (the
+//!   drop's mode, the Redis breaker, then the failure policy), runs reserve
+//!   ([`service::reserve`]) and confirm / cancel / look-up ([`service::settle`]) on
+//!   the Redis gate or the ledger's fallback gate, records what the gate decided
+//!   ([`service::record`]), and moves drops between the gates
+//!   ([`service::handover`]: opening the gate only once Redis holds everything the
+//!   ledger recorded, rebuilding a Redis that lost writes, handing a drop to the
+//!   fallback).
 //! - [`gate`]: the atomic Lua scripts (`gate/*.lua`, one per operation, run by SHA)
-//!   and the thin Rust calls around them.
+//!   and the thin Rust calls around them; `gate/reply.rs` parses the scripts' replies
+//!   into the vocabulary, the one place that knows their words.
+//! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
+//!   its outbox, the fallback gate (answering the same [`Outcome`](reservation::Outcome)s),
+//!   lock fences.
 //! - [`drops`]: the drops this sidecar serves, read from the operator's config
 //!   hashes and kept through Redis outages.
-//! - [`handover`]: one authority at a time: opening the gate only once Redis holds
-//!   everything the ledger recorded (also rebuilding a Redis that lost writes), and
-//!   handing a drop to the ledger's fallback gate.
-//! - [`record`]: what the gate decided, as the ledger records it.
+//! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
 //! - [`replicas`]: waiting for Redis replicas to acknowledge admissions
 //!   (`--wait-replicas`).
-//! - [`clock`]: the wall clock in milliseconds.
 //! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
-//! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
-//! - [`app`]: what every request shares: the drops, the Redis connection and its
-//!   breaker, the ledger, the metrics.
+//! - [`app`]: the state every request shares: the drops, the Redis connection and
+//!   its breaker, the ledger, the metrics.
 //! - [`maintenance`]: background work: the config refresh that keeps each drop with
-//!   its authority (hand-overs, rebuilds, replays), the hold sweepers (with the
+//!   its authority (through the service's hand-over), the hold sweepers (with the
 //!   settling of admissions a dead sidecar left pending, and the ledger's repair
 //!   from Redis), and the outbox dispatcher.
-//! - [`answer`]: the JSON answer type (`outcome`, `message`, headers).
-//! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
-//!   its outbox, the fallback gate, lock fences.
+//! - [`clock`]: the wall clock in milliseconds, following Redis's.
 //! - [`faults`]: fault-injection points, armed only in test builds.
 //! - [`metrics`]: Prometheus metrics for `/metrics`.
 //! - [`settings`]: the command line.
 
-pub mod answer;
+mod answer;
 pub mod app;
 pub mod clock;
 pub mod drops;
 pub mod faults;
 pub mod gate;
-pub mod handover;
 pub mod input;
 pub mod ledger;
 pub mod locks;
 pub mod maintenance;
 pub mod metrics;
-pub mod record;
 pub mod replicas;
-pub mod routes;
+pub mod reservation;
+mod routes;
 pub mod server;
+pub mod service;
 pub mod settings;
 pub mod throttle;
 

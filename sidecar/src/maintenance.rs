@@ -11,11 +11,11 @@ use tokio::sync::watch;
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::gate;
-use crate::handover::{self, Reason};
 use crate::ledger::Holder;
-use crate::ledger::State;
 use crate::metrics::DropLabel;
-use crate::record::{change_of, record_expiry};
+use crate::reservation::{Outcome, State};
+use crate::service::handover::{self, Reason};
+use crate::service::record::{change_of, record_expiry};
 
 /// Due holds expired per drop per sweep; the rest wait for the next sweep.
 const SWEEP_BATCH: isize = 256;
@@ -86,16 +86,16 @@ async fn refresh_configs(app: &App) {
             continue;
         }
         let checked = match drop.config().mode {
-            Mode::Gate => handover::check(app, &drop).await,
+            Mode::Gate => handover::check(app, &drop)
+                .await
+                .map_err(|error| tracing::debug!(drop = %drop.name, %error, "authority check failed")),
             Mode::FailOpen => handover::hand_to_ledger(app, &drop, Reason::Mode)
                 .await
                 .map(|_| ())
-                .map_err(|refusal| format!("{refusal:?}")),
+                .map_err(|refusal| tracing::debug!(drop = %drop.name, ?refusal, "hand-over to the ledger refused")),
             Mode::Closed => Ok(()),
         };
-        if let Err(error) = checked {
-            tracing::debug!(drop = %drop.name, %error, "authority check failed");
-        }
+        let _ = checked;
     }
 }
 
@@ -136,7 +136,7 @@ async fn expire_due_holds(app: &App) {
                 Ok(due) => {
                     for key in due {
                         match gate::expire(&mut conn, &drop.keys, &key).await {
-                            Ok(reply) => record_expiry(app, &drop, &config, &key, &reply).await,
+                            Ok(step) => record_expiry(app, &drop, &config, &key, &step).await,
                             Err(error) => {
                                 tracing::debug!(drop = %drop.name, %error, "expiry failed")
                             }
@@ -199,18 +199,16 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
         // the admission's commit, should it land after all, is refused), unless the
         // commit landed first: then the record is replayed into Redis.
         let claimed = match &marker {
-            Some((user, quantity, ledger)) if ledger == app.ledger.id() => app
+            Some(marker) if marker.ledger == app.ledger.id() => app
                 .ledger
-                .claim_abandoned(&ledger_key, &key, user, *quantity, now)
+                .claim_abandoned(&ledger_key, &key, &marker.user, marker.quantity, now)
                 .await
                 .map(Some),
             _ => Ok(None),
         };
         let settled = match claimed {
             Ok(Some(true)) | Ok(None) => {
-                gate::abandon(&mut conn, &drop.keys, &key, app.ledger.id())
-                    .await
-                    .map(|_| ())
+                gate::abandon(&mut conn, &drop.keys, &key, app.ledger.id()).await
             }
             Ok(Some(false)) => match app.ledger.reservation(&ledger_key, &key).await {
                 Ok(Some(row)) if row.state.holds_units() => {
@@ -257,44 +255,31 @@ async fn heal_from_redis(app: &App, drop: &crate::drops::Drop, config: &DropConf
                 return;
             }
         };
-        record_expiry(app, drop, config, &key, &reply).await;
-        let healed = match (reply.outcome.as_str(), reply.state.as_deref()) {
-            ("closed", _) => return,
-            ("not_found", _) => app
+        record_expiry(app, drop, config, &key, &reply.step).await;
+        let healed = match &reply.outcome {
+            Outcome::Closed => return,
+            Outcome::NotFound => app
                 .ledger
                 .expire_one(&key_of, config, &key, due)
                 .await
                 .map(|_| ())
                 .map_err(|e| e.to_string()),
-            (_, Some("confirmed")) => {
-                record_state(app, drop, config, &key, &reply, State::Confirmed).await
-            }
-            (_, Some("cancelled")) => {
-                record_state(app, drop, config, &key, &reply, State::Cancelled).await
-            }
-            (_, Some("expired")) if reply.expired.is_none() => {
-                record_state(app, drop, config, &key, &reply, State::Expired).await
-            }
+            Outcome::Found(view) => match view.reservation.state {
+                // An expiry this look-up made was recorded just above.
+                State::Expired if reply.step.expired.is_some() => Ok(()),
+                state @ (State::Confirmed | State::Cancelled | State::Expired) => {
+                    let change =
+                        change_of(drop, config, &key, &reply.step, &view.reservation, state);
+                    app.ledger.record(change).await.map_err(|e| e.to_string())
+                }
+                State::Pending | State::Active => Ok(()),
+            },
             _ => Ok(()),
         };
         if let Err(error) = healed {
             tracing::debug!(drop = %drop.name, %error, "ledger repair failed");
         }
     }
-}
-
-async fn record_state(
-    app: &App,
-    drop: &crate::drops::Drop,
-    config: &DropConfig,
-    key: &str,
-    reply: &crate::gate::GateReply,
-    state: State,
-) -> Result<(), String> {
-    app.ledger
-        .record(change_of(drop, config, key, reply, state))
-        .await
-        .map_err(|e| e.to_string())
 }
 
 /// How long past its deadline a hold the ledger has active waits for Redis to report

@@ -473,7 +473,7 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
         key: "k-0".into(),
         user: "k-0".into(),
         quantity: 1,
-        state: dropgate_sidecar::ledger::State::Active,
+        state: dropgate_sidecar::reservation::State::Active,
         expires_at_ms: i64::MAX / 2,
         seq: 1,
     };
@@ -482,7 +482,7 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
     let reply = dropgate_sidecar::gate::replay(&mut conn, &keys, &row, &old_sale)
         .await
         .expect("runs");
-    assert_eq!(reply.outcome, "other_sale");
+    assert_eq!(reply, dropgate_sidecar::gate::Replay::OtherSale);
     assert_eq!(sidecar.snapshot(), before, "nothing changed");
     assert_eq!(sidecar.remaining("sale"), 3);
 }

@@ -14,6 +14,8 @@ use dropgate_api::DropKeys;
 use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
 
+use crate::ledger::Recorded;
+
 macro_rules! gate_script {
     ($file:literal) => {
         LazyLock::new(|| Script::new(concat!(include_str!("prelude.lua"), include_str!($file))))
@@ -32,87 +34,10 @@ static OPEN: LazyLock<Script> = gate_script!("open.lua");
 static ABANDON: LazyLock<Script> = gate_script!("abandon.lua");
 static CLOSE: LazyLock<Script> = gate_script!("close.lua");
 
-/// What a gate script answered. `outcome` is the script's word (`admitted`,
-/// `sold_out`, `confirmed`, ...); the reservation's fields are set where it exists.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GateReply {
-    pub outcome: String,
-    pub user: Option<String>,
-    pub quantity: Option<i64>,
-    /// The reservation's state, or the drop's mode when `outcome` is `mode`.
-    pub state: Option<String>,
-    /// The hold's deadline, or the window edge for `not_open` / `ended`, or the
-    /// per-user limit for `per_user_limit_exceeded` (ms since the epoch / count).
-    pub when: Option<i64>,
-    /// `remaining` after the step, unclamped.
-    pub remaining: Option<i64>,
-    /// The number Redis gave the change this call made (admission, confirm,
-    /// cancel), which the ledger records with it.
-    pub seq: Option<i64>,
-    /// The gate's epoch when the call ran; `None` while the gate is closed.
-    pub epoch: Option<i64>,
-    /// A hold this call expired on the way (its deadline had passed): the
-    /// expiry's number and the state it expired from (`active` or `pending`). The
-    /// caller records it in the ledger, whatever the outcome.
-    pub expired: Option<(i64, String)>,
-    /// The sale the drop's config names in Redis as the script ran: the one its
-    /// change belongs to, whatever the caller's cached config says.
-    pub sale: Option<String>,
-}
+mod reply;
 
-impl GateReply {
-    /// A reply made up by the sidecar (the fallback gate, a window refusal).
-    pub fn made(outcome: &str) -> Self {
-        Self {
-            outcome: outcome.into(),
-            user: None,
-            quantity: None,
-            state: None,
-            when: None,
-            remaining: None,
-            seq: None,
-            epoch: None,
-            expired: None,
-            sale: None,
-        }
-    }
-
-    fn from_parts(parts: Vec<String>) -> RedisResult<Self> {
-        let [
-            outcome,
-            user,
-            quantity,
-            state,
-            when,
-            remaining,
-            seq,
-            epoch,
-            expired,
-            expired_from,
-            sale,
-        ]: [String; 11] = parts.try_into().map_err(|got: Vec<String>| {
-            redis::RedisError::from((
-                redis::ErrorKind::Parse,
-                "gate script answered with the wrong arity",
-                format!("{got:?}"),
-            ))
-        })?;
-        let text = |s: String| (!s.is_empty()).then_some(s);
-        let int = |s: &str| s.parse::<f64>().ok().map(|n| n as i64);
-        Ok(Self {
-            outcome,
-            user: text(user),
-            quantity: int(&quantity),
-            state: text(state),
-            when: int(&when),
-            remaining: int(&remaining),
-            seq: int(&seq),
-            epoch: int(&epoch),
-            expired: int(&expired).map(|seq| (seq, expired_from)),
-            sale: text(sale),
-        })
-    }
-}
+pub use reply::{Activation, Closing, Expiry, Opened, Replay, Reply, Step};
+use reply::{Call, Wire};
 
 async fn run(
     script: &Script,
@@ -120,7 +45,7 @@ async fn run(
     keys: &DropKeys,
     key: &str,
     args: &[&str],
-) -> RedisResult<GateReply> {
+) -> RedisResult<Wire> {
     let mut invocation = script.key(keys.config());
     invocation
         .key(keys.remaining())
@@ -136,16 +61,18 @@ async fn run(
     for arg in args {
         invocation.arg(*arg);
     }
-    GateReply::from_parts(invocation.invoke_async(conn).await?)
+    Wire::parse(invocation.invoke_async(conn).await?)
 }
 
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending
 /// reservation, or says why not. `attempt` identifies this admission for
 /// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it;
 /// an admission still pending `pending_bound_ms` later is overdue (its sidecar
-/// died), and a retry of the same key by the same buyer takes it over. `pending`
-/// means a concurrent attempt with the same key is still within its bound: ask
-/// again shortly. `closed`: the gate is not open (see [`open`]).
+/// died), and a retry of the same key by the same buyer takes it over.
+/// [`Outcome::Pending`](crate::reservation::Outcome::Pending): a concurrent attempt
+/// with the same key is still within its bound, ask again shortly;
+/// [`Outcome::Closed`](crate::reservation::Outcome::Closed): the gate is not open
+/// (see [`open`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn reserve(
     conn: &mut ConnectionManager,
@@ -156,7 +83,7 @@ pub async fn reserve(
     attempt: &str,
     ledger: &str,
     pending_bound_ms: u64,
-) -> RedisResult<GateReply> {
+) -> RedisResult<Reply> {
     let (quantity, bound) = (quantity.to_string(), pending_bound_ms.to_string());
     run(
         &RESERVE,
@@ -165,7 +92,8 @@ pub async fn reserve(
         key,
         &[user, &quantity, attempt, ledger, &bound],
     )
-    .await
+    .await?
+    .reply(Call::Reserve)
 }
 
 /// Takes back an overdue pending admission that `ledger` (the caller's) was to
@@ -176,17 +104,25 @@ pub async fn abandon(
     keys: &DropKeys,
     key: &str,
     ledger: &str,
-) -> RedisResult<GateReply> {
-    run(&ABANDON, conn, keys, key, &[ledger]).await
+) -> RedisResult<()> {
+    run(&ABANDON, conn, keys, key, &[ledger]).await.map(|_| ())
 }
 
-/// A pending admission's marker as it stands: who, how many, and the ledger that
-/// was to record it.
+/// A pending admission's marker: who, how many, and the ledger that was to record
+/// it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingMarker {
+    pub user: String,
+    pub quantity: i64,
+    pub ledger: String,
+}
+
+/// The pending admission of `key` as it stands, if the key holds one.
 pub async fn pending_marker(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
-) -> RedisResult<Option<(String, i64, String)>> {
+) -> RedisResult<Option<PendingMarker>> {
     let (state, user, quantity, ledger): (
         Option<String>,
         Option<String>,
@@ -201,9 +137,11 @@ pub async fn pending_marker(
         .query_async(conn)
         .await?;
     Ok(match (state.as_deref(), user, quantity) {
-        (Some("pending"), Some(user), Some(quantity)) => {
-            Some((user, quantity, ledger.unwrap_or_default()))
-        }
+        (Some("pending"), Some(user), Some(quantity)) => Some(PendingMarker {
+            user,
+            quantity,
+            ledger: ledger.unwrap_or_default(),
+        }),
         _ => None,
     })
 }
@@ -240,68 +178,70 @@ pub async fn confirm(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
-) -> RedisResult<GateReply> {
-    run(&CONFIRM, conn, keys, key, &[]).await
+) -> RedisResult<Reply> {
+    run(&CONFIRM, conn, keys, key, &[])
+        .await?
+        .reply(Call::Confirm)
 }
 
 pub async fn cancel(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
-) -> RedisResult<GateReply> {
-    run(&CANCEL, conn, keys, key, &[]).await
+) -> RedisResult<Reply> {
+    run(&CANCEL, conn, keys, key, &[])
+        .await?
+        .reply(Call::Cancel)
 }
 
 pub async fn lookup(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
-) -> RedisResult<GateReply> {
-    run(&LOOKUP, conn, keys, key, &[]).await
+) -> RedisResult<Reply> {
+    run(&LOOKUP, conn, keys, key, &[])
+        .await?
+        .reply(Call::Lookup)
 }
 
 /// Expires the hold of `key` if its deadline has passed (the sweeper's step).
-pub async fn expire(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-    key: &str,
-) -> RedisResult<GateReply> {
-    run(&EXPIRE, conn, keys, key, &[]).await
+pub async fn expire(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<Step> {
+    run(&EXPIRE, conn, keys, key, &[]).await?.step()
 }
 
-/// Turns the pending admission `attempt` of `key` into an active reservation
-/// (`admitted`), or answers `gone` when it expired meanwhile.
+/// Turns the pending admission `attempt` of `key` into an active reservation, or
+/// says how the marker stands when it is not that pending admission any more.
 pub async fn activate(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
     attempt: &str,
-) -> RedisResult<GateReply> {
-    run(&ACTIVATE, conn, keys, key, &[attempt]).await
+) -> RedisResult<(Activation, Step)> {
+    run(&ACTIVATE, conn, keys, key, &[attempt])
+        .await?
+        .activation()
 }
 
-/// Takes back the pending admission `attempt` of `key` as if it never happened;
-/// answers `undone`, or `gone` when it expired meanwhile.
+/// Takes back the pending admission `attempt` of `key` as if it never happened (a
+/// marker that moved on meanwhile is left alone).
 pub async fn undo(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
     attempt: &str,
-) -> RedisResult<GateReply> {
-    run(&UNDO, conn, keys, key, &[attempt]).await
+) -> RedisResult<()> {
+    run(&UNDO, conn, keys, key, &[attempt]).await.map(|_| ())
 }
 
-/// Brings the reservation `key` in Redis forward to the ledger's record of it:
-/// `replayed`, or `in_line` when Redis was already as far or further.
+/// Brings the reservation `key` in Redis forward to the ledger's record of it.
 /// `ledger_key` is where `row` was read: a row of another sale than the one Redis
-/// now holds (the drop was re-created while this ran) changes nothing
-/// (`other_sale`).
+/// now holds (the drop was re-created while this ran) changes nothing.
 pub async fn replay(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
-    row: &crate::ledger::Recorded,
+    row: &Recorded,
     ledger_key: &str,
-) -> RedisResult<GateReply> {
+) -> RedisResult<Replay> {
     let (quantity, expires, seq) = (
         row.quantity.to_string(),
         row.expires_at_ms.to_string(),
@@ -321,35 +261,48 @@ pub async fn replay(
             dropgate_api::keys::ledger_sale(ledger_key),
         ],
     )
-    .await
+    .await?
+    .replay()
 }
 
-/// Opens the gate at `epoch` and raises the change counter to `seq_floor`: `opened`,
-/// or `open` when it already was at that epoch or a later one.
+/// Opens the gate at `epoch` and raises the change counter to `seq_floor`.
 pub async fn open(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     epoch: i64,
     seq_floor: i64,
-) -> RedisResult<GateReply> {
+) -> RedisResult<Opened> {
     let (epoch, floor) = (epoch.to_string(), seq_floor.to_string());
-    run(&OPEN, conn, keys, "", &[&epoch, &floor]).await
+    run(&OPEN, conn, keys, "", &[&epoch, &floor])
+        .await?
+        .opened()
 }
 
-/// Closes the gate unless it was reopened after `epoch`: `closed`, `open`, or
-/// `lost` (the tombstone is there).
+/// Closes the gate unless it was reopened after `epoch`.
 pub async fn close(
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     epoch: i64,
-) -> RedisResult<GateReply> {
-    run(&CLOSE, conn, keys, "", &[&epoch.to_string(), ""]).await
+) -> RedisResult<Closing> {
+    run(&CLOSE, conn, keys, "", &[&epoch.to_string(), ""])
+        .await?
+        .closing()
 }
 
 /// Closes the gate for good: Redis lost a sale whose record is spread over per-pod
 /// ledgers, none of which can rebuild it.
-pub async fn condemn(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<GateReply> {
-    run(&CLOSE, conn, keys, "", &["0", "lost"]).await
+pub async fn condemn(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<()> {
+    run(&CLOSE, conn, keys, "", &["0", "lost"])
+        .await
+        .map(|_| ())
+}
+
+/// What the drop has left in Redis; `None` before it was seeded.
+pub async fn remaining(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<Option<i64>> {
+    redis::cmd("GET")
+        .arg(keys.remaining())
+        .query_async(conn)
+        .await
 }
 
 /// Where Redis's gate stands.

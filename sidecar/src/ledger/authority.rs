@@ -103,7 +103,7 @@ fn to_authority(row: &AnyRow) -> Result<Authority, sqlx::Error> {
     let holder: String = row.try_get(0)?;
     Ok(Authority {
         holder: Holder::parse(&holder)
-            .ok_or_else(|| sqlx::Error::Protocol(format!("unknown authority {holder:?}")))?,
+            .ok_or_else(|| sqlx::Error::Decode(format!("unknown authority {holder:?}").into()))?,
         epoch: row.try_get(1)?,
         changed_at_ms: row.try_get(2)?,
     })

@@ -16,10 +16,9 @@ use sqlx::{Any, Row, Transaction};
 
 use super::authority::require_ledger;
 use super::{
-    Change, Ledger, LedgerError, State, adjust_holdings, ensure_stock, insert_reservation,
-    transition, write_event,
+    Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation, transition, write_event,
 };
-use crate::gate::GateReply;
+use crate::reservation::{Change, Outcome, Reservation, Settle, State, Stock, View};
 
 /// A reservation as the ledger holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,19 +32,48 @@ pub struct Recorded {
     pub seq: i64,
 }
 
+impl Recorded {
+    pub fn reservation(&self) -> Reservation {
+        Reservation {
+            user: self.user.clone(),
+            quantity: self.quantity,
+            state: self.state,
+            expires_at_ms: self.expires_at_ms,
+        }
+    }
+}
+
 /// What a fallback transaction came to.
-enum Decision {
-    Reply(GateReply),
+enum Decision<T> {
+    Done(T),
     /// The ledger is not the drop's authority: nothing was changed.
     NotAuthority(String),
 }
 
-/// [`Ledger::fallback_retry`]'s word for a key the ledger does not hold.
-const NEW_KEY: &str = "new_key";
+/// Why a fallback transaction did not come to a decision.
+enum TxError {
+    Sql(sqlx::Error),
+    /// It lost a race to a concurrent transaction (the row it was to move moved):
+    /// run it again.
+    Raced,
+}
+
+impl From<sqlx::Error> for TxError {
+    fn from(error: sqlx::Error) -> Self {
+        TxError::Sql(error)
+    }
+}
 
 /// Attempts at a transaction that lost a race (a PostgreSQL unique or
 /// serialisation conflict) before giving up.
 const ATTEMPTS: usize = 5;
+
+fn stock(config: &DropConfig) -> Stock {
+    Stock {
+        limit: config.limit,
+        generation: config.generation,
+    }
+}
 
 impl Ledger {
     pub async fn fallback_reserve(
@@ -56,20 +84,14 @@ impl Ledger {
         user: &str,
         quantity: i64,
         now: i64,
-    ) -> Result<GateReply, LedgerError> {
-        let change = Change {
-            drop_key: drop_key.to_string(),
-            limit: config.limit,
-            generation: config.generation,
-            key: key.to_string(),
+    ) -> Result<Outcome, LedgerError> {
+        let held = Reservation {
             user: user.to_string(),
             quantity,
             state: State::Active,
             expires_at_ms: now + config.hold_seconds * 1000,
-            seq: None,
-            epoch: 0,
-            from_pending: false,
         };
+        let change = Change::new(drop_key, stock(config), key, &held, State::Active);
         retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
@@ -78,12 +100,12 @@ impl Ledger {
             ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
             if !insert_reservation(&mut tx, &change, "fallback", false, now).await? {
                 let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
-                let reply = match retry_answer(&mut tx, drop_key, existing, user, quantity).await? {
-                    Some(reply) => reply,
-                    None => answer(&mut tx, drop_key, "idempotency_key_reused", None).await?,
+                let outcome = match retry_answer(&mut tx, drop_key, existing, user, quantity).await? {
+                    Some(outcome) => outcome,
+                    None => Outcome::KeyReused,
                 };
                 tx.commit().await?;
-                return Ok(Decision::Reply(reply));
+                return Ok(Decision::Done(outcome));
             }
             sqlx::query(
                 "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
@@ -113,7 +135,7 @@ impl Ledger {
                     .await?
                     .try_get(0)?;
                 tx.rollback().await?;
-                return Ok(Decision::Reply(refusal("per_user_limit_exceeded", Some(user), Some(held), Some(config.per_user_limit), None)));
+                return Ok(Decision::Done(Outcome::PerUserLimit { held, limit: config.per_user_limit }));
             }
             let in_stock = sqlx::query("UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3")
                 .bind(quantity)
@@ -124,15 +146,14 @@ impl Ledger {
                 .rows_affected()
                 == 1;
             if !in_stock {
-                let left = available(&mut tx, drop_key).await?;
+                let remaining = available(&mut tx, drop_key).await?;
                 tx.rollback().await?;
-                return Ok(Decision::Reply(refusal("sold_out", None, None, None, Some(left))));
+                return Ok(Decision::Done(Outcome::SoldOut { remaining }));
             }
             write_event(&mut tx, &change, "fallback", now).await?;
-            let row = read(&mut tx, drop_key, key).await?;
-            let reply = answer(&mut tx, drop_key, "admitted", row.as_ref()).await?;
+            let view = view(&mut tx, drop_key, key).await?;
             tx.commit().await?;
-            Ok(Decision::Reply(reply))
+            Ok(Decision::Done(Outcome::Admitted(view)))
         })
         .await
     }
@@ -149,89 +170,71 @@ impl Ledger {
         user: &str,
         quantity: i64,
         now: i64,
-    ) -> Result<Option<GateReply>, LedgerError> {
-        let reply = retry(|| async {
-            let mut tx = self.pool.begin().await?;
-            if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
-                return Ok(not_authority(authority));
-            }
-            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
-            let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
-            let reply = retry_answer(&mut tx, drop_key, existing, user, quantity)
-                .await?
-                .unwrap_or_else(|| refusal(NEW_KEY, None, None, None, None));
-            tx.commit().await?;
-            Ok(Decision::Reply(reply))
-        })
-        .await?;
-        Ok((reply.outcome != NEW_KEY).then_some(reply))
-    }
-
-    /// confirm, cancel or look-up (`to` = None) on the fallback path.
-    pub async fn fallback_settle(
-        &self,
-        drop_key: &str,
-        config: &DropConfig,
-        key: &str,
-        to: Option<State>,
-        now: i64,
-    ) -> Result<GateReply, LedgerError> {
+    ) -> Result<Option<Outcome>, LedgerError> {
         retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
             ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
-            let before = read(&mut tx, drop_key, key).await?;
+            let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
+            let outcome = retry_answer(&mut tx, drop_key, existing, user, quantity).await?;
+            tx.commit().await?;
+            Ok(Decision::Done(outcome))
+        })
+        .await
+    }
+
+    /// confirm, cancel or look-up on the fallback path.
+    pub async fn fallback_settle(
+        &self,
+        drop_key: &str,
+        config: &DropConfig,
+        key: &str,
+        settle: Settle,
+        now: i64,
+    ) -> Result<Outcome, LedgerError> {
+        retry(|| async {
+            let mut tx = self.pool.begin().await?;
+            if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
+                return Ok(not_authority(authority));
+            }
+            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
+            // A hold past its deadline expires first, whatever was asked.
             let Some(row) = expire_if_due(&mut tx, drop_key, config, key, now).await? else {
                 tx.commit().await?;
-                return Ok(Decision::Reply(refusal(
-                    "not_found",
-                    None,
-                    None,
-                    None,
-                    None,
-                )));
+                return Ok(Decision::Done(Outcome::NotFound));
             };
-            let expired_now = before.as_ref().is_some_and(|b| b.state == State::Active)
-                && row.state == State::Expired;
-            let outcome = match (to, row.state) {
-                // A look-up that expired the hold answers it like any look-up.
-                (None, _) => "found",
-                (_, State::Expired) if expired_now => "expired",
-                (Some(State::Confirmed), State::Active)
-                | (Some(State::Cancelled), State::Active | State::Confirmed) => {
-                    let target = to.unwrap_or(State::Cancelled);
-                    let change = Change {
-                        drop_key: drop_key.to_string(),
-                        limit: config.limit,
-                        generation: config.generation,
-                        key: key.to_string(),
-                        user: row.user.clone(),
-                        quantity: row.quantity,
-                        state: target,
-                        expires_at_ms: row.expires_at_ms,
-                        seq: None,
-                        epoch: 0,
-                        from_pending: false,
-                    };
-                    if !transition(&mut tx, &change, false, now).await? {
-                        return Err(sqlx::Error::Protocol(RACED.into()));
-                    }
-                    if target == State::Cancelled {
-                        adjust_holdings(&mut tx, &change, 1).await?;
-                    }
-                    write_event(&mut tx, &change, "fallback", now).await?;
-                    target.as_str()
+            let target = match (settle, row.state) {
+                (Settle::Confirm, State::Active) => Some(State::Confirmed),
+                (Settle::Cancel, State::Active | State::Confirmed) => Some(State::Cancelled),
+                _ => None,
+            };
+            if let Some(target) = target {
+                let change = Change::new(drop_key, stock(config), key, &row.reservation(), target);
+                if !transition(&mut tx, &change, false, now).await? {
+                    return Err(TxError::Raced);
                 }
-                (Some(State::Confirmed), State::Confirmed) => "already_confirmed",
-                (Some(State::Cancelled), State::Cancelled) => "already_cancelled",
-                (_, state) => state.as_str(),
+                if target == State::Cancelled {
+                    adjust_holdings(&mut tx, &change, 1).await?;
+                }
+                write_event(&mut tx, &change, "fallback", now).await?;
+            }
+            let view = view(&mut tx, drop_key, key).await?;
+            let outcome = match (settle, row.state) {
+                // A look-up that expired the hold answers it like any look-up.
+                (Settle::Lookup, _) => Outcome::Found(view),
+                (_, State::Expired) => Outcome::Expired(view),
+                (Settle::Confirm, State::Active) => Outcome::Confirmed(view),
+                (Settle::Confirm, State::Confirmed) => Outcome::AlreadyConfirmed(view),
+                (Settle::Confirm, State::Cancelled) => Outcome::WasCancelled(view),
+                (Settle::Cancel, State::Active | State::Confirmed) => Outcome::Cancelled(view),
+                (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
+                // The ledger never records a pending admission.
+                (_, State::Pending) => Outcome::Recording,
             };
-            let row = read(&mut tx, drop_key, key).await?;
-            let reply = answer(&mut tx, drop_key, outcome, row.as_ref()).await?;
             tx.commit().await?;
-            Ok(Decision::Reply(reply))
+            Ok(Decision::Done(outcome))
         })
         .await
     }
@@ -412,9 +415,6 @@ impl Ledger {
     }
 }
 
-/// The word a transaction that lost a race to a concurrent one fails with.
-const RACED: &str = "raced with a concurrent transaction; retrying";
-
 /// A retry's answer from the row its key holds: `already_reserved` for the same
 /// buyer and quantity, `idempotency_key_reused` for any other; `None` when the key
 /// holds nothing.
@@ -424,17 +424,20 @@ async fn retry_answer(
     row: Option<Recorded>,
     user: &str,
     quantity: i64,
-) -> Result<Option<GateReply>, sqlx::Error> {
+) -> Result<Option<Outcome>, sqlx::Error> {
     Ok(match row {
         None => None,
         Some(row) if row.user == user && row.quantity == quantity => {
-            Some(answer(tx, drop_key, "already_reserved", Some(&row)).await?)
+            Some(Outcome::AlreadyReserved(View {
+                reservation: row.reservation(),
+                remaining: available(tx, drop_key).await?,
+            }))
         }
-        Some(_) => Some(answer(tx, drop_key, "idempotency_key_reused", None).await?),
+        Some(_) => Some(Outcome::KeyReused),
     })
 }
 
-fn not_authority(authority: Option<super::Authority>) -> Decision {
+fn not_authority<T>(authority: Option<super::Authority>) -> Decision<T> {
     Decision::NotAuthority(authority.map_or_else(
         || "no sidecar has handed it to the ledger".into(),
         |a| format!("the authority is {a}"),
@@ -442,30 +445,22 @@ fn not_authority(authority: Option<super::Authority>) -> Decision {
 }
 
 /// Runs a transaction again when it lost a race to a concurrent one.
-async fn retry<F, Fut>(mut attempt: F) -> Result<GateReply, LedgerError>
+async fn retry<T, F, Fut>(mut attempt: F) -> Result<T, LedgerError>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Decision, sqlx::Error>>,
+    Fut: std::future::Future<Output = Result<Decision<T>, TxError>>,
 {
     for _ in 0..ATTEMPTS {
         match attempt().await {
-            Ok(Decision::Reply(reply)) => return Ok(reply),
+            Ok(Decision::Done(done)) => return Ok(done),
             Ok(Decision::NotAuthority(why)) => return Err(LedgerError::NotAuthority(why)),
-            Err(e) if is_race(&e) => {}
-            Err(e) => return Err(e.into()),
+            Err(TxError::Raced) => {}
+            Err(TxError::Sql(sqlx::Error::Database(db)))
+                if matches!(db.code().as_deref(), Some("23505" | "40001" | "40P01")) => {}
+            Err(TxError::Sql(e)) => return Err(e.into()),
         }
     }
     Err(LedgerError::Contended(ATTEMPTS))
-}
-
-fn is_race(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Database(db) => {
-            matches!(db.code().as_deref(), Some("23505" | "40001" | "40P01"))
-        }
-        sqlx::Error::Protocol(message) => message == RACED,
-        _ => false,
-    }
 }
 
 pub(super) async fn read(
@@ -490,7 +485,7 @@ fn to_row(row: &sqlx::any::AnyRow) -> Result<Recorded, sqlx::Error> {
         user: row.try_get(1)?,
         quantity: row.try_get(2)?,
         state: State::parse(&state)
-            .ok_or_else(|| sqlx::Error::Protocol(format!("unknown state {state:?}")))?,
+            .ok_or_else(|| sqlx::Error::Decode(format!("unknown state {state:?}").into()))?,
         expires_at_ms: row.try_get(4)?,
         seq: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
     })
@@ -511,19 +506,13 @@ async fn expire_if_due(
     if row.state != State::Active || row.expires_at_ms > now {
         return Ok(Some(row));
     }
-    let change = Change {
-        drop_key: drop_key.to_string(),
-        limit: config.limit,
-        generation: config.generation,
-        key: key.to_string(),
-        user: row.user.clone(),
-        quantity: row.quantity,
-        state: State::Expired,
-        expires_at_ms: row.expires_at_ms,
-        seq: None,
-        epoch: 0,
-        from_pending: false,
-    };
+    let change = Change::new(
+        drop_key,
+        stock(config),
+        key,
+        &row.reservation(),
+        State::Expired,
+    );
     if transition(tx, &change, false, now).await? {
         adjust_holdings(tx, &change, 1).await?;
         write_event(tx, &change, "fallback", now).await?;
@@ -539,35 +528,18 @@ async fn available(tx: &mut Transaction<'static, Any>, drop_key: &str) -> Result
         .try_get(0)
 }
 
-async fn answer(
+/// The reservation of `key` as an answer shows it, with the stock left.
+async fn view(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
-    outcome: &str,
-    row: Option<&Recorded>,
-) -> Result<GateReply, sqlx::Error> {
-    let remaining = available(tx, drop_key).await?;
-    Ok(GateReply {
-        user: row.map(|r| r.user.clone()),
-        quantity: row.map(|r| r.quantity),
-        state: row.map(|r| r.state.as_str().to_string()),
-        when: row.map(|r| r.expires_at_ms),
-        remaining: Some(remaining),
-        ..GateReply::made(outcome)
+    key: &str,
+) -> Result<View, sqlx::Error> {
+    let reservation = read(tx, drop_key, key)
+        .await?
+        .map(|row| row.reservation())
+        .ok_or_else(|| sqlx::Error::RowNotFound)?;
+    Ok(View {
+        reservation,
+        remaining: available(tx, drop_key).await?,
     })
-}
-
-fn refusal(
-    outcome: &str,
-    user: Option<&str>,
-    quantity: Option<i64>,
-    when: Option<i64>,
-    remaining: Option<i64>,
-) -> GateReply {
-    GateReply {
-        user: user.map(str::to_string),
-        quantity,
-        when,
-        remaining,
-        ..GateReply::made(outcome)
-    }
 }

@@ -25,6 +25,7 @@ pub mod outbox;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 
 use crate::clock::now_ms;
+use crate::reservation::{Change, State};
 use sqlx::{Any, AnyPool, Row, Transaction};
 use tokio::sync::{mpsc, oneshot};
 
@@ -77,71 +78,16 @@ pub enum RecordError {
     Failed(String),
 }
 
-/// A reservation's state as both stores spell it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum State {
-    Active,
-    Confirmed,
-    Cancelled,
-    Expired,
-}
-
-impl State {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::Active => "active",
-            State::Confirmed => "confirmed",
-            State::Cancelled => "cancelled",
-            State::Expired => "expired",
-        }
+/// The outbox event's type for a change to `state`.
+fn event(state: State) -> &'static str {
+    match state {
+        State::Active => "admitted",
+        State::Confirmed => "confirmed",
+        State::Cancelled => "cancelled",
+        State::Expired => "expired",
+        // Refused by `Ledger::record` before it is written.
+        State::Pending => "pending",
     }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "active" => Some(State::Active),
-            "confirmed" => Some(State::Confirmed),
-            "cancelled" => Some(State::Cancelled),
-            "expired" => Some(State::Expired),
-            _ => None,
-        }
-    }
-
-    /// Whether the reservation keeps its units out of stock.
-    pub fn holds_units(self) -> bool {
-        matches!(self, State::Active | State::Confirmed)
-    }
-
-    /// The outbox event's type.
-    fn event(self) -> &'static str {
-        match self {
-            State::Active => "admitted",
-            State::Confirmed => "confirmed",
-            State::Cancelled => "cancelled",
-            State::Expired => "expired",
-        }
-    }
-}
-
-/// One change of one reservation, as the Redis gate decided it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Change {
-    /// `namespace/name/sale` ([`dropgate_api::keys::ledger_key`]).
-    pub drop_key: String,
-    pub limit: i64,
-    /// The drop's generation the limit comes from: an older one never moves it.
-    pub generation: i64,
-    pub key: String,
-    pub user: String,
-    pub quantity: i64,
-    pub state: State,
-    pub expires_at_ms: i64,
-    /// Redis's number for the change (see [`dropgate_api::DropKeys::seq`]).
-    pub seq: Option<i64>,
-    /// The gate's epoch the change was made under.
-    pub epoch: i64,
-    /// An expiry of a hold Redis still had as pending: news only if the ledger
-    /// recorded the admission (a sidecar died between the commit and activation).
-    pub from_pending: bool,
 }
 
 type Pending = (Change, oneshot::Sender<Result<(), RecordError>>);
@@ -252,6 +198,11 @@ impl Ledger {
     /// admission fits its own count of the drop's stock: a stale or wrong Redis is
     /// refused here, whatever it answered.
     pub async fn record(&self, change: Change) -> Result<(), RecordError> {
+        if change.state == State::Pending {
+            return Err(RecordError::Failed(
+                "a pending admission is never recorded".into(),
+            ));
+        }
         let (done, wait) = oneshot::channel();
         let gone = || RecordError::Failed("the ledger's writer stopped".into());
         self.writer.send((change, done)).await.map_err(|_| gone())?;
@@ -359,7 +310,7 @@ async fn commit(
     let mut drops: Vec<(&str, Option<Authority>, &Change)> = Vec::new();
     for change in changes {
         match drops.iter_mut().find(|(key, ..)| *key == change.drop_key) {
-            Some(entry) if entry.2.generation < change.generation => entry.2 = change,
+            Some(entry) if entry.2.stock.generation < change.stock.generation => entry.2 = change,
             Some(_) => {}
             None => {
                 let authority =
@@ -369,7 +320,13 @@ async fn commit(
         }
     }
     for (drop_key, _, newest) in &drops {
-        ensure_stock(&mut tx, drop_key, newest.limit, newest.generation).await?;
+        ensure_stock(
+            &mut tx,
+            drop_key,
+            newest.stock.limit,
+            newest.stock.generation,
+        )
+        .await?;
     }
     let mut verdicts = Vec::with_capacity(changes.len());
     let mut units: Vec<(&str, i64)> = Vec::new();
@@ -575,7 +532,7 @@ async fn transition(
     now: i64,
 ) -> Result<bool, sqlx::Error> {
     let sql = match change.state {
-        State::Active => return Ok(false),
+        State::Active | State::Pending => return Ok(false),
         State::Confirmed | State::Expired => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active'"
@@ -644,16 +601,9 @@ async fn write_event(
     path: &str,
     now: i64,
 ) -> Result<(), sqlx::Error> {
-    let event_id = format!(
-        "{}/{}/{}",
-        change.drop_key,
-        change.key,
-        change.state.event()
-    );
-    let (drop, sale) = change
-        .drop_key
-        .rsplit_once('/')
-        .unwrap_or((change.drop_key.as_str(), ""));
+    let event_id = format!("{}/{}/{}", change.drop_key, change.key, event(change.state));
+    let drop = dropgate_api::keys::ledger_drop(&change.drop_key);
+    let sale = dropgate_api::keys::ledger_sale(&change.drop_key);
     let payload = outbox::canonical(&serde_json::json!({
         "at": now,
         "drop": drop,
@@ -662,10 +612,10 @@ async fn write_event(
         "path": path,
         "quantity": change.quantity,
         "sale": sale,
-        "type": change.state.event(),
+        "type": event(change.state),
         "user": change.user,
     }))
-    .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+    .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let row: AnyRow = sqlx::query("UPDATE sequences SET next_value = next_value + 1 WHERE name = 'outbox' RETURNING next_value")
         .fetch_one(&mut **tx)
         .await?;

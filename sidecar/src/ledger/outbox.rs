@@ -10,29 +10,51 @@ use sqlx::{Any, AnyPool, Row, Transaction};
 use crate::clock::now_ms;
 use crate::faults::{self, Fault};
 
+/// A value that has no canonical form.
+#[derive(Debug, thiserror::Error)]
+pub enum NotCanonical {
+    #[error("booleans are not allowed in events")]
+    Boolean,
+    #[error("floats are not allowed in events ({0})")]
+    Float(serde_json::Number),
+}
+
 /// Canonical JSON: keys sorted, no spaces; booleans and floats refused, so that the
 /// same event always has the same bytes.
-pub fn canonical(value: &Value) -> Result<String, String> {
+pub fn canonical(value: &Value) -> Result<String, NotCanonical> {
     match value {
         Value::Null => Ok("null".into()),
-        Value::Bool(_) => Err("booleans are not allowed in events".into()),
+        Value::Bool(_) => Err(NotCanonical::Boolean),
         Value::Number(n) if n.is_i64() || n.is_u64() => Ok(n.to_string()),
-        Value::Number(n) => Err(format!("floats are not allowed in events ({n})")),
-        Value::String(s) => serde_json::to_string(s).map_err(|e| e.to_string()),
+        Value::Number(n) => Err(NotCanonical::Float(n.clone())),
+        Value::String(s) => Ok(quoted(s)),
         Value::Array(items) => {
-            let parts: Result<Vec<String>, String> = items.iter().map(canonical).collect();
-            Ok(format!("[{}]", parts?.join(",")))
+            let parts = items.iter().map(canonical).collect::<Result<Vec<_>, _>>()?;
+            Ok(format!("[{}]", parts.join(",")))
         }
         Value::Object(map) => {
             let sorted: BTreeMap<&String, &Value> = map.iter().collect();
             let mut parts = Vec::with_capacity(sorted.len());
             for (key, value) in sorted {
-                let key = serde_json::to_string(key).map_err(|e| e.to_string())?;
-                parts.push(format!("{key}:{}", canonical(value)?));
+                parts.push(format!("{}:{}", quoted(key), canonical(value)?));
             }
             Ok(format!("{{{}}}", parts.join(",")))
         }
     }
+}
+
+/// A JSON string literal (serde_json's escaping, which cannot fail for a `str`).
+fn quoted(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+/// Why a dispatch round published nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("the ledger failed: {0}")]
+    Sql(#[from] sqlx::Error),
+    #[error("publishing to Redis failed: {0}")]
+    Publish(String),
 }
 
 /// How long a dispatcher's claim on a batch lasts: far longer than a round takes;
@@ -62,7 +84,7 @@ pub async fn dispatch(
     redis: &mut ConnectionManager,
     owner: &str,
     batch: i64,
-) -> Result<usize, String> {
+) -> Result<usize, DispatchError> {
     let now = now_ms();
     let claim_until = now + CLAIM_MS;
     let claim = async {
@@ -91,7 +113,7 @@ pub async fn dispatch(
         .await?;
         tx.commit().await
     };
-    claim.await.map_err(|e: sqlx::Error| e.to_string())?;
+    claim.await?;
     let rows = sqlx::query(
         "SELECT id, event_id, drop_key, payload FROM outbox \
          WHERE sent_at_ms IS NULL AND claimed_by = $1 AND claimed_until_ms = $2 ORDER BY id",
@@ -99,8 +121,7 @@ pub async fn dispatch(
     .bind(owner)
     .bind(claim_until)
     .fetch_all(pool)
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     let claimed = rows.len();
     // Published ids, marked sent together afterwards: one commit per round rather
     // than one per event, and never an id whose publish did not succeed.
@@ -108,10 +129,10 @@ pub async fn dispatch(
     let mut held_back = std::collections::HashSet::new();
     let mut failure = None;
     for row in rows {
-        let id: i64 = row.try_get(0).map_err(|e| e.to_string())?;
-        let event_id: String = row.try_get(1).map_err(|e| e.to_string())?;
-        let drop_key: String = row.try_get(2).map_err(|e| e.to_string())?;
-        let payload: String = row.try_get(3).map_err(|e| e.to_string())?;
+        let id: i64 = row.try_get(0)?;
+        let event_id: String = row.try_get(1)?;
+        let drop_key: String = row.try_get(2)?;
+        let payload: String = row.try_get(3)?;
         if held_back.contains(&drop_key) {
             continue;
         }
@@ -135,8 +156,11 @@ pub async fn dispatch(
             .query_async(redis)
             .await;
         let sent = sent
-            .map_err(|e| e.to_string())
-            .and_then(|_| faults::check(Fault::AfterPublishBeforeAck).map_err(|e| e.to_string()));
+            .map_err(|e| DispatchError::Publish(e.to_string()))
+            .and_then(|_| {
+                faults::check(Fault::AfterPublishBeforeAck)
+                    .map_err(|e| DispatchError::Publish(e.to_string()))
+            });
         match sent {
             Ok(()) => published.push(id),
             Err(e) => {
@@ -181,7 +205,7 @@ pub async fn dispatch(
             .await?;
             tx.commit().await
         };
-        mark.await.map_err(|e: sqlx::Error| e.to_string())?;
+        mark.await?;
     }
     match failure {
         Some(e) if published.is_empty() => Err(e),

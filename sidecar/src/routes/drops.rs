@@ -3,61 +3,41 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use dropgate_api::{FailurePolicy, Mode};
-use redis::AsyncCommands;
 use warp::http::StatusCode;
 use warp::reply::Response;
 
-use super::finish;
+use super::{failed, finish};
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
+use crate::input;
+use crate::service;
 
 pub async fn show(drop: String, app: Arc<App>) -> Response {
     let started = Instant::now();
-    let answer = describe(&app, &drop)
-        .await
-        .unwrap_or_else(|refusal| refusal);
+    let answer = describe(&app, &drop).await;
     finish(&app, "drop", started, answer)
 }
 
-async fn describe(app: &App, raw_drop: &str) -> Result<Answer, Answer> {
-    let drop = app.find_drop(raw_drop).await?;
-    let config = drop.config();
-    // Whichever gate is in charge says what is left.
-    let mut conn = app.redis.clone();
-    let from_redis: redis::RedisResult<Option<i64>> = if config.mode == Mode::FailOpen {
-        Err(redis::RedisError::from((
-            redis::ErrorKind::Client,
-            "off the gate",
-        )))
-    } else {
-        conn.get(drop.keys.remaining()).await
+async fn describe(app: &App, raw_drop: &str) -> Answer {
+    let name = match input::path_id("drop", raw_drop) {
+        Ok(name) => name,
+        Err(invalid) => return Answer::invalid(invalid.0),
     };
-    let remaining = match from_redis {
-        Ok(remaining) => remaining,
-        Err(e) if config.mode == Mode::FailOpen || config.failure_policy == FailurePolicy::Open => {
-            app.ledger
-                .available(&drop.ledger_key())
-                .await
-                .map_err(|le| {
-                    Answer::unavailable(format!(
-                        "neither Redis ({e}) nor the ledger ({le}) answered"
-                    ))
-                })?
-                .or(Some(config.limit))
-        }
-        Err(e) => return Err(app.redis_down(&drop, &e)),
+    let shown = match service::show(app, &name).await {
+        Ok(shown) => shown,
+        Err(failure) => return failed(app, failure),
     };
+    let config = shown.config;
     let time = |ms: Option<i64>| ms.map_or(serde_json::Value::Null, rfc3339);
-    Ok(Answer::new(StatusCode::OK, "found")
-        .with("drop", drop.name.as_str())
+    Answer::new(StatusCode::OK, "found")
+        .with("drop", name.as_str())
         .with("namespace", app.drops.namespace())
         .with("sku", config.sku)
         .with("limit", config.limit)
-        .with("remaining", remaining.unwrap_or(0).max(0))
+        .with("remaining", shown.remaining.max(0))
         .with("mode", config.mode.as_str())
         .with("perUserLimit", config.per_user_limit)
         .with("holdSeconds", config.hold_seconds)
         .with("startsAt", time(config.starts_at_ms))
-        .with("endsAt", time(config.ends_at_ms)))
+        .with("endsAt", time(config.ends_at_ms))
 }

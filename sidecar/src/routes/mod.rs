@@ -18,6 +18,7 @@ use warp::{Filter, Rejection};
 
 use crate::answer::Answer;
 use crate::app::App;
+use crate::service::Failure;
 
 /// Largest request body accepted: the bodies are a few short fields.
 const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -150,6 +151,57 @@ where
         }
     }
     Ok(Bytes::from(body))
+}
+
+/// Seconds a throttled or told-to-retry caller is asked to wait: permits free up
+/// as others confirm, hand-overs and records take moments.
+const RETRY_AFTER_SECONDS: u64 = 1;
+
+/// The answer when the service could decide nothing.
+fn failed(app: &App, failure: Failure) -> Answer {
+    match failure {
+        Failure::UnknownDrop { name, .. } => unknown_drop(app, &name),
+        Failure::Throttled {
+            permits,
+            detail,
+            path,
+        } => reservations::mark(
+            Answer::refusal(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "throttled",
+                format!(
+                    "all {permits} reservation permits of this sidecar are in use ({detail}): retry the same key after {RETRY_AFTER_SECONDS}s"
+                ),
+            )
+            .retry_after(RETRY_AFTER_SECONDS),
+            path,
+        ),
+        Failure::Unavailable { why, path, retry } => {
+            let answer = if retry {
+                retry_later(why)
+            } else {
+                Answer::unavailable(why)
+            };
+            reservations::mark(answer, path)
+        }
+    }
+}
+
+/// 503 with Retry-After: nothing was changed, and asking again soon will do.
+fn retry_later(why: String) -> Answer {
+    Answer::unavailable(why).retry_after(RETRY_AFTER_SECONDS)
+}
+
+/// 404 for a drop this sidecar's namespace does not publish.
+fn unknown_drop(app: &App, name: &str) -> Answer {
+    Answer::refusal(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!(
+            "no drop named {name} in namespace {}",
+            app.drops.namespace()
+        ),
+    )
 }
 
 /// Counts and times an answer, then sends it.

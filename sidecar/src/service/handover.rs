@@ -25,9 +25,33 @@ use dropgate_api::Mode;
 
 use crate::app::App;
 use crate::clock::now_ms;
-use crate::drops::Drop;
-use crate::gate::{self, Gate};
-use crate::ledger::{Authority, Holder};
+use crate::drops::{Drop, LookupError};
+use crate::gate::{self, Closing, Gate, Opened, Replay};
+use crate::ledger::{Authority, Holder, LedgerError};
+
+/// Why the gate could not be opened or checked.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    #[error("Redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Config(#[from] LookupError),
+    #[error("drop {0} is no longer published")]
+    Unpublished(String),
+    /// Redis lost a sale that no ledger can rebuild (see [`lost_sale`]).
+    #[error("{}", lost_sale(.0))]
+    LostSale(String),
+    /// Redis's config changed under a rebuild (re-created, or lost and re-seeded):
+    /// opening now could skip rows; the next attempt starts over afresh.
+    #[error("drop {0}'s config changed in Redis during its rebuild: retrying")]
+    ConfigChanged(String),
+    /// The refresh found the gate behind and could not open it; the sentence says
+    /// why (it was logged where it happened).
+    #[error("{0}")]
+    NotOpened(String),
+}
 
 /// How an attempt to open the gate ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -57,18 +81,18 @@ pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
         Ok(opening) => opening,
         Err(why) => {
             tracing::warn!(drop = %drop.name, %why, "the gate could not be opened");
-            Opening::Refused(why)
+            Opening::Refused(why.to_string())
         }
     }
 }
 
-async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, String> {
+async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, HandoverError> {
     let mut conn = app.redis.clone();
     // The operator may have moved the drop off the gate: read its config afresh.
     let config = match app.drops.refresh(&mut conn, &drop.name).await {
         Ok(Some(_)) => drop.config(),
-        Ok(None) => return Err(format!("drop {} is no longer published", drop.name)),
-        Err(e) => return Err(e.to_string()),
+        Ok(None) => return Err(HandoverError::Unpublished(drop.name.clone())),
+        Err(e) => return Err(e.into()),
     };
     if config.mode != Mode::Gate {
         return Ok(Opening::NotGate(config.mode));
@@ -103,20 +127,11 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
         return Ok(Opening::Busy);
     }
     let lost = authority.is_some() && (gate.is_none() || redis_behind);
-    if lost
-        && app.ledger.is_per_pod()
-        && app
-            .ledger
-            .has_peers(&key)
-            .await
-            .map_err(|e| e.to_string())?
-    {
+    if lost && app.ledger.is_per_pod() && app.ledger.has_peers(&key).await? {
         // No ledger can rebuild the sale; a ledger new to it could not even tell
         // that it was lost. The tombstone keeps every sidecar's gate closed.
-        gate::condemn(&mut conn, &drop.keys)
-            .await
-            .map_err(|e| format!("Redis: {e}"))?;
-        return Err(lost_sale(drop));
+        gate::condemn(&mut conn, &drop.keys).await?;
+        return Err(HandoverError::LostSale(drop.name.clone()));
     }
 
     // A gate opened by a sidecar with another ledger (per-pod ledgers), on a Redis
@@ -128,16 +143,12 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
         let begun = app
             .ledger
             .begin_replay(&key, authority.as_ref(), g - 1, now)
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
         let Some(epoch) = begun else {
             return Ok(Opening::Busy);
         };
         rebuild(app, drop, &key).await?;
-        app.ledger
-            .finish_replay(&key, epoch)
-            .await
-            .map_err(|e| e.to_string())?;
+        app.ledger.finish_replay(&key, epoch).await?;
         return Ok(Opening::Open);
     }
 
@@ -145,32 +156,22 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Stri
     let Some(epoch) = app
         .ledger
         .begin_replay(&key, authority.as_ref(), floor, now)
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
     else {
         return Ok(Opening::Busy);
     };
     tracing::info!(drop = %drop.name, epoch, lost, ?gate, redis_seq, ledger_seq, ?authority, "bringing Redis in line with the ledger");
-    let closed = gate::close(&mut conn, &drop.keys, epoch)
-        .await
-        .map_err(|e| format!("Redis: {e}"))?;
-    if closed.outcome == "lost" {
-        return Err(lost_sale(drop));
+    if gate::close(&mut conn, &drop.keys, epoch).await? == Closing::Lost {
+        return Err(HandoverError::LostSale(drop.name.clone()));
     }
     rebuild(app, drop, &key).await?;
-    let ledger_seq = app.ledger.max_seq(&key).await.map_err(|e| e.to_string())?;
-    let opened = gate::open(&mut conn, &drop.keys, epoch, ledger_seq)
-        .await
-        .map_err(|e| format!("Redis: {e}"))?;
-    match opened.outcome.as_str() {
-        "not_found" => return Err(format!("drop {} is no longer published", drop.name)),
-        "lost" => return Err(lost_sale(drop)),
-        _ => {}
+    let ledger_seq = app.ledger.max_seq(&key).await?;
+    match gate::open(&mut conn, &drop.keys, epoch, ledger_seq).await? {
+        Opened::Unpublished => return Err(HandoverError::Unpublished(drop.name.clone())),
+        Opened::Lost => return Err(HandoverError::LostSale(drop.name.clone())),
+        Opened::Opened | Opened::AlreadyOpen => {}
     }
-    app.ledger
-        .finish_replay(&key, epoch)
-        .await
-        .map_err(|e| e.to_string())?;
+    app.ledger.finish_replay(&key, epoch).await?;
     Ok(Opening::Open)
 }
 
@@ -188,15 +189,13 @@ struct Standing {
 /// Reads where the drop stands, the ledger first: every number it holds was handed
 /// out by Redis before it was recorded, so Redis read afterwards is at least as far
 /// unless it lost writes. The tombstone refuses.
-async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, String> {
-    let authority = app.ledger.authority(key).await.map_err(|e| e.to_string())?;
-    let ledger_seq = app.ledger.max_seq(key).await.map_err(|e| e.to_string())?;
+async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, HandoverError> {
+    let authority = app.ledger.authority(key).await?;
+    let ledger_seq = app.ledger.max_seq(key).await?;
     let mut conn = app.redis.clone();
-    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys)
-        .await
-        .map_err(|e| format!("Redis: {e}"))?;
+    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys).await?;
     if gate == Gate::Lost {
-        return Err(lost_sale(drop));
+        return Err(HandoverError::LostSale(drop.name.clone()));
     }
     Ok(Standing {
         authority,
@@ -206,19 +205,19 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, String>
     })
 }
 
-fn lost_sale(drop: &Drop) -> String {
+fn lost_sale(drop: &str) -> String {
     format!(
         "Redis lost writes of drop {} and its record is spread over per-pod ledgers, none of which \
          holds the whole sale: its gate stays closed rather than sell units it may not have \
          (settle its reservations from the ledgers, then re-create the drop as a new sale; \
          use a shared PostgreSQL ledger to survive this)",
-        drop.name
+        drop
     )
 }
 
 /// Replays every reservation the ledger recorded for the drop into Redis, forward
 /// only: what Redis already has as far or further is left alone.
-async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, String> {
+async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, HandoverError> {
     let mut conn = app.redis.clone();
     let mut after = String::new();
     let mut replayed = 0;
@@ -226,54 +225,31 @@ async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, String> {
         let rows = app
             .ledger
             .recorded_after(key, &after, REBUILD_BATCH)
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
         let Some(last) = rows.last() else {
             return Ok(replayed);
         };
         after = last.key.clone();
         for row in &rows {
-            let reply = gate::replay(&mut conn, &drop.keys, row, key)
-                .await
-                .map_err(|e| format!("Redis: {e}"))?;
-            if reply.outcome == "other_sale" {
-                // Redis's config changed under the rebuild (re-created, or lost and
-                // re-seeded): opening now could skip rows; the next attempt starts
-                // over from a config read afresh.
-                return Err(format!(
-                    "drop {}'s config changed in Redis during its rebuild: retrying",
-                    drop.name
-                ));
+            match gate::replay(&mut conn, &drop.keys, row, key).await? {
+                Replay::OtherSale => return Err(HandoverError::ConfigChanged(drop.name.clone())),
+                Replay::Replayed => replayed += 1,
+                Replay::InLine => {}
             }
-            if reply.outcome == "replayed" {
-                replayed += 1;
-            }
-            app.ledger
-                .mark_replayed(key, &row.key, row.state)
-                .await
-                .map_err(|e| e.to_string())?;
+            app.ledger.mark_replayed(key, &row.key, row.state).await?;
         }
     }
 }
 
 /// Replays the ledger's changes Redis has not seen (an activation that failed
 /// after its admission was recorded), forward only.
-pub async fn replay_unseen(app: &App, drop: &Drop) -> Result<usize, String> {
+pub async fn replay_unseen(app: &App, drop: &Drop) -> Result<usize, HandoverError> {
     let key = drop.ledger_key();
     let mut conn = app.redis.clone();
-    let rows = app
-        .ledger
-        .unreplayed(&key, REBUILD_BATCH)
-        .await
-        .map_err(|e| e.to_string())?;
+    let rows = app.ledger.unreplayed(&key, REBUILD_BATCH).await?;
     for row in &rows {
-        gate::replay(&mut conn, &drop.keys, row, &key)
-            .await
-            .map_err(|e| format!("Redis: {e}"))?;
-        app.ledger
-            .mark_replayed(&key, &row.key, row.state)
-            .await
-            .map_err(|e| e.to_string())?;
+        gate::replay(&mut conn, &drop.keys, row, &key).await?;
+        app.ledger.mark_replayed(&key, &row.key, row.state).await?;
     }
     Ok(rows.len())
 }
@@ -389,22 +365,16 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
 /// Redis, registers its ledger and remembers the other ones serving the drop,
 /// replays what Redis has not seen, and rebuilds Redis when it is behind the
 /// ledger.
-pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
+pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
     let key = drop.ledger_key();
     let mut conn = app.redis.clone();
     let now = now_ms();
     app.ledger
         .note_gate_seen(&key, &app.sidecar_id, now)
-        .await
-        .map_err(|e| e.to_string())?;
-    let ledgers = gate::register(&mut conn, &drop.keys, app.ledger.id())
-        .await
-        .map_err(|e| format!("Redis: {e}"))?;
+        .await?;
+    let ledgers = gate::register(&mut conn, &drop.keys, app.ledger.id()).await?;
     say_per_pod_peers(app, drop, &ledgers);
-    app.ledger
-        .note_peers(&key, &ledgers)
-        .await
-        .map_err(|e| e.to_string())?;
+    app.ledger.note_peers(&key, &ledgers).await?;
     let Standing {
         authority,
         ledger_seq,
@@ -414,7 +384,7 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), String> {
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
     if redis_seq < ledger_seq || !in_line {
         if let Opening::Refused(why) = open_gate(app, drop, redis_seq < ledger_seq).await {
-            return Err(why);
+            return Err(HandoverError::NotOpened(why));
         }
         return Ok(());
     }

@@ -1,0 +1,307 @@
+//! The gate scripts' replies, parsed into the reservation vocabulary: the one place
+//! that knows the scripts' words.
+//!
+//! Every script answers `{outcome, user, quantity, state, expiresAt, remaining, seq,
+//! epoch, expiredSeq, expiredFrom, sale}` as strings, `''` where there is nothing to
+//! say (see `prelude.lua`). A word a script does not say is a parse error, never a
+//! guess.
+
+use dropgate_api::Mode;
+use redis::{ErrorKind, RedisError, RedisResult};
+
+use crate::reservation::{Outcome, Reservation, State, View};
+
+/// What a call on the gate did besides its outcome.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    /// The number Redis gave the change this call made (admission, confirm,
+    /// cancel), which the ledger records with it.
+    pub seq: Option<i64>,
+    /// The gate's epoch when the call ran; `None` while the gate is closed.
+    pub epoch: Option<i64>,
+    /// A hold this call expired on the way (its deadline had passed): the caller
+    /// records it in the ledger, whatever the outcome.
+    pub expired: Option<Expiry>,
+    /// The sale the drop's config names in Redis as the script ran: the one its
+    /// change belongs to, whatever the caller's cached config says.
+    pub sale: Option<String>,
+}
+
+/// A hold a script expired on the way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expiry {
+    /// The expiry's number.
+    pub seq: i64,
+    /// `Active`, or `Pending` for an admission whose sidecar never finished it.
+    pub from: State,
+    /// The reservation as it now stands (expired).
+    pub reservation: Reservation,
+}
+
+/// A reserve, confirm, cancel or look-up: its outcome and its step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub outcome: Outcome,
+    pub step: Step,
+}
+
+/// How an activation ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// The pending admission is an active reservation now.
+    Activated(View),
+    /// It was not this attempt's pending admission any more: the marker as it
+    /// stands (taken over by a retry, activated by a replay, expired), or none.
+    Gone {
+        marker: Option<Reservation>,
+        remaining: i64,
+    },
+}
+
+/// How a replay of one ledger row ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replay {
+    Replayed,
+    /// Redis was already as far or further.
+    InLine,
+    /// The row belongs to another sale than the one Redis holds now.
+    OtherSale,
+}
+
+/// How opening the gate ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opened {
+    Opened,
+    /// It already was open at that epoch or a later one.
+    AlreadyOpen,
+    /// The drop's config is not in Redis.
+    Unpublished,
+    /// The tombstone is there.
+    Lost,
+}
+
+/// How closing the gate ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Closing {
+    Closed,
+    /// It was reopened after the epoch the caller closes.
+    Reopened,
+    /// The tombstone is there.
+    Lost,
+}
+
+/// Which script answered: the same word means different things in different
+/// scripts (`cancelled` from confirm is a refusal, from cancel a success).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Call {
+    Reserve,
+    Confirm,
+    Cancel,
+    Lookup,
+}
+
+/// The raw fields of a reply.
+pub(super) struct Wire {
+    outcome: String,
+    user: String,
+    quantity: String,
+    state: String,
+    when: String,
+    remaining: String,
+    seq: String,
+    epoch: String,
+    expired: String,
+    expired_from: String,
+    sale: String,
+}
+
+fn unexpected(what: &'static str, got: impl std::fmt::Debug) -> RedisError {
+    RedisError::from((ErrorKind::Parse, what, format!("{got:?}")))
+}
+
+fn int(s: &str) -> Option<i64> {
+    // Redis's numbers come back as integers or, from Lua arithmetic, as floats.
+    s.parse::<i64>()
+        .ok()
+        .or_else(|| s.parse::<f64>().ok().map(|n| n as i64))
+}
+
+impl Wire {
+    pub(super) fn parse(parts: Vec<String>) -> RedisResult<Self> {
+        let [
+            outcome,
+            user,
+            quantity,
+            state,
+            when,
+            remaining,
+            seq,
+            epoch,
+            expired,
+            expired_from,
+            sale,
+        ]: [String; 11] = parts
+            .try_into()
+            .map_err(|got| unexpected("gate script answered with the wrong arity", got))?;
+        Ok(Self {
+            outcome,
+            user,
+            quantity,
+            state,
+            when,
+            remaining,
+            seq,
+            epoch,
+            expired,
+            expired_from,
+            sale,
+        })
+    }
+
+    fn remaining(&self) -> i64 {
+        int(&self.remaining).unwrap_or(0)
+    }
+
+    /// The reservation the reply shows, if it shows one.
+    fn reservation(&self) -> RedisResult<Option<Reservation>> {
+        if self.user.is_empty() {
+            return Ok(None);
+        }
+        let state = State::parse(&self.state)
+            .ok_or_else(|| unexpected("gate script answered an unknown state", &self.state))?;
+        Ok(Some(Reservation {
+            user: self.user.clone(),
+            quantity: int(&self.quantity).unwrap_or(0),
+            state,
+            expires_at_ms: int(&self.when).unwrap_or(0),
+        }))
+    }
+
+    fn view(&self) -> RedisResult<View> {
+        let reservation = self.reservation()?.ok_or_else(|| {
+            unexpected(
+                "gate script answered without the reservation",
+                &self.outcome,
+            )
+        })?;
+        Ok(View {
+            reservation,
+            remaining: self.remaining(),
+        })
+    }
+
+    pub(super) fn step(&self) -> RedisResult<Step> {
+        let expired = match int(&self.expired) {
+            None => None,
+            Some(seq) => {
+                let from = State::parse(&self.expired_from).ok_or_else(|| {
+                    unexpected(
+                        "gate script expired from an unknown state",
+                        &self.expired_from,
+                    )
+                })?;
+                let reservation = self.reservation()?.ok_or_else(|| {
+                    unexpected("gate script expired a hold it does not show", &self.outcome)
+                })?;
+                Some(Expiry {
+                    seq,
+                    from,
+                    reservation,
+                })
+            }
+        };
+        Ok(Step {
+            seq: int(&self.seq),
+            epoch: int(&self.epoch),
+            expired,
+            sale: (!self.sale.is_empty()).then(|| self.sale.clone()),
+        })
+    }
+
+    pub(super) fn reply(self, call: Call) -> RedisResult<Reply> {
+        let outcome = match (call, self.outcome.as_str()) {
+            (_, "closed") => Outcome::Closed,
+            (Call::Reserve, "not_found") => Outcome::UnknownDrop,
+            (_, "not_found") => Outcome::NotFound,
+            (Call::Reserve, "admitted") => Outcome::Admitted(self.view()?),
+            (Call::Reserve, "already_reserved") => Outcome::AlreadyReserved(self.view()?),
+            (Call::Reserve, "pending") => Outcome::Pending,
+            (Call::Reserve, "sold_out") => Outcome::SoldOut {
+                remaining: self.remaining(),
+            },
+            (Call::Reserve, "per_user_limit_exceeded") => Outcome::PerUserLimit {
+                held: int(&self.quantity).unwrap_or(0),
+                limit: int(&self.when).unwrap_or(0),
+            },
+            (Call::Reserve, "idempotency_key_reused") => Outcome::KeyReused,
+            (Call::Reserve, "not_open") => Outcome::NotOpen {
+                starts_at_ms: int(&self.when),
+            },
+            (Call::Reserve, "ended") => Outcome::Ended {
+                ends_at_ms: int(&self.when),
+            },
+            // A mode the sidecar does not know is no mode to sell under.
+            (Call::Reserve, "mode") => {
+                Outcome::OffGate(Mode::parse(&self.state).unwrap_or(Mode::Closed))
+            }
+            (Call::Lookup, "found") => Outcome::Found(self.view()?),
+            (Call::Confirm | Call::Cancel, "expired") => Outcome::Expired(self.view()?),
+            (Call::Confirm, "confirmed") => Outcome::Confirmed(self.view()?),
+            (Call::Confirm, "already_confirmed") => Outcome::AlreadyConfirmed(self.view()?),
+            (Call::Confirm, "cancelled") => Outcome::WasCancelled(self.view()?),
+            (Call::Cancel, "cancelled") => Outcome::Cancelled(self.view()?),
+            (Call::Cancel, "already_cancelled") => Outcome::AlreadyCancelled(self.view()?),
+            (call, word) => {
+                return Err(unexpected(
+                    "gate script answered a word its caller does not know",
+                    (call, word),
+                ));
+            }
+        };
+        Ok(Reply {
+            step: self.step()?,
+            outcome,
+        })
+    }
+
+    pub(super) fn activation(self) -> RedisResult<(Activation, Step)> {
+        let step = self.step()?;
+        let activation = match self.outcome.as_str() {
+            "admitted" => Activation::Activated(self.view()?),
+            "gone" => Activation::Gone {
+                marker: self.reservation()?,
+                remaining: self.remaining(),
+            },
+            word => return Err(unexpected("activate answered", word)),
+        };
+        Ok((activation, step))
+    }
+
+    pub(super) fn replay(&self) -> RedisResult<Replay> {
+        match self.outcome.as_str() {
+            "replayed" => Ok(Replay::Replayed),
+            "in_line" => Ok(Replay::InLine),
+            "other_sale" => Ok(Replay::OtherSale),
+            word => Err(unexpected("replay answered", word)),
+        }
+    }
+
+    pub(super) fn opened(&self) -> RedisResult<Opened> {
+        match self.outcome.as_str() {
+            "opened" => Ok(Opened::Opened),
+            "open" => Ok(Opened::AlreadyOpen),
+            "not_found" => Ok(Opened::Unpublished),
+            "lost" => Ok(Opened::Lost),
+            word => Err(unexpected("open answered", word)),
+        }
+    }
+
+    pub(super) fn closing(&self) -> RedisResult<Closing> {
+        match self.outcome.as_str() {
+            "closed" => Ok(Closing::Closed),
+            "open" => Ok(Closing::Reopened),
+            "lost" => Ok(Closing::Lost),
+            word => Err(unexpected("close answered", word)),
+        }
+    }
+}

@@ -1,0 +1,351 @@
+//! The reservation service: reserve, confirm, cancel and look-up, between the HTTP
+//! routes and storage. It knows no HTTP: it answers an [`Outcome`] and the gate
+//! that decided it, or a [`Failure`] when nothing could be decided.
+//!
+//! Each attempt chooses its gate once ([`choose`]): the drop's mode, then the Redis
+//! breaker, then, after a Redis failure, the drop's failure policy. The Redis gate
+//! may send the call elsewhere (Redis failed, the mode changed in Redis) or ask for
+//! the gate to be opened first (closed, or behind the ledger); [`decide`] runs that
+//! loop for every call alike.
+//!
+//! - [`admit`]: reserve on either gate.
+//! - [`settle`]: confirm, cancel and look-up on either gate.
+//! - [`record`]: what the Redis gate decided, recorded in the ledger.
+//! - [`handover`]: moving a drop between its two gates (opening the gate after a
+//!   replay or rebuild, handing it to the ledger), and the refresh's check.
+
+mod admit;
+pub mod handover;
+pub mod record;
+mod settle;
+
+use std::sync::Arc;
+
+use dropgate_api::{DropConfig, FailurePolicy, Mode};
+
+pub use admit::reserve;
+pub use settle::settle;
+
+use crate::app::App;
+use crate::drops::{Drop, LookupError};
+use crate::gate;
+use crate::reservation::Outcome;
+use handover::{Opening, Reason};
+
+/// Which gate decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// The Redis gate.
+    Gate,
+    /// The SQL ledger's fallback gate.
+    Fallback,
+}
+
+/// What a call came to, and which gate decided it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Served {
+    pub outcome: Outcome,
+    pub path: Path,
+}
+
+/// Why nothing was decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// No drop of that name is published in this sidecar's namespace.
+    UnknownDrop { name: String, namespace: String },
+    /// Every reservation permit of this sidecar is held by an unconfirmed
+    /// reservation; `detail` says what became of this call.
+    Throttled {
+        permits: u32,
+        detail: &'static str,
+        path: Path,
+    },
+    /// Neither gate could decide; the sentence says why. `retry`: soon, with the
+    /// same key (a hand-over or a record in progress).
+    Unavailable {
+        why: String,
+        path: Path,
+        retry: bool,
+    },
+}
+
+impl Failure {
+    fn unavailable(why: impl Into<String>) -> Self {
+        Failure::Unavailable {
+            why: why.into(),
+            path: Path::Gate,
+            retry: false,
+        }
+    }
+
+    fn retry(why: impl Into<String>) -> Self {
+        Failure::Unavailable {
+            why: why.into(),
+            path: Path::Gate,
+            retry: true,
+        }
+    }
+
+    fn on_fallback(self) -> Self {
+        match self {
+            Failure::Throttled {
+                permits, detail, ..
+            } => Failure::Throttled {
+                permits,
+                detail,
+                path: Path::Fallback,
+            },
+            Failure::Unavailable { why, retry, .. } => Failure::Unavailable {
+                why,
+                retry,
+                path: Path::Fallback,
+            },
+            unknown @ Failure::UnknownDrop { .. } => unknown,
+        }
+    }
+
+    fn throttled(config: &DropConfig, detail: &'static str) -> Self {
+        Failure::Throttled {
+            permits: config.permits,
+            detail,
+            path: Path::Gate,
+        }
+    }
+}
+
+/// The drop a call names, or why it cannot be served.
+pub async fn find_drop(app: &App, name: &str) -> Result<Arc<Drop>, Failure> {
+    let unknown = || Failure::UnknownDrop {
+        name: name.to_string(),
+        namespace: app.drops.namespace().to_string(),
+    };
+    if !dropgate_api::keys::is_object_name(name) {
+        return Err(unknown());
+    }
+    let mut conn = app.redis.clone();
+    match app.drops.get(&mut conn, name).await {
+        Ok(Some(drop)) => Ok(drop),
+        Ok(None) => Err(unknown()),
+        Err(LookupError::Unavailable(e)) => Err(Failure::unavailable(format!(
+            "Redis is unreachable and this sidecar has not seen drop {name} before: {e}"
+        ))),
+        Err(e @ LookupError::Damaged(_)) => Err(Failure::unavailable(format!(
+            "drop {name} cannot be served: {e}"
+        ))),
+    }
+}
+
+/// A drop as its page shows it before the sale.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shown {
+    pub config: DropConfig,
+    /// What is left, as the gate deciding the drop counts it (unclamped).
+    pub remaining: i64,
+}
+
+/// The drop `name` and what is left of it: Redis's count while Redis gates it, the
+/// ledger's when the ledger does (or Redis failed and the failure policy is Open).
+pub async fn show(app: &App, name: &str) -> Result<Shown, Failure> {
+    let drop = find_drop(app, name).await?;
+    let config = drop.config();
+    let from_redis = match config.mode {
+        Mode::FailOpen => None,
+        Mode::Gate | Mode::Closed => {
+            let mut conn = app.redis.clone();
+            Some(gate::remaining(&mut conn, &drop.keys).await)
+        }
+    };
+    let remaining = match from_redis {
+        // Not seeded yet: nothing to sell.
+        Some(Ok(remaining)) => remaining.unwrap_or(0),
+        Some(Err(e)) if config.failure_policy == FailurePolicy::Closed => {
+            return Err(redis_down(&drop, &config, &e));
+        }
+        failed => app
+            .ledger
+            .available(&drop.ledger_key())
+            .await
+            .map_err(|le| {
+                Failure::unavailable(match failed {
+                    Some(Err(e)) => format!("neither Redis ({e}) nor the ledger ({le}) answered"),
+                    _ => format!("the ledger failed: {le}"),
+                })
+            })?
+            // No stock row yet: the ledger has sold nothing of it.
+            .unwrap_or(config.limit),
+    };
+    Ok(Shown { remaining, config })
+}
+
+/// Which gate decides an attempt.
+enum Choice {
+    Gate,
+    Fallback(Reason),
+    Refused(Failure),
+}
+
+/// The gate for an attempt: the drop's mode, then the Redis breaker, then (after a
+/// Redis failure) the failure policy.
+fn choose(app: &App, drop: &Drop, config: &DropConfig) -> Choice {
+    match config.mode {
+        Mode::FailOpen => Choice::Fallback(Reason::Mode),
+        Mode::Closed => Choice::Refused(closed(drop)),
+        Mode::Gate => match app.redis_breaker() {
+            None => Choice::Gate,
+            Some(unreachable) => after_redis_failure(app, drop, config, &unreachable),
+        },
+    }
+}
+
+/// Where an attempt goes when Redis failed under it.
+fn after_redis_failure(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    error: &redis::RedisError,
+) -> Choice {
+    app.redis_failed(error);
+    match config.failure_policy {
+        FailurePolicy::Open => {
+            tracing::warn!(drop = %drop.name, %error, "Redis failed: fallback path");
+            Choice::Fallback(Reason::Outage)
+        }
+        FailurePolicy::Closed => Choice::Refused(redis_down(drop, config, error)),
+    }
+}
+
+/// The failure when Redis failed under a call that cannot go to the fallback.
+fn redis_down(drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Failure {
+    tracing::warn!(drop = %drop.name, %error, "Redis failed");
+    Failure::unavailable(match config.failure_policy {
+        FailurePolicy::Closed => format!(
+            "Redis is unreachable and drop {} has failurePolicy Closed: nothing is sold until it is back",
+            drop.name
+        ),
+        FailurePolicy::Open => format!("Redis is unreachable for drop {}: {error}", drop.name),
+    })
+}
+
+/// The failure for a drop the operator closed (HA missing under policy Closed).
+fn closed(drop: &Drop) -> Failure {
+    Failure::unavailable(format!(
+        "drop {} is closed: its Redis is not highly available and the failure policy is Closed",
+        drop.name
+    ))
+}
+
+/// While another sidecar brings Redis in line with the ledger.
+fn being_rebuilt(drop: &Drop) -> Failure {
+    Failure::retry(format!(
+        "drop {} is being brought in line with the ledger before its gate opens: nothing was changed; retry",
+        drop.name
+    ))
+}
+
+/// How a turn on the Redis gate ended.
+enum Turn<T> {
+    Done(Result<T, Failure>),
+    /// Go elsewhere (Redis failed, or the drop left the gate).
+    Reroute(Choice),
+    /// The gate is closed or behind the ledger: open it and try again. `suspect`:
+    /// Redis handed out a change number twice, rebuild it whatever it looks like.
+    Reopen {
+        suspect: bool,
+    },
+}
+
+/// A call on a reservation, as [`decide`] runs it.
+#[derive(Clone, Copy)]
+enum Call<'a> {
+    Reserve(&'a crate::input::Reserve),
+    Settle(&'a str, crate::reservation::Settle),
+}
+
+/// Runs a call: on the gate its attempt chooses, reopening a closed gate once.
+async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failure> {
+    let mut reopened = false;
+    loop {
+        let config = drop.config();
+        let turn = match (choose(app, drop, &config), call) {
+            (Choice::Gate, Call::Reserve(request)) => {
+                admit::on_gate(app, drop, &config, request).await
+            }
+            (Choice::Gate, Call::Settle(key, settle)) => {
+                settle::on_gate(app, drop, &config, key, settle).await
+            }
+            (other, _) => Turn::Reroute(other),
+        };
+        match turn {
+            Turn::Done(done) => {
+                return done.map(|outcome| Served {
+                    outcome,
+                    path: Path::Gate,
+                });
+            }
+            Turn::Reroute(Choice::Fallback(reason)) => {
+                // `None`: the drop turned out to be back on the gate.
+                let done = match call {
+                    Call::Reserve(request) => {
+                        admit::on_fallback(app, drop, &config, request, reason).await
+                    }
+                    Call::Settle(key, settle) => {
+                        settle::on_fallback(app, drop, &config, key, settle, reason).await
+                    }
+                };
+                if let Some(done) = done {
+                    return done
+                        .map(|outcome| Served {
+                            outcome,
+                            path: Path::Fallback,
+                        })
+                        .map_err(Failure::on_fallback);
+                }
+            }
+            Turn::Reroute(Choice::Refused(failure)) => return Err(failure),
+            Turn::Reroute(Choice::Gate) => {}
+            Turn::Reopen { suspect } if !reopened => {
+                reopened = true;
+                match handover::open_gate(app, drop, suspect).await {
+                    Opening::Open | Opening::NotGate(_) => {}
+                    Opening::Busy => return Err(being_rebuilt(drop)),
+                    Opening::Refused(why) => return Err(Failure::unavailable(why)),
+                }
+            }
+            Turn::Reopen { .. } => return Err(being_rebuilt(drop)),
+        }
+    }
+}
+
+/// Runs a fallback-gate call; when the ledger is not the drop's authority yet,
+/// hands the drop to it (if it may be) and runs the call once more. `Ok(None)`: the
+/// drop is back on the gate (this sidecar's view was stale), nothing was done.
+async fn on_ledger<T, F, Fut>(
+    app: &App,
+    drop: &Drop,
+    reason: Reason,
+    call: F,
+) -> Result<Option<T>, Failure>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, crate::ledger::LedgerError>>,
+{
+    use crate::ledger::LedgerError;
+    use handover::Refusal;
+    let failed = |error: LedgerError| {
+        Failure::unavailable(format!(
+            "Redis is not gating drop {} and the ledger failed: {error}",
+            drop.name
+        ))
+    };
+    match call().await {
+        Err(LedgerError::NotAuthority(_)) => {
+            match handover::hand_to_ledger(app, drop, reason).await {
+                Ok(_) => {}
+                Err(Refusal::BackOnGate) => return Ok(None),
+                Err(Refusal::Refused(why)) => return Err(Failure::unavailable(why)),
+            }
+            call().await.map(Some).map_err(failed)
+        }
+        other => other.map(Some).map_err(failed),
+    }
+}
