@@ -5,8 +5,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use dropgate_api::DropKeys;
 use dropgate_e2e::processes::{SidecarProcess, apply, sale_manifest};
-use dropgate_testkit::{HttpClient, PostgresServer, RedisServer, Reply};
+use dropgate_testkit::{DropSpec, HttpClient, PostgresServer, RedisServer, Reply};
 use futures::future::join_all;
 
 const LIMIT: usize = 60;
@@ -17,10 +18,11 @@ async fn reserve(http: &HttpClient, i: usize) -> Option<Reply> {
     http.post("/v1/drops/sale/reservations", &body).await.ok()
 }
 
-fn get(redis: &RedisServer, name: &str) -> i64 {
+/// The integer at one of drop `shop/sale`'s keys (`DropKeys::held`, say).
+fn get(redis: &RedisServer, key: fn(&DropKeys) -> String) -> i64 {
     let mut conn = redis.connection().expect("connect");
     redis::cmd("GET")
-        .arg(format!("dropgate:{{shop/sale}}:{name}"))
+        .arg(key(&DropKeys::new("shop", "sale")))
         .query::<Option<i64>>(&mut conn)
         .expect("GET")
         .unwrap_or(0)
@@ -33,7 +35,7 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
     let dir = tempfile::tempdir().expect("dir");
     let manifest = sale_manifest(
         dir.path(),
-        &format!("  sku: X\n  limitedQuantity: {LIMIT}\n  throttle: {{permits: 1000}}\n"),
+        &DropSpec::new(LIMIT as i64).permits(1000).yaml(),
     )
     .expect("manifest");
     apply(&manifest, &redis.url()).expect("apply");
@@ -118,8 +120,8 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
             }
             eprintln!(
                 "final retry: {tally:?} held {} remaining {}",
-                get(&redis, "held"),
-                get(&redis, "remaining")
+                get(&redis, DropKeys::held),
+                get(&redis, DropKeys::remaining)
             );
             break;
         }
@@ -130,8 +132,8 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
         "every acknowledged reservation survives the kill"
     );
     assert_eq!(admitted.len(), LIMIT, "the whole stock, once");
-    assert_eq!(get(&redis, "held") as usize, LIMIT);
-    assert_eq!(get(&redis, "remaining"), 0);
+    assert_eq!(get(&redis, DropKeys::held) as usize, LIMIT);
+    assert_eq!(get(&redis, DropKeys::remaining), 0);
     for sidecar in [steady, back] {
         assert!(sidecar.terminate().expect("stops").success());
     }
@@ -152,7 +154,7 @@ async fn a_sidecar_killed_mid_admission_leaves_no_unit_frozen() {
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let manifest = sale_manifest(
         dir.path(),
-        &format!("  sku: X\n  limitedQuantity: {UNITS}\n  throttle: {{permits: 1000}}\n"),
+        &DropSpec::new(UNITS as i64).permits(1000).yaml(),
     )
     .expect("manifest");
     apply(&manifest, &redis.url()).expect("apply");
@@ -231,7 +233,7 @@ async fn a_sidecar_killed_mid_admission_leaves_no_unit_frozen() {
         "every acknowledged reservation survives the kill"
     );
     assert_eq!(holders.len(), UNITS, "every unit sold once: none frozen");
-    assert_eq!(get(&redis, "held") as usize, UNITS);
-    assert_eq!(get(&redis, "remaining"), 0);
+    assert_eq!(get(&redis, DropKeys::held) as usize, UNITS);
+    assert_eq!(get(&redis, DropKeys::remaining), 0);
     assert!(back.terminate().expect("stops").success());
 }

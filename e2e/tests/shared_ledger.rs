@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use dropgate_e2e::processes::{SidecarProcess, apply, sale_manifest};
-use dropgate_testkit::{HttpClient, PostgresServer, RedisServer};
+use dropgate_testkit::{DropSpec, HttpClient, PostgresServer, RedisServer};
 use futures::future::join_all;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -12,11 +12,8 @@ async fn two_sidecar_processes_share_postgresql_without_overselling() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
-    let manifest = sale_manifest(
-        dir.path(),
-        "  sku: X\n  limitedQuantity: 20\n  gate: {enabled: false}\n",
-    )
-    .expect("manifest");
+    let manifest =
+        sale_manifest(dir.path(), &DropSpec::new(20).kill_switch().yaml()).expect("manifest");
     let status = apply(&manifest, &redis.url()).expect("apply publishes fail-open");
     assert!(status.contains("mode: fail-open"), "{status}");
 

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::Sidecar;
+use dropgate_testkit::DropSpec;
 
 /// The two gates a sidecar sells through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -17,13 +18,13 @@ enum Path {
 const PATHS: [Path; 2] = [Path::Gate, Path::Fallback];
 
 impl Path {
-    /// The drop's spec lines for this path, with `extra`.
-    fn spec(self, extra: &str) -> String {
-        let switch = match self {
-            Path::Gate => "",
-            Path::Fallback => "  gate: {enabled: false}\n",
-        };
-        format!("  sku: X\n  limitedQuantity: 10\n  perUserLimit: 5\n{switch}{extra}")
+    /// The drop every case sells, on this path.
+    fn spec(self) -> DropSpec {
+        let spec = DropSpec::new(10).per_user_limit(5);
+        match self {
+            Path::Gate => spec,
+            Path::Fallback => spec.kill_switch(),
+        }
     }
 
     /// The `Dropgate-Path` header an answer on this path carries.
@@ -39,7 +40,7 @@ impl Path {
 /// ledger, selling `sale` seeded with `spec`: what finds a hold lapsed is the
 /// request, never the sweeper. The Redis and the folder live as long as the tuple.
 async fn without_sweeper(
-    spec: &str,
+    spec: DropSpec,
 ) -> (
     common::Peer,
     dropgate_testkit::RedisServer,
@@ -58,12 +59,7 @@ async fn without_sweeper(
 
 /// Checks status, outcome and path of an answer.
 fn says(path: Path, reply: &dropgate_testkit::Reply, status: u16, outcome: &str) {
-    assert_eq!(
-        (reply.status.as_u16(), reply.outcome()),
-        (status, outcome),
-        "{path:?}: {}",
-        reply.text
-    );
+    reply.assert_answer_because(status, outcome, &format!("{path:?}"));
     let header = reply
         .headers
         .get("dropgate-path")
@@ -80,10 +76,7 @@ async fn a_retry_of_an_admitted_key_is_already_reserved_when_every_permit_is_in_
     for path in PATHS {
         let sidecar = Sidecar::start().await;
         sidecar
-            .seed(
-                "sale",
-                &path.spec("  throttle: {permits: 1, acquireTimeoutMs: 20}\n"),
-            )
+            .seed("sale", path.spec().permits(1).acquire_timeout_ms(20))
             .await;
         says(
             path,
@@ -117,7 +110,7 @@ async fn a_retry_of_an_admitted_key_is_already_reserved_when_every_permit_is_in_
 async fn a_retry_of_an_admitted_key_is_already_reserved_after_the_sale_ended() {
     for path in PATHS {
         let sidecar = Sidecar::start().await;
-        sidecar.seed("sale", &path.spec("")).await;
+        sidecar.seed("sale", path.spec()).await;
         says(
             path,
             &sidecar.reserve("sale", "a", "alice", 1).await,
@@ -125,7 +118,7 @@ async fn a_retry_of_an_admitted_key_is_already_reserved_after_the_sale_ended() {
             "admitted",
         );
         sidecar
-            .seed("sale", &path.spec("  endsAt: 2020-01-01T00:00:00Z\n"))
+            .seed("sale", path.spec().ends_at("2020-01-01T00:00:00Z"))
             .await;
         let mut ended = None;
         // Until the sidecar reads the new config, a new key may still be sold.
@@ -153,7 +146,7 @@ async fn a_retry_of_an_admitted_key_is_already_reserved_after_the_sale_ended() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
     for path in PATHS {
-        let (sidecar, _redis, _dir) = without_sweeper(&path.spec("  holdSeconds: 1\n")).await;
+        let (sidecar, _redis, _dir) = without_sweeper(path.spec().hold_seconds(1)).await;
         says(
             path,
             &sidecar.reserve("sale", "a", "alice", 1).await,
@@ -174,7 +167,10 @@ async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
 async fn a_look_up_that_expires_a_hold_frees_its_permit_at_once() {
     for path in PATHS {
         let (sidecar, _redis, _dir) = without_sweeper(
-            &path.spec("  holdSeconds: 1\n  throttle: {permits: 1, acquireTimeoutMs: 20}\n"),
+            path.spec()
+                .hold_seconds(1)
+                .permits(1)
+                .acquire_timeout_ms(20),
         )
         .await;
         says(

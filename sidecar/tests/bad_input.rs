@@ -3,15 +3,13 @@
 mod common;
 
 use common::Sidecar;
+use dropgate_testkit::DropSpec;
 
 #[tokio::test]
 async fn every_bad_input_is_refused_and_changes_nothing() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            "  sku: X\n  limitedQuantity: 10\n  perUserLimit: 5\n",
-        )
+        .seed("sale", DropSpec::new(10).per_user_limit(5))
         .await;
     assert_eq!(
         sidecar.reserve("sale", "held", "alice", 1).await.status,
@@ -247,13 +245,7 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
     for (path, body, status, outcome, word) in table {
         let reply = sidecar.http.post(&path, &body).await.expect("answers");
         let message = reply.body["message"].as_str().unwrap_or("");
-        assert_eq!(
-            reply.status.as_u16(),
-            status,
-            "{path} {body}: {}",
-            reply.text
-        );
-        assert_eq!(reply.outcome(), outcome, "{path} {body}: {}", reply.text);
+        reply.assert_answer_because(status, outcome, &format!("{path} {body}"));
         assert!(
             message.contains(word),
             "{path} {body}: message {message:?} names {word}"
@@ -262,12 +254,9 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
     }
 
     let unknown = sidecar.http.get("/v1/drops/nope").await.expect("answers");
-    assert_eq!(
-        (unknown.status.as_u16(), unknown.outcome()),
-        (404, "not_found")
-    );
+    unknown.assert_answer(404, "not_found");
     let route = sidecar.http.get("/v2/whatever").await.expect("answers");
-    assert_eq!((route.status.as_u16(), route.outcome()), (404, "not_found"));
+    route.assert_answer(404, "not_found");
     assert_eq!(sidecar.snapshot(), before);
 }
 
@@ -278,9 +267,7 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
 async fn a_control_character_is_refused_before_the_shared_ledger() {
     let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
     let sidecar = Sidecar::start_with_database(Some(postgres.url())).await;
-    sidecar
-        .seed("sale", "  sku: X\n  limitedQuantity: 10\n")
-        .await;
+    sidecar.seed("sale", DropSpec::new(10)).await;
     let reply = sidecar
         .http
         .post(
@@ -289,11 +276,6 @@ async fn a_control_character_is_refused_before_the_shared_ledger() {
         )
         .await
         .expect("answers");
-    assert_eq!(
-        (reply.status.as_u16(), reply.outcome()),
-        (400, "invalid"),
-        "{}",
-        reply.text
-    );
+    reply.assert_answer(400, "invalid");
     assert_eq!(sidecar.reserve("sale", "fine", "u", 1).await.status, 201);
 }

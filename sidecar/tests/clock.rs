@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::Sidecar;
 use dropgate_sidecar::faults;
+use dropgate_testkit::DropSpec;
 
 const TEN_MINUTES_MS: i64 = 10 * 60 * 1000;
 
@@ -21,18 +22,16 @@ async fn a_fast_clock_decides_nothing_the_gate_would_not() {
     sidecar
         .seed(
             "sale",
-            "  sku: X\n  limitedQuantity: 10\n  holdSeconds: 60\n  throttle: {permits: 1, acquireTimeoutMs: 20}\n",
+            DropSpec::new(10)
+                .hold_seconds(60)
+                .permits(1)
+                .acquire_timeout_ms(20),
         )
         .await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     tokio::time::sleep(Duration::from_millis(500)).await; // several sweeps
     let b = sidecar.reserve("sale", "b", "bob", 1).await;
-    assert_eq!(
-        (b.status.as_u16(), b.outcome()),
-        (503, "throttled"),
-        "{}",
-        b.text
-    );
+    b.assert_answer(503, "throttled");
     assert_eq!(
         sidecar.lookup("sale", "a").await.body["state"],
         "active",
@@ -45,21 +44,11 @@ async fn a_fast_clock_decides_nothing_the_gate_would_not() {
     let sidecar = Sidecar::start().await;
     let opens = jiff::Timestamp::now() + jiff::SignedDuration::from_mins(5);
     sidecar
-        .seed(
-            "later",
-            &format!(
-                "  sku: X\n  limitedQuantity: 10\n  startsAt: {opens}\n  gate: {{enabled: false}}\n"
-            ),
-        )
+        .seed("later", DropSpec::new(10).starts_at(opens).kill_switch())
         .await;
     tokio::time::sleep(Duration::from_millis(300)).await; // a refresh measured the offset
     let early = sidecar.reserve("later", "e", "eve", 1).await;
-    assert_eq!(
-        (early.status.as_u16(), early.outcome()),
-        (403, "not_open"),
-        "{}",
-        early.text
-    );
+    early.assert_answer(403, "not_open");
     sidecar.shutdown().await;
     faults::skew_clock(0);
 }

@@ -6,13 +6,22 @@ mod common;
 use std::time::Duration;
 
 use common::Sidecar;
+use dropgate_api::DropKeys;
+use dropgate_testkit::DropSpec;
 use futures::future::join_all;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed("sale", "  sku: X\n  limitedQuantity: 40\n  perUserLimit: 1\n  holdSeconds: 1\n  throttle: {permits: 1000, acquireTimeoutMs: 50}\n")
+        .seed(
+            "sale",
+            DropSpec::new(40)
+                .per_user_limit(1)
+                .hold_seconds(1)
+                .permits(1000)
+                .acquire_timeout_ms(50),
+        )
         .await;
     let ledger = common::ledger_of(&sidecar).await;
     for i in 0..40 {
@@ -67,13 +76,11 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entries_of_the_due_set_without_a_hold_never_stop_the_sweep() {
     let sidecar = Sidecar::start().await;
-    sidecar
-        .seed("sale", "  sku: X\n  limitedQuantity: 5\n  holdSeconds: 1\n")
-        .await;
+    sidecar.seed("sale", DropSpec::new(5).hold_seconds(1)).await;
     // 300 due entries whose markers are gone (lived out their TTL, say): more than
     // one sweep takes at a time, all ahead of the real hold.
     let mut conn = sidecar.redis.connection().expect("connect");
-    let holds = format!("dropgate:{{{}/sale}}:holds", common::NS);
+    let holds = DropKeys::new(common::NS, "sale").holds();
     for i in 0..300 {
         let _: () = redis::cmd("ZADD")
             .arg(&holds)
@@ -117,13 +124,11 @@ async fn entries_of_the_due_set_without_a_hold_never_stop_the_sweep() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicted_marker_gets_its_unit_back_through_the_ledger_repair() {
     let sidecar = Sidecar::start().await;
-    sidecar
-        .seed("sale", "  sku: X\n  limitedQuantity: 1\n  holdSeconds: 1\n")
-        .await;
+    sidecar.seed("sale", DropSpec::new(1).hold_seconds(1)).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     let mut conn = sidecar.redis.connection().expect("connect");
     let _: () = redis::cmd("DEL")
-        .arg(format!("dropgate:{{{}/sale}}:res:a", common::NS))
+        .arg(DropKeys::new(common::NS, "sale").reservation("a"))
         .query(&mut conn)
         .expect("DEL");
     // The deadline (1 s) and the repair's grace (30 s) pass.

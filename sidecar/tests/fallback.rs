@@ -7,15 +7,9 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{Peer, Sidecar};
-use dropgate_testkit::PostgresServer;
+use common::{Peer, Sidecar, one_per_buyer};
+use dropgate_testkit::{DropSpec, PostgresServer};
 use futures::future::join_all;
-
-fn spec(limit: i64, extra: &str) -> String {
-    format!(
-        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{extra}"
-    )
-}
 
 fn tally<'a>(replies: impl Iterator<Item = &'a dropgate_testkit::Reply>) -> HashMap<String, usize> {
     let mut counts = HashMap::new();
@@ -35,7 +29,7 @@ fn fallback_header(reply: &dropgate_testkit::Reply) -> Option<&str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(20, "")).await;
+    sidecar.seed("sale", one_per_buyer(20)).await;
     for i in 0..5 {
         assert_eq!(
             sidecar
@@ -45,9 +39,7 @@ async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
             201
         );
     }
-    sidecar
-        .seed("sale", &spec(20, "  gate: {enabled: false}\n"))
-        .await;
+    sidecar.seed("sale", one_per_buyer(20).kill_switch()).await;
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let redis_before = sidecar.remaining("sale");
 
@@ -92,35 +84,20 @@ async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
         .map(|r| r.body["user"].as_str().unwrap_or("").to_string())
         .unwrap_or_default();
     let again = sidecar.reserve("sale", first, &user, 1).await;
-    assert_eq!(
-        (again.status.as_u16(), again.outcome()),
-        (200, "already_reserved")
-    );
+    again.assert_answer(200, "already_reserved");
     let reused = sidecar.reserve("sale", first, "someone-else", 1).await;
-    assert_eq!(
-        (reused.status.as_u16(), reused.outcome()),
-        (422, "idempotency_key_reused")
-    );
+    reused.assert_answer(422, "idempotency_key_reused");
     let second_key = sidecar.reserve("sale", "other-key", &user, 1).await;
-    assert_eq!(
-        (second_key.status.as_u16(), second_key.outcome()),
-        (409, "per_user_limit_exceeded")
-    );
+    second_key.assert_answer(409, "per_user_limit_exceeded");
     let confirmed = sidecar.settle("sale", first, "confirm").await;
-    assert_eq!(
-        (confirmed.status.as_u16(), confirmed.outcome()),
-        (200, "confirmed")
-    );
+    confirmed.assert_answer(200, "confirmed");
     assert_eq!(fallback_header(&confirmed), Some("fallback"));
     assert_eq!(
         sidecar.settle("sale", first, "confirm").await.outcome(),
         "already_confirmed"
     );
     let cancelled = sidecar.settle("sale", &admitted[1], "cancel").await;
-    assert_eq!(
-        (cancelled.status.as_u16(), cancelled.outcome()),
-        (200, "cancelled")
-    );
+    cancelled.assert_answer(200, "cancelled");
     assert_eq!(
         sidecar
             .settle("sale", &admitted[1], "cancel")
@@ -135,16 +112,13 @@ async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
     );
     // A gate-admitted reservation is served by the ledger too.
     let gate_made = sidecar.settle("sale", "gate-0", "confirm").await;
-    assert_eq!(
-        (gate_made.status.as_u16(), gate_made.outcome()),
-        (200, "confirmed")
-    );
+    gate_made.assert_answer(200, "confirmed");
     // The cancelled unit is for sale again, on the fallback path.
     let late = sidecar.reserve("sale", "late", "late-buyer", 1).await;
-    assert_eq!((late.status.as_u16(), late.outcome()), (201, "admitted"));
+    late.assert_answer(201, "admitted");
 
     // Gate back on: Redis replays what the fallback did before it admits again.
-    sidecar.seed("sale", &spec(20, "")).await;
+    sidecar.seed("sale", one_per_buyer(20)).await;
     let mut caught_up = false;
     for _ in 0..50 {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -161,10 +135,7 @@ async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
     );
     sidecar.assert_invariants("sale", 20);
     let refused = sidecar.reserve("sale", "after", "after-buyer", 1).await;
-    assert_eq!(
-        (refused.status.as_u16(), refused.outcome()),
-        (409, "sold_out")
-    );
+    refused.assert_answer(409, "sold_out");
     assert_eq!(fallback_header(&refused), None, "the gate answers again");
     let on_gate = sidecar.lookup("sale", first).await;
     assert_eq!(
@@ -176,21 +147,14 @@ async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_under_policy_closed_admits_nothing() {
     let mut sidecar = Sidecar::start().await;
-    sidecar
-        .seed("sale", &spec(5, "  gate: {failurePolicy: Closed}\n"))
-        .await;
+    sidecar.seed("sale", one_per_buyer(5).fail_closed()).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     sidecar.redis.stop();
     for i in 0..10 {
         let reply = sidecar
             .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
             .await;
-        assert_eq!(
-            (reply.status.as_u16(), reply.outcome()),
-            (503, "unavailable"),
-            "{}",
-            reply.text
-        );
+        reply.assert_answer(503, "unavailable");
         assert!(
             reply.body["message"]
                 .as_str()
@@ -207,7 +171,7 @@ async fn redis_down_under_policy_open_sells_through_the_ledger() {
     // cannot reach Redis, and closes instead (below).
     let postgres = PostgresServer::start().expect("PostgreSQL starts");
     let mut sidecar = Sidecar::start_with_database(Some(postgres.url())).await;
-    sidecar.seed("sale", &spec(5, "")).await;
+    sidecar.seed("sale", one_per_buyer(5)).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     sidecar.redis.stop();
     // A Redis failure right after Redis answered is not yet an outage: the ledger
@@ -233,10 +197,7 @@ async fn redis_down_under_policy_open_sells_through_the_ledger() {
             .all(|r| fallback_header(r) == Some("fallback"))
     );
     let confirm = sidecar.settle("sale", "a", "confirm").await;
-    assert_eq!(
-        (confirm.status.as_u16(), confirm.outcome()),
-        (200, "confirmed")
-    );
+    confirm.assert_answer(200, "confirmed");
     assert_eq!(fallback_header(&confirm), Some("fallback"));
 }
 
@@ -245,9 +206,7 @@ async fn two_sidecars_sharing_postgresql_never_oversell_on_the_fallback() {
     let postgres = PostgresServer::start().expect("PostgreSQL starts");
     let first = Sidecar::start_with_database(Some(postgres.url())).await;
     let second = Peer::start(&first.redis.url(), &postgres.url()).await;
-    first
-        .seed("sale", &spec(25, "  gate: {enabled: false}\n"))
-        .await;
+    first.seed("sale", one_per_buyer(25).kill_switch()).await;
 
     let replies = join_all((0..200).map(|i| {
         let (first, second) = (&first, &second);
@@ -306,16 +265,16 @@ async fn the_throttle_holds_on_the_fallback_path_too() {
     sidecar
         .seed(
             "sale",
-            "  sku: X\n  limitedQuantity: 10\n  gate: {enabled: false}\n  throttle: {permits: 2, acquireTimeoutMs: 20}\n",
+            DropSpec::new(10)
+                .kill_switch()
+                .permits(2)
+                .acquire_timeout_ms(20),
         )
         .await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     assert_eq!(sidecar.reserve("sale", "b", "bob", 1).await.status, 201);
     let throttled = sidecar.reserve("sale", "c", "carol", 1).await;
-    assert_eq!(
-        (throttled.status.as_u16(), throttled.outcome()),
-        (503, "throttled")
-    );
+    throttled.assert_answer(503, "throttled");
     assert_eq!(
         throttled.headers.get("retry-after").map(|v| v.as_bytes()),
         Some(&b"1"[..])
@@ -332,7 +291,7 @@ async fn the_throttle_holds_on_the_fallback_path_too() {
         "confirmed"
     );
     let retry = sidecar.reserve("sale", "c", "carol", 1).await;
-    assert_eq!((retry.status.as_u16(), retry.outcome()), (201, "admitted"));
+    retry.assert_answer(201, "admitted");
     let drop = sidecar.http.get("/v1/drops/sale").await.expect("answers");
     assert_eq!(
         (drop.body["mode"].as_str(), drop.body["remaining"].as_i64()),
@@ -343,17 +302,12 @@ async fn the_throttle_holds_on_the_fallback_path_too() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_per_pod_ledger_closes_rather_than_fail_open_when_redis_is_down() {
     let mut sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(5, "")).await;
+    sidecar.seed("sale", one_per_buyer(5)).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     sidecar.redis.stop();
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let reply = sidecar.reserve("sale", "k", "u", 1).await;
-    assert_eq!(
-        (reply.status.as_u16(), reply.outcome()),
-        (503, "unavailable"),
-        "{}",
-        reply.text
-    );
+    reply.assert_answer(503, "unavailable");
     assert!(reply.text.contains("per pod"), "{}", reply.text);
 }
 
@@ -361,7 +315,7 @@ async fn a_per_pod_ledger_closes_rather_than_fail_open_when_redis_is_down() {
 async fn per_pod_ledgers_selling_one_drop_say_so_in_the_metrics() {
     let redis = dropgate_testkit::RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
-    common::seed(&redis.url(), "sale", &spec(10, "")).await;
+    common::seed(&redis.url(), "sale", one_per_buyer(10)).await;
     let ledger = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
     let a = Peer::start(&redis.url(), &ledger("a.db")).await;
     let b = Peer::start(&redis.url(), &ledger("b.db")).await;

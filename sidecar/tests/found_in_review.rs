@@ -6,15 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, marker_state, seed};
-use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
+use common::{NS, Peer, marker_state, one_per_buyer, seed};
+use dropgate_api::DropKeys;
+use dropgate_testkit::{DropSpec, PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
-
-fn spec(limit: i64, extra: &str) -> String {
-    format!(
-        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{extra}"
-    )
-}
 
 fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
     format!("sqlite://{}", dir.path().join(name).display())
@@ -22,6 +17,7 @@ fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
 
 fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
     let mut conn = redis.connection().expect("connect");
+    let keys = DropKeys::new(NS, drop);
     let mut get = |key: String| -> i64 {
         redis::cmd("GET")
             .arg(key)
@@ -29,10 +25,7 @@ fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
             .expect("GET")
             .unwrap_or(0)
     };
-    (
-        get(format!("dropgate:{{{NS}/{drop}}}:remaining")),
-        get(format!("dropgate:{{{NS}/{drop}}}:held")),
-    )
+    (get(keys.remaining()), get(keys.held()))
 }
 
 fn show(r: &Reply) -> String {
@@ -48,7 +41,7 @@ fn show(r: &Reply) -> String {
 async fn a_confirm_through_another_pod_is_never_reverted_or_resold() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
-    seed(&redis.url(), "sale", &spec(2, "  holdSeconds: 3\n")).await;
+    seed(&redis.url(), "sale", one_per_buyer(2).hold_seconds(3)).await;
     let a = Peer::start(&redis.url(), &sqlite_url(&dir, "a.db")).await;
     let b = Peer::start(&redis.url(), &sqlite_url(&dir, "b.db")).await;
     let r = a.reserve("sale", "k", "alice", 1).await;
@@ -91,7 +84,7 @@ async fn a_confirm_through_another_pod_is_never_reverted_or_resold() {
 async fn a_cancel_through_a_pod_new_to_the_sale_is_recorded() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
-    seed(&redis.url(), "sale", &spec(1, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(1)).await;
     let a = Peer::start(&redis.url(), &sqlite_url(&dir, "a.db")).await;
     let b = Peer::start(&redis.url(), &sqlite_url(&dir, "b.db")).await;
     let r = a.reserve("sale", "k", "alice", 1).await;
@@ -138,7 +131,7 @@ async fn a_partitioned_per_pod_sidecar_never_sells_beside_the_gate() {
     let redis = RedisServer::start().expect("redis-server");
     let proxy = TcpProxy::start(redis.port()).await.expect("proxy");
     let dir = tempfile::tempdir().expect("temp dir");
-    seed(&redis.url(), "sale", &spec(3, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(3)).await;
     let a = Peer::start(&proxy.redis_url(), &sqlite_url(&dir, "a.db")).await;
     let r = a.reserve("sale", "a0", "a0", 1).await;
     assert_eq!(r.status, 201, "{}", show(&r));
@@ -176,19 +169,19 @@ async fn a_partitioned_per_pod_sidecar_never_sells_beside_the_gate() {
 async fn a_stale_sidecar_never_records_into_a_re_created_sale() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    let manifest = |uid: &str, generation: i64, limit: i64, extra: &str| {
-        common::manifest("sale", &spec(limit, extra)).replace(
+    let manifest = |uid: &str, generation: i64, spec: DropSpec| {
+        common::manifest("sale", spec).replace(
             "metadata: {name: sale,",
             &format!("metadata: {{uid: {uid}, generation: {generation}, name: sale,"),
         )
     };
-    common::apply(&redis.url(), &manifest("first", 3, 10, "")).await;
+    common::apply(&redis.url(), &manifest("first", 3, one_per_buyer(10))).await;
     let fresh = Peer::start(&redis.url(), &postgres.url()).await;
     let stale = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
     assert_eq!(fresh.reserve("sale", "o1", "o1", 1).await.status, 201);
     assert_eq!(stale.reserve("sale", "o2", "o2", 1).await.status, 201);
 
-    common::apply(&redis.url(), &manifest("second", 1, 4, "")).await;
+    common::apply(&redis.url(), &manifest("second", 1, one_per_buyer(4))).await;
     for _ in 0..100 {
         let d = fresh.http.get("/v1/drops/sale").await.expect("answers");
         if d.body["limit"] == 4 {
@@ -204,7 +197,7 @@ async fn a_stale_sidecar_never_records_into_a_re_created_sale() {
     // The operator puts the new sale on the fallback (kill switch).
     common::apply(
         &redis.url(),
-        &manifest("second", 2, 4, "  gate: {enabled: false}\n"),
+        &manifest("second", 2, one_per_buyer(4).kill_switch()),
     )
     .await;
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -234,7 +227,7 @@ async fn a_stale_sidecar_never_records_into_a_re_created_sale() {
 async fn a_retry_after_the_marker_ttl_gets_the_ledgers_answer() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
-    seed(&redis.url(), "sale", &spec(1, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(1)).await;
     let sidecar = Peer::start(&redis.url(), &sqlite_url(&dir, "l.db")).await;
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     assert_eq!(
@@ -243,13 +236,13 @@ async fn a_retry_after_the_marker_ttl_gets_the_ledgers_answer() {
     );
     let mut conn = redis.connection().expect("connect");
     let _: () = redis::cmd("DEL")
-        .arg(format!("dropgate:{{{NS}/sale}}:res:k"))
+        .arg(DropKeys::new(NS, "sale").reservation("k"))
         .query(&mut conn)
         .expect("DEL");
     let again = sidecar.reserve("sale", "k", "alice", 1).await;
     let confirm = sidecar.settle("sale", "k", "confirm").await;
     eprintln!("late retry: {}\nconfirm: {}", show(&again), show(&confirm));
-    seed(&redis.url(), "sale", &spec(1, "  gate: {enabled: false}\n")).await;
+    seed(&redis.url(), "sale", one_per_buyer(1).kill_switch()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let bob = sidecar.reserve("sale", "b", "bob", 1).await;
     eprintln!("bob on the fallback: {}", show(&bob));

@@ -5,10 +5,12 @@ mod common;
 use std::collections::HashMap;
 
 use common::Sidecar;
+use dropgate_testkit::DropSpec;
 use futures::future::join_all;
 
-fn spec(limit: i64, extra: &str) -> String {
-    format!("  sku: SNKR-0412\n  limitedQuantity: {limit}\n{extra}")
+/// This file's drops: `limit` pairs of SNKR-0412.
+fn spec(limit: i64) -> DropSpec {
+    DropSpec::new(limit).sku("SNKR-0412")
 }
 
 fn count(outcomes: &[String]) -> HashMap<&str, usize> {
@@ -22,9 +24,7 @@ fn count(outcomes: &[String]) -> HashMap<&str, usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_hundred_buyers_for_a_hundred_units() {
     let sidecar = Sidecar::start().await;
-    sidecar
-        .seed("sale", &spec(100, "  throttle: {permits: 1000}\n"))
-        .await;
+    sidecar.seed("sale", spec(100).permits(1000)).await;
     let replies = join_all((0..500).map(|i| {
         let sidecar = &sidecar;
         async move {
@@ -53,14 +53,11 @@ async fn five_hundred_buyers_for_a_hundred_units() {
 #[tokio::test]
 async fn the_same_key_twice_is_admitted_once() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(10, "")).await;
+    sidecar.seed("sale", spec(10)).await;
     let first = sidecar.reserve("sale", "order-1", "alice", 1).await;
     let second = sidecar.reserve("sale", "order-1", "alice", 1).await;
-    assert_eq!((first.status.as_u16(), first.outcome()), (201, "admitted"));
-    assert_eq!(
-        (second.status.as_u16(), second.outcome()),
-        (200, "already_reserved")
-    );
+    first.assert_answer(201, "admitted");
+    second.assert_answer(200, "already_reserved");
     assert_eq!(second.body["state"], "active");
     assert_eq!(sidecar.remaining("sale"), 9);
     sidecar.assert_invariants("sale", 10);
@@ -69,7 +66,7 @@ async fn the_same_key_twice_is_admitted_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixty_four_concurrent_retries_admit_once() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(10, "")).await;
+    sidecar.seed("sale", spec(10)).await;
     let replies = join_all((0..64).map(|_| sidecar.reserve("sale", "order-1", "alice", 1))).await;
     let outcomes: Vec<String> = replies.iter().map(|r| r.outcome().to_string()).collect();
     let counts = count(&outcomes);
@@ -82,15 +79,12 @@ async fn sixty_four_concurrent_retries_admit_once() {
 #[tokio::test]
 async fn a_reused_key_with_other_terms_is_refused() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(10, "  perUserLimit: 5\n")).await;
+    sidecar.seed("sale", spec(10).per_user_limit(5)).await;
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     let before = sidecar.snapshot();
     for (user, quantity) in [("bob", 1), ("alice", 2)] {
         let reply = sidecar.reserve("sale", "k", user, quantity).await;
-        assert_eq!(
-            (reply.status.as_u16(), reply.outcome()),
-            (422, "idempotency_key_reused")
-        );
+        reply.assert_answer(422, "idempotency_key_reused");
         assert!(
             reply.body["message"]
                 .as_str()
@@ -103,14 +97,11 @@ async fn a_reused_key_with_other_terms_is_refused() {
 #[tokio::test]
 async fn one_user_two_keys_meets_the_per_user_limit() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(10, "  perUserLimit: 1\n")).await;
+    sidecar.seed("sale", spec(10).per_user_limit(1)).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     let before = sidecar.snapshot();
     let second = sidecar.reserve("sale", "b", "alice", 1).await;
-    assert_eq!(
-        (second.status.as_u16(), second.outcome()),
-        (409, "per_user_limit_exceeded")
-    );
+    second.assert_answer(409, "per_user_limit_exceeded");
     assert_eq!(sidecar.snapshot(), before, "a refusal changes nothing");
     // Cancelling gives the user their allowance back.
     assert_eq!(
@@ -124,7 +115,7 @@ async fn one_user_two_keys_meets_the_per_user_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cancel_restores_once_however_often_it_arrives() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(10, "  perUserLimit: 3\n")).await;
+    sidecar.seed("sale", spec(10).per_user_limit(3)).await;
     assert_eq!(
         sidecar.reserve("sale", "order-1", "alice", 3).await.status,
         201
@@ -143,26 +134,17 @@ async fn a_cancel_restores_once_however_often_it_arrives() {
 #[tokio::test]
 async fn confirm_and_cancel_follow_the_reservation_lifecycle() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(5, "")).await;
+    sidecar.seed("sale", spec(5)).await;
     let missing = sidecar.settle("sale", "nope", "confirm").await;
-    assert_eq!(
-        (missing.status.as_u16(), missing.outcome()),
-        (404, "not_found")
-    );
+    missing.assert_answer(404, "not_found");
     assert_eq!(sidecar.settle("sale", "nope", "cancel").await.status, 404);
     assert_eq!(sidecar.lookup("sale", "nope").await.status, 404);
 
     sidecar.reserve("sale", "k", "alice", 1).await;
     let confirmed = sidecar.settle("sale", "k", "confirm").await;
-    assert_eq!(
-        (confirmed.status.as_u16(), confirmed.outcome()),
-        (200, "confirmed")
-    );
+    confirmed.assert_answer(200, "confirmed");
     let again = sidecar.settle("sale", "k", "confirm").await;
-    assert_eq!(
-        (again.status.as_u16(), again.outcome()),
-        (200, "already_confirmed")
-    );
+    again.assert_answer(200, "already_confirmed");
     let found = sidecar.lookup("sale", "k").await;
     assert_eq!(found.status, 200);
     assert_eq!(found.body["state"], "confirmed");
@@ -173,19 +155,13 @@ async fn confirm_and_cancel_follow_the_reservation_lifecycle() {
 
     // A refund of a confirmed reservation returns the unit.
     let refund = sidecar.settle("sale", "k", "cancel").await;
-    assert_eq!(
-        (refund.status.as_u16(), refund.outcome()),
-        (200, "cancelled")
-    );
+    refund.assert_answer(200, "cancelled");
     assert_eq!(sidecar.remaining("sale"), 5);
     let late = sidecar.settle("sale", "k", "confirm").await;
-    assert_eq!((late.status.as_u16(), late.outcome()), (409, "cancelled"));
+    late.assert_answer(409, "cancelled");
     // A retry of the original reserve is still recognised, not re-admitted.
     let retry = sidecar.reserve("sale", "k", "alice", 1).await;
-    assert_eq!(
-        (retry.status.as_u16(), retry.outcome()),
-        (200, "already_reserved")
-    );
+    retry.assert_answer(200, "already_reserved");
     assert_eq!(retry.body["state"], "cancelled");
     sidecar.assert_invariants("sale", 5);
 }
@@ -193,9 +169,9 @@ async fn confirm_and_cancel_follow_the_reservation_lifecycle() {
 #[tokio::test]
 async fn seeding_twice_keeps_the_stock_in_use() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(10, "  perUserLimit: 5\n")).await;
+    sidecar.seed("sale", spec(10).per_user_limit(5)).await;
     sidecar.reserve("sale", "k", "alice", 4).await;
-    sidecar.seed("sale", &spec(10, "  perUserLimit: 5\n")).await;
+    sidecar.seed("sale", spec(10).per_user_limit(5)).await;
     assert_eq!(sidecar.remaining("sale"), 6);
     sidecar.assert_invariants("sale", 10);
 }
@@ -204,19 +180,13 @@ async fn seeding_twice_keeps_the_stock_in_use() {
 async fn no_permit_undoes_the_admission_and_says_throttled() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            &spec(10, "  throttle: {permits: 2, acquireTimeoutMs: 20}\n"),
-        )
+        .seed("sale", spec(10).permits(2).acquire_timeout_ms(20))
         .await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     assert_eq!(sidecar.reserve("sale", "b", "bob", 1).await.status, 201);
     let before = sidecar.snapshot();
     let throttled = sidecar.reserve("sale", "c", "carol", 1).await;
-    assert_eq!(
-        (throttled.status.as_u16(), throttled.outcome()),
-        (503, "throttled")
-    );
+    throttled.assert_answer(503, "throttled");
     assert_eq!(
         throttled.headers.get("retry-after").map(|v| v.as_bytes()),
         Some(&b"1"[..])
@@ -234,7 +204,7 @@ async fn no_permit_undoes_the_admission_and_says_throttled() {
         "confirmed"
     );
     let retry = sidecar.reserve("sale", "c", "carol", 1).await;
-    assert_eq!((retry.status.as_u16(), retry.outcome()), (201, "admitted"));
+    retry.assert_answer(201, "admitted");
     sidecar.assert_invariants("sale", 10);
 }
 
@@ -244,7 +214,7 @@ async fn the_last_units_raced_by_two() {
     for round in 0..20 {
         for (stock, want_admitted) in [(1, 1), (2, 2)] {
             let name = format!("race-{round}-{stock}");
-            sidecar.seed(&name, &spec(stock, "")).await;
+            sidecar.seed(&name, spec(stock)).await;
             let (a, b) = tokio::join!(
                 sidecar.reserve(&name, "a", "alice", 1),
                 sidecar.reserve(&name, "b", "bob", 1)
@@ -264,16 +234,16 @@ async fn the_last_units_raced_by_two() {
 async fn the_sale_window_is_enforced() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed("later", &spec(5, "  startsAt: 2099-01-01T00:00:00Z\n"))
+        .seed("later", spec(5).starts_at("2099-01-01T00:00:00Z"))
         .await;
     sidecar
-        .seed("over", &spec(5, "  endsAt: 2001-01-01T00:00:00Z\n"))
+        .seed("over", spec(5).ends_at("2001-01-01T00:00:00Z"))
         .await;
     let before = sidecar.snapshot();
     let early = sidecar.reserve("later", "k", "alice", 1).await;
-    assert_eq!((early.status.as_u16(), early.outcome()), (403, "not_open"));
+    early.assert_answer(403, "not_open");
     let late = sidecar.reserve("over", "k", "alice", 1).await;
-    assert_eq!((late.status.as_u16(), late.outcome()), (403, "ended"));
+    late.assert_answer(403, "ended");
     assert_eq!(sidecar.snapshot(), before);
 }
 
@@ -281,10 +251,7 @@ async fn the_sale_window_is_enforced() {
 async fn an_unconfirmed_hold_expires_and_returns_its_unit() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            &spec(3, "  holdSeconds: 1\n  throttle: {permits: 1}\n"),
-        )
+        .seed("sale", spec(3).hold_seconds(1).permits(1))
         .await;
     assert_eq!(
         sidecar.reserve("sale", "swept", "alice", 1).await.status,
@@ -304,12 +271,9 @@ async fn an_unconfirmed_hold_expires_and_returns_its_unit() {
     let found = sidecar.lookup("sale", "swept").await;
     assert_eq!(found.body["state"], "expired");
     let confirm = sidecar.settle("sale", "swept", "confirm").await;
-    assert_eq!(
-        (confirm.status.as_u16(), confirm.outcome()),
-        (409, "expired")
-    );
+    confirm.assert_answer(409, "expired");
     let cancel = sidecar.settle("sale", "swept", "cancel").await;
-    assert_eq!((cancel.status.as_u16(), cancel.outcome()), (409, "expired"));
+    cancel.assert_answer(409, "expired");
     assert_eq!(
         sidecar.reserve("sale", "next", "bob", 1).await.status,
         201,
@@ -322,15 +286,12 @@ async fn an_unconfirmed_hold_expires_and_returns_its_unit() {
 async fn a_drop_published_later_is_served_without_restart() {
     let sidecar = Sidecar::start().await;
     let unknown = sidecar.reserve("late", "k", "alice", 1).await;
-    assert_eq!(
-        (unknown.status.as_u16(), unknown.outcome()),
-        (404, "not_found")
-    );
+    unknown.assert_answer(404, "not_found");
     assert!(
         sidecar.snapshot().is_empty(),
         "an unknown drop writes nothing"
     );
-    sidecar.seed("late", &spec(1, "")).await;
+    sidecar.seed("late", spec(1)).await;
     assert_eq!(sidecar.reserve("late", "k", "alice", 1).await.status, 201);
     let drop = sidecar.http.get("/v1/drops/late").await.expect("answers");
     assert_eq!(drop.status, 200);
@@ -344,21 +305,14 @@ async fn a_drop_published_later_is_served_without_restart() {
 async fn duplicates_racing_a_throttled_admission_are_never_promised_an_undone_unit() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            &spec(50, "  throttle: {permits: 1, acquireTimeoutMs: 40}\n"),
-        )
+        .seed("sale", spec(50).permits(1).acquire_timeout_ms(40))
         .await;
     assert_eq!(sidecar.reserve("sale", "hog", "hog", 1).await.status, 201);
     for round in 0..10 {
         let key = format!("k-{round}");
         let replies = join_all((0..8).map(|_| sidecar.reserve("sale", &key, "alice", 1))).await;
         for reply in &replies {
-            assert!(
-                reply.status == 503 && reply.outcome() == "throttled",
-                "no permit is free, so no promise: {}",
-                reply.text
-            );
+            reply.assert_answer_because(503, "throttled", "no permit is free, so no promise");
         }
         assert_eq!(
             sidecar.lookup("sale", &key).await.status,
@@ -410,18 +364,15 @@ fn script_calls(sidecar: &Sidecar) -> u64 {
 async fn a_retry_waiting_on_a_pending_admission_backs_off() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            &spec(5, "  throttle: {permits: 10, acquireTimeoutMs: 1000}\n"),
-        )
+        .seed("sale", spec(5).permits(10).acquire_timeout_ms(1000))
         .await;
     assert_eq!(sidecar.reserve("sale", "first", "bob", 1).await.status, 201);
     // Another attempt's admission of key k: pending, and not overdue for a minute
     // (its sidecar is slow, not dead).
     let mut conn = sidecar.redis.connection().expect("connect");
-    let config = format!("dropgate:{{{}/sale}}:config", common::NS);
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
     let sale: String = redis::cmd("HGET")
-        .arg(&config)
+        .arg(keys.config())
         .arg("sale")
         .query(&mut conn)
         .expect("sale");
@@ -430,7 +381,7 @@ async fn a_retry_waiting_on_a_pending_admission_backs_off() {
         .expect("clock")
         .as_millis() as i64;
     let _: () = redis::cmd("HSET")
-        .arg(format!("dropgate:{{{}/sale}}:res:k", common::NS))
+        .arg(keys.reservation("k"))
         .arg(&[
             ("user", "alice".to_string()),
             ("quantity", "1".into()),
@@ -462,7 +413,7 @@ async fn a_retry_waiting_on_a_pending_admission_backs_off() {
 #[tokio::test]
 async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", &spec(3, "")).await;
+    sidecar.seed("sale", spec(3)).await;
     let mut conn = redis::Client::open(sidecar.redis.url())
         .expect("url")
         .get_connection_manager()

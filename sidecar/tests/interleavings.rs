@@ -13,7 +13,8 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use common::{NS, Peer, seed};
+use common::{NS, Peer, one_per_buyer, seed};
+use dropgate_api::DropKeys;
 use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
 use rand::rngs::StdRng;
@@ -105,16 +106,13 @@ impl World {
     }
 
     async fn publish(&self) {
-        let gate = if self.gate_on {
-            ""
+        let spec = one_per_buyer(self.limit);
+        let spec = if self.gate_on {
+            spec
         } else {
-            "  gate: {enabled: false}\n"
+            spec.kill_switch()
         };
-        let spec = format!(
-            "  sku: X\n  limitedQuantity: {}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{gate}",
-            self.limit
-        );
-        seed(&self.redis.url(), DROP, &spec).await;
+        seed(&self.redis.url(), DROP, spec).await;
     }
 
     fn running(&self) -> Vec<&Peer> {
@@ -241,7 +239,7 @@ impl World {
                 );
             }
         }
-        let held = redis_int(&self.redis, "held");
+        let held = redis_int(&self.redis, DropKeys::held);
         assert!(
             held <= self.limit,
             "step {step} ({what:?}): Redis holds {held} of {}",
@@ -276,8 +274,8 @@ impl World {
                 let _ = peer.lookup(DROP, "nudge").await;
             }
             let (remaining, held) = (
-                redis_int(&self.redis, "remaining"),
-                redis_int(&self.redis, "held"),
+                redis_int(&self.redis, DropKeys::remaining),
+                redis_int(&self.redis, DropKeys::held),
             );
             let ledger = ledger_held(&self.ledgers[0]).await;
             if remaining + held == self.limit && (!shared || held == ledger) {
@@ -289,8 +287,8 @@ impl World {
         assert!(
             agreed,
             "Redis remaining {} held {}, ledger {}, limit {}",
-            redis_int(&self.redis, "remaining"),
-            redis_int(&self.redis, "held"),
+            redis_int(&self.redis, DropKeys::remaining),
+            redis_int(&self.redis, DropKeys::held),
             ledger_held(&self.ledgers[0]).await,
             self.limit
         );
@@ -303,12 +301,14 @@ impl World {
     }
 }
 
-fn redis_int(redis: &RedisServer, name: &str) -> i64 {
+/// The integer at one of the drop's keys (`DropKeys::held`, say), 0 when Redis
+/// has none or cannot be reached.
+fn redis_int(redis: &RedisServer, key: fn(&DropKeys) -> String) -> i64 {
     let Ok(mut conn) = redis.connection() else {
         return 0;
     };
     redis::cmd("GET")
-        .arg(format!("dropgate:{{{NS}/{DROP}}}:{name}"))
+        .arg(key(&DropKeys::new(NS, DROP)))
         .query::<Option<i64>>(&mut conn)
         .ok()
         .flatten()
@@ -379,7 +379,7 @@ async fn run(seed_value: u64, ledgers: Vec<String>, dir: tempfile::TempDir) {
             world.admitted.len(),
             world.cancelled.len(),
             world.limit,
-            redis_int(&world.redis, "held")
+            redis_int(&world.redis, DropKeys::held)
         );
         world.assert_never_oversold(step, &what).await;
     }

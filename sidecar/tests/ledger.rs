@@ -9,8 +9,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::Sidecar;
+use dropgate_api::DropKeys;
 use dropgate_sidecar::faults::{self, Fault};
 use dropgate_sidecar::ledger::{Ledger, outbox};
+use dropgate_testkit::DropSpec;
 use futures::future::join_all;
 use sqlx::Row;
 
@@ -28,7 +30,7 @@ async fn events(ledger: &Ledger) -> Vec<String> {
 fn stream(sidecar: &Sidecar) -> Vec<(String, String)> {
     let mut conn = sidecar.redis.connection().expect("connect");
     let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg("dropgate:{shop/sale}:events")
+        .arg(DropKeys::new(common::NS, "sale").events())
         .arg("-")
         .arg("+")
         .query(&mut conn)
@@ -53,10 +55,7 @@ async fn wait_until<F: Fn() -> bool>(what: &str, done: F) {
 async fn every_change_is_recorded_published_and_consumed_once() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            "  sku: X\n  limitedQuantity: 50\n  perUserLimit: 2\n  throttle: {permits: 1000}\n",
-        )
+        .seed("sale", DropSpec::new(50).per_user_limit(2).permits(1000))
         .await;
     let ledger = common::ledger_of(&sidecar).await;
 
@@ -194,23 +193,14 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         faults::arm(fault, 1);
         let key = format!("crash-{fault:?}");
         let crashed = sidecar.reserve("sale", &key, &key, 1).await;
-        assert_eq!(
-            (crashed.status.as_u16(), crashed.outcome()),
-            (503, "unavailable"),
-            "{fault:?}: {}",
-            crashed.text
-        );
+        crashed.assert_answer_because(503, "unavailable", &format!("{fault:?}"));
         assert_eq!(sidecar.snapshot(), before, "{fault:?}: Redis is as it was");
         assert!(
             !common::ledger_states(&ledger).await.contains_key(&key),
             "{fault:?}: not in the ledger"
         );
         let retry = sidecar.reserve("sale", &key, &key, 1).await;
-        assert_eq!(
-            (retry.status.as_u16(), retry.outcome()),
-            (201, "admitted"),
-            "{fault:?}"
-        );
+        retry.assert_answer_because(201, "admitted", &format!("{fault:?}"));
         assert_eq!(
             common::ledger_states(&ledger)
                 .await

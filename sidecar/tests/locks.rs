@@ -69,12 +69,7 @@ async fn one_of_fifty_contenders_gets_the_lock() {
         "RFC 3339 UTC: {expires}"
     );
     for busy in replies.iter().filter(|r| r.outcome() != "acquired") {
-        assert_eq!(
-            (busy.status.as_u16(), busy.outcome()),
-            (409, "busy"),
-            "{}",
-            busy.text
-        );
+        busy.assert_answer(409, "busy");
         assert!(busy.body["message"].is_string());
     }
 }
@@ -86,10 +81,7 @@ async fn only_the_token_holder_renews_or_releases() {
     let token = held.body["token"].clone();
     let wrong = Value::String("not-the-token".into());
     let refused = release(&sidecar, "l", &wrong).await;
-    assert_eq!(
-        (refused.status.as_u16(), refused.outcome()),
-        (409, "not_owner")
-    );
+    refused.assert_answer(409, "not_owner");
     assert_eq!(renew(&sidecar, "l", &wrong, 1000).await.outcome(), "lost");
     assert_eq!(
         acquire(&sidecar, "l", "b", 1000, 0).await.outcome(),
@@ -97,15 +89,9 @@ async fn only_the_token_holder_renews_or_releases() {
         "still held"
     );
     let renewed = renew(&sidecar, "l", &token, 20_000).await;
-    assert_eq!(
-        (renewed.status.as_u16(), renewed.outcome()),
-        (200, "renewed")
-    );
+    renewed.assert_answer(200, "renewed");
     let released = release(&sidecar, "l", &token).await;
-    assert_eq!(
-        (released.status.as_u16(), released.outcome()),
-        (200, "released")
-    );
+    released.assert_answer(200, "released");
     assert_eq!(release(&sidecar, "l", &token).await.outcome(), "not_owner");
     assert_eq!(
         acquire(&sidecar, "l", "b", 1000, 0).await.outcome(),
@@ -125,7 +111,7 @@ async fn an_expired_holder_loses_and_changes_nothing() {
         "fences grow"
     );
     let lost = renew(&sidecar, "l", &old.body["token"], 10_000).await;
-    assert_eq!((lost.status.as_u16(), lost.outcome()), (409, "lost"));
+    lost.assert_answer(409, "lost");
     assert_eq!(
         release(&sidecar, "l", &old.body["token"]).await.outcome(),
         "not_owner"
@@ -143,12 +129,7 @@ async fn a_waiting_contender_gets_the_lock_when_the_lease_ends() {
     let first = acquire(&sidecar, "l", "a", 150, 0).await;
     assert_eq!(first.outcome(), "acquired");
     let second = acquire(&sidecar, "l", "b", 1000, 2000).await;
-    assert_eq!(
-        (second.status.as_u16(), second.outcome()),
-        (200, "acquired"),
-        "{}",
-        second.text
-    );
+    second.assert_answer(200, "acquired");
     assert!(second.body["fence"].as_i64() > first.body["fence"].as_i64());
     let third = acquire(&sidecar, "l", "c", 1000, 100).await;
     assert_eq!(third.outcome(), "busy", "gives up when waitMs is spent");
@@ -319,12 +300,7 @@ async fn bad_lock_requests_are_refused_and_change_nothing() {
             .request(method.clone(), &path, Some(&body))
             .await
             .expect("answers");
-        assert_eq!(
-            (reply.status.as_u16(), reply.outcome()),
-            (400, "invalid"),
-            "{method} {path} {body}: {}",
-            reply.text
-        );
+        reply.assert_answer_because(400, "invalid", &format!("{method} {path} {body}"));
         let message = reply.body["message"].as_str().unwrap_or("");
         assert!(message.contains(word), "{method} {path} {body}: {message}");
         assert_eq!(sidecar.snapshot(), before, "{method} {path} {body}");
@@ -395,12 +371,7 @@ async fn per_pod_ledgers_sharing_a_lock_are_refused_rather_than_risk_a_repeated_
         )
         .await
         .expect("answers");
-    assert_eq!(
-        (theirs.status.as_u16(), theirs.outcome()),
-        (503, "unavailable"),
-        "{}",
-        theirs.text
-    );
+    theirs.assert_answer(503, "unavailable");
     assert!(
         theirs.text.contains("shared PostgreSQL ledger"),
         "{}",

@@ -9,18 +9,11 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{NS, Peer, manifest, seed};
-use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
+use common::{NS, Peer, manifest, one_per_buyer, seed};
+use dropgate_api::DropKeys;
+use dropgate_testkit::{DropSpec, PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
 use sqlx::Row;
-
-fn spec(limit: i64, extra: &str) -> String {
-    format!(
-        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n{extra}"
-    )
-}
-
-const GATE_OFF: &str = "  gate: {enabled: false}\n";
 
 /// How many answers had each outcome.
 fn tally(replies: &[Reply]) -> HashMap<String, usize> {
@@ -110,9 +103,10 @@ fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
             .expect("GET")
             .unwrap_or(0)
     };
+    let keys = DropKeys::new(NS, drop);
     (
-        get(&mut conn, format!("dropgate:{{{NS}/{drop}}}:remaining")),
-        get(&mut conn, format!("dropgate:{{{NS}/{drop}}}:held")),
+        get(&mut conn, keys.remaining()),
+        get(&mut conn, keys.held()),
     )
 }
 
@@ -155,7 +149,7 @@ async fn assert_settled(redis: &RedisServer, database_url: &str, drop: &str, lim
 
 /// A Redis with drop `sale` seeded from `spec`, and one sidecar on a SQLite ledger
 /// (its URL) in a temporary folder that lives as long as the last value.
-async fn one_sidecar(spec: &str) -> (RedisServer, String, Peer, tempfile::TempDir) {
+async fn one_sidecar(spec: DropSpec) -> (RedisServer, String, Peer, tempfile::TempDir) {
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = sqlite_url(&dir, "ledger.db");
@@ -172,7 +166,7 @@ fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
 async fn a_stale_fallback_sidecar_cannot_sell_beside_the_reopened_gate() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", &spec(10, GATE_OFF)).await;
+    seed(&redis.url(), "sale", one_per_buyer(10).kill_switch()).await;
     let fresh = Peer::start(&redis.url(), &postgres.url()).await;
     // Re-reads its configs once in ten minutes: it keeps believing the kill switch.
     let stale = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
@@ -180,7 +174,7 @@ async fn a_stale_fallback_sidecar_cannot_sell_beside_the_reopened_gate() {
     assert_eq!(admitted(&early), 4, "{:?}", tally(&early));
     assert!(early.iter().all(|r| r.body["path"] == "fallback"));
 
-    seed(&redis.url(), "sale", &spec(10, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(10)).await;
     eventually("the fresh sidecar to see the gate again", async || {
         fresh
             .http
@@ -212,7 +206,7 @@ async fn a_sidecar_cut_off_from_redis_is_refused_while_its_peers_reach_it() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
     let proxy = TcpProxy::start(redis.port()).await.expect("proxy");
-    seed(&redis.url(), "sale", &spec(10, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(10)).await;
     let connected = Peer::start(&redis.url(), &postgres.url()).await;
     let partitioned = Peer::start(&proxy.redis_url(), &postgres.url()).await;
     assert_eq!(connected.reserve("sale", "a", "a", 1).await.status, 201);
@@ -245,14 +239,14 @@ async fn a_sidecar_cut_off_from_redis_is_refused_while_its_peers_reach_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reopening_the_gate_waits_until_the_fallback_sales_are_in_redis() {
-    let (redis, ledger, sidecar, _dir) = one_sidecar(&spec(300, GATE_OFF)).await;
+    let (redis, ledger, sidecar, _dir) = one_sidecar(one_per_buyer(300).kill_switch()).await;
     let on_fallback = buyers(&[&sidecar], "sale", "fb", 150).await;
     assert_eq!(admitted(&on_fallback), 150);
 
     // The gate comes back while buyers keep arriving.
     let only = [&sidecar];
     let (rush, ()) = tokio::join!(buyers(&only, "sale", "rush", 400), async {
-        seed(&redis.url(), "sale", &spec(300, "")).await;
+        seed(&redis.url(), "sale", one_per_buyer(300)).await;
     });
     let counts = tally(&rush);
     assert_eq!(
@@ -277,7 +271,7 @@ async fn a_failover_that_lost_the_last_writes_resells_nothing() {
     let proxy = TcpProxy::start(primary.port()).await.expect("proxy");
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = sqlite_url(&dir, "ledger.db");
-    seed(&primary.url(), "sale", &spec(14, "")).await;
+    seed(&primary.url(), "sale", one_per_buyer(14)).await;
     let sidecar = Peer::start(&proxy.redis_url(), &ledger).await;
     let early = buyers(&[&sidecar], "sale", "early", 5).await;
     assert_eq!(admitted(&early), 5);
@@ -317,12 +311,12 @@ async fn a_failover_that_lost_the_last_writes_resells_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_that_lost_everything_sells_nothing_before_its_rebuild() {
-    let (mut redis, ledger, sidecar, _dir) = one_sidecar(&spec(5, "")).await;
+    let (mut redis, ledger, sidecar, _dir) = one_sidecar(one_per_buyer(5)).await;
     assert_eq!(admitted(&buyers(&[&sidecar], "sale", "first", 2).await), 2);
 
     // Redis comes back empty and is seeded afresh: 5 units in Redis, 2 of them sold.
     redis.restart().expect("restarts empty");
-    seed(&redis.url(), "sale", &spec(5, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(5)).await;
     // Buyers keep coming while the sidecar reconnects and rebuilds: exactly the 3
     // units left are sold, never the 2 Redis forgot.
     assert_eq!(sell_out(&[&sidecar], "sale", "rush").await, 3);
@@ -336,7 +330,7 @@ async fn a_redis_that_lost_everything_sells_nothing_before_its_rebuild() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_restart_never_turns_a_confirmed_reservation_back() {
-    let (redis, ledger, before, _dir) = one_sidecar(&spec(30, "  holdSeconds: 1\n")).await;
+    let (redis, ledger, before, _dir) = one_sidecar(one_per_buyer(30).hold_seconds(1)).await;
     assert_eq!(admitted(&buyers(&[&before], "sale", "b", 20).await), 20);
     before.shutdown().await;
 
@@ -377,18 +371,18 @@ async fn a_restart_never_turns_a_confirmed_reservation_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
-    let (redis, _ledger, sidecar, _dir) = one_sidecar(&spec(10, "")).await;
+    let (redis, _ledger, sidecar, _dir) = one_sidecar(one_per_buyer(10)).await;
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     // The marker lived out its TTL.
     let mut conn = redis.connection().expect("connect");
     let _: () = redis::cmd("DEL")
-        .arg(format!("dropgate:{{{NS}/sale}}:res:k"))
+        .arg(DropKeys::new(NS, "sale").reservation("k"))
         .query(&mut conn)
         .expect("DEL");
 
     for _ in 0..4 {
         let reply = sidecar.lookup("sale", "k").await;
-        assert_eq!((reply.status.as_u16(), reply.outcome()), (200, "found"));
+        reply.assert_answer(200, "found");
         assert_eq!(reply.body["state"], "active");
     }
     assert_eq!(redis_counts(&redis, "sale"), (9, 1), "no unit taken again");
@@ -403,16 +397,11 @@ async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
         "confirmed"
     );
     let _: () = redis::cmd("DEL")
-        .arg(format!("dropgate:{{{NS}/sale}}:res:c"))
+        .arg(DropKeys::new(NS, "sale").reservation("c"))
         .query(&mut conn)
         .expect("DEL");
     let refund = sidecar.settle("sale", "c", "cancel").await;
-    assert_eq!(
-        (refund.status.as_u16(), refund.outcome()),
-        (409, "expired"),
-        "{}",
-        refund.text
-    );
+    refund.assert_answer(409, "expired");
     assert_eq!(refund.body["state"], "confirmed");
     assert_eq!(redis_counts(&redis, "sale"), (8, 2));
     sidecar.shutdown().await;
@@ -420,10 +409,10 @@ async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_look_up_during_an_admission_changes_nothing() {
-    let (redis, _ledger, sidecar, _dir) = one_sidecar(&spec(10, "")).await;
+    let (redis, _ledger, sidecar, _dir) = one_sidecar(one_per_buyer(10)).await;
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     // As it stands between the ledger's commit and the activation in Redis.
-    let marker = format!("dropgate:{{{NS}/sale}}:res:k");
+    let marker = DropKeys::new(NS, "sale").reservation("k");
     let mut conn = redis.connection().expect("connect");
     let _: () = redis::cmd("HSET")
         .arg(&marker)
@@ -450,13 +439,13 @@ async fn a_look_up_during_an_admission_changes_nothing() {
 async fn a_stale_config_never_writes_an_old_limit_back() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", &spec(10, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(10)).await;
     let fresh = Peer::start(&redis.url(), &postgres.url()).await;
     let stale = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
     assert_eq!(fresh.reserve("sale", "a", "a", 1).await.status, 201);
     assert_eq!(stale.reserve("sale", "b", "b", 1).await.status, 201);
 
-    seed(&redis.url(), "sale", &spec(4, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(4)).await;
     eventually("the cut to reach the fresh sidecar", async || {
         fresh
             .http
@@ -481,7 +470,7 @@ async fn a_drop_re_created_under_its_name_is_a_new_sale() {
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = sqlite_url(&dir, "ledger.db");
     let with_uid = |uid: &str| {
-        manifest("sale", &spec(3, "")).replace(
+        manifest("sale", one_per_buyer(3)).replace(
             "metadata: {name: sale,",
             &format!("metadata: {{uid: {uid}, name: sale,"),
         )
@@ -509,11 +498,11 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
     let redis = RedisServer::start().expect("redis-server");
     let replica = RedisServer::start_replica_of(&redis).expect("replica");
     let dir = tempfile::tempdir().expect("temp dir");
-    seed(&redis.url(), "sale", &spec(10, "")).await;
+    seed(&redis.url(), "sale", one_per_buyer(10)).await;
     eventually("the replica to sync", async || {
         let mut conn = replica.connection().expect("connect");
         redis::cmd("EXISTS")
-            .arg(format!("dropgate:{{{NS}/sale}}:config"))
+            .arg(DropKeys::new(NS, "sale").config())
             .query::<i64>(&mut conn)
             .is_ok_and(|n| n == 1)
     })

@@ -5,18 +5,13 @@ mod common;
 use std::time::Duration;
 
 use common::Sidecar;
-use dropgate_testkit::HttpClient;
+use dropgate_testkit::{DropSpec, HttpClient};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 /// Under failurePolicy Closed (Open sells through the ledger: tests/fallback.rs).
 async fn a_redis_restart_needs_no_sidecar_restart() {
     let mut sidecar = Sidecar::start().await;
-    sidecar
-        .seed(
-            "sale",
-            "  sku: X\n  limitedQuantity: 10\n  gate: {failurePolicy: Closed}\n",
-        )
-        .await;
+    sidecar.seed("sale", DropSpec::new(10).fail_closed()).await;
     assert_eq!(
         sidecar.reserve("sale", "before", "alice", 1).await.status,
         201
@@ -28,12 +23,7 @@ async fn a_redis_restart_needs_no_sidecar_restart() {
 
     sidecar.redis.stop();
     let down = sidecar.reserve("sale", "during", "bob", 1).await;
-    assert_eq!(
-        (down.status.as_u16(), down.outcome()),
-        (503, "unavailable"),
-        "{}",
-        down.text
-    );
+    down.assert_answer(503, "unavailable");
     assert!(
         down.body["message"]
             .as_str()
@@ -45,10 +35,7 @@ async fn a_redis_restart_needs_no_sidecar_restart() {
         "a known drop is never not_found during an outage"
     );
     let unseen = sidecar.reserve("other", "k", "bob", 1).await;
-    assert_eq!(
-        (unseen.status.as_u16(), unseen.outcome()),
-        (503, "unavailable")
-    );
+    unseen.assert_answer(503, "unavailable");
     let ready = sidecar.http.get("/readyz").await.expect("answers");
     assert_eq!(
         ready.status, 200,
@@ -67,12 +54,7 @@ async fn a_redis_restart_needs_no_sidecar_restart() {
     // The restarted Redis is empty (no persistence here): the operator re-seeds it on
     // its next reconcile, and the sidecar reloads its scripts on NOSCRIPT.
     sidecar.redis.restart().expect("redis restarts");
-    sidecar
-        .seed(
-            "sale",
-            "  sku: X\n  limitedQuantity: 10\n  gate: {failurePolicy: Closed}\n",
-        )
-        .await;
+    sidecar.seed("sale", DropSpec::new(10).fail_closed()).await;
     let mut admitted = None;
     for attempt in 0..50 {
         let reply = sidecar
@@ -92,10 +74,7 @@ async fn a_redis_restart_needs_no_sidecar_restart() {
 async fn shutdown_lets_in_flight_requests_finish() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed(
-            "sale",
-            "  sku: X\n  limitedQuantity: 10\n  throttle: {permits: 1, acquireTimeoutMs: 500}\n",
-        )
+        .seed("sale", DropSpec::new(10).permits(1).acquire_timeout_ms(500))
         .await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     // This request waits up to 500 ms for a permit; shut down while it waits.
@@ -129,8 +108,8 @@ async fn shutdown_lets_in_flight_requests_finish() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_lost_its_data_is_rebuilt_from_the_ledger() {
     let mut sidecar = Sidecar::start().await;
-    let spec = "  sku: X\n  limitedQuantity: 10\n  perUserLimit: 5\n";
-    sidecar.seed("sale", spec).await;
+    let spec = DropSpec::new(10).per_user_limit(5);
+    sidecar.seed("sale", &spec).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 2).await.status, 201);
     assert_eq!(sidecar.reserve("sale", "b", "bob", 3).await.status, 201);
     assert_eq!(
@@ -145,7 +124,7 @@ async fn a_redis_that_lost_its_data_is_rebuilt_from_the_ledger() {
 
     // A failover to a replica that had none of it; the operator seeds fresh stock.
     sidecar.redis.restart().expect("restarts");
-    sidecar.seed("sale", spec).await;
+    sidecar.seed("sale", &spec).await;
     let mut rebuilt = false;
     for _ in 0..60 {
         tokio::time::sleep(Duration::from_millis(100)).await;

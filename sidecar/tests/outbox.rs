@@ -6,16 +6,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, seed};
+use common::{NS, Peer, one_per_buyer, seed};
+use dropgate_api::DropKeys;
 use dropgate_testkit::{PostgresServer, RedisServer};
 use futures::future::join_all;
 use sqlx::Row;
-
-fn spec(limit: i64) -> String {
-    format!(
-        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  throttle: {{permits: 1000}}\n"
-    )
-}
 
 /// Events the ledger holds for `drop`, and how many are still unpublished.
 async fn ledger_events(database_url: &str, drop: &str) -> (i64, i64) {
@@ -37,7 +32,7 @@ async fn ledger_events(database_url: &str, drop: &str) -> (i64, i64) {
 fn stream_length(redis: &RedisServer, drop: &str) -> i64 {
     let mut conn = redis.connection().expect("connect");
     redis::cmd("XLEN")
-        .arg(format!("dropgate:{{{NS}/{drop}}}:events"))
+        .arg(DropKeys::new(NS, drop).events())
         .query(&mut conn)
         .unwrap_or(0)
 }
@@ -46,7 +41,7 @@ fn stream_length(redis: &RedisServer, drop: &str) -> i64 {
 fn stream_order(redis: &RedisServer, drop: &str) -> Vec<String> {
     let mut conn = redis.connection().expect("connect");
     let entries: Vec<(String, std::collections::HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg(format!("dropgate:{{{NS}/{drop}}}:events"))
+        .arg(DropKeys::new(NS, drop).events())
         .arg("-")
         .arg("+")
         .query(&mut conn)
@@ -100,7 +95,7 @@ async fn sell(peers: &[&Peer], drop: &str, buyers: usize) {
 async fn three_sidecars_sharing_a_ledger_publish_each_event_once() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", &spec(100)).await;
+    seed(&redis.url(), "sale", one_per_buyer(100)).await;
     let peers = [
         Peer::start(&redis.url(), &postgres.url()).await,
         Peer::start(&redis.url(), &postgres.url()).await,
@@ -133,12 +128,12 @@ async fn three_sidecars_sharing_a_ledger_publish_each_event_once() {
 async fn an_event_that_cannot_be_published_holds_back_only_its_drop() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "blocked", &spec(300)).await;
-    seed(&redis.url(), "flowing", &spec(10)).await;
+    seed(&redis.url(), "blocked", one_per_buyer(300)).await;
+    seed(&redis.url(), "flowing", one_per_buyer(10)).await;
     // The blocked drop's stream key holds a string: every XADD to it fails.
     let mut conn = redis.connection().expect("connect");
     let _: () = redis::cmd("SET")
-        .arg(format!("dropgate:{{{NS}/blocked}}:events"))
+        .arg(DropKeys::new(NS, "blocked").events())
         .arg("not a stream")
         .query(&mut conn)
         .expect("SET");
@@ -175,14 +170,14 @@ async fn many_drops_that_cannot_publish_never_fill_the_rounds() {
     // share of a round, 512, a round's whole size.
     let blocked: Vec<String> = (0..8).map(|i| format!("blocked-{i}")).collect();
     for drop in &blocked {
-        seed(&redis.url(), drop, &spec(32)).await;
+        seed(&redis.url(), drop, one_per_buyer(32)).await;
         let _: () = redis::cmd("SET")
-            .arg(format!("dropgate:{{{NS}/{drop}}}:events"))
+            .arg(DropKeys::new(NS, drop).events())
             .arg("not a stream")
             .query(&mut conn)
             .expect("SET");
     }
-    seed(&redis.url(), "flowing", &spec(10)).await;
+    seed(&redis.url(), "flowing", one_per_buyer(10)).await;
     let peer = Peer::start(&redis.url(), &postgres.url()).await;
     for drop in &blocked {
         sell(&[&peer], drop, 32).await;

@@ -9,12 +9,15 @@ use std::time::Duration;
 
 use common::{Peer, marker_state, seed};
 use dropgate_sidecar::faults::{self, Fault};
-use dropgate_testkit::RedisServer;
+use dropgate_testkit::{DropSpec, RedisServer};
 
-fn spec(hold_seconds: i64) -> String {
-    format!(
-        "  sku: X\n  limitedQuantity: 10\n  perUserLimit: 1\n  holdSeconds: {hold_seconds}\n  throttle: {{permits: 1, acquireTimeoutMs: 20}}\n"
-    )
+/// This file's drops: one permit, so a hold that lapses frees the only one.
+fn spec(hold_seconds: i64) -> DropSpec {
+    DropSpec::new(10)
+        .per_user_limit(1)
+        .hold_seconds(hold_seconds)
+        .permits(1)
+        .acquire_timeout_ms(20)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -40,7 +43,7 @@ async fn answers_match_the_record() {
 
     // Redis fails between the ledger's commit and the activation: the admission is
     // durable, so the buyer hears 201, and the refresh replays it into Redis.
-    seed(&redis.url(), "durable", &spec(600)).await;
+    seed(&redis.url(), "durable", spec(600)).await;
     faults::arm(Fault::AfterLedgerCommit, 1);
     let admitted = sidecar.reserve("durable", "a", "alice", 1).await;
     assert_eq!(admitted.status, 201, "{}", admitted.text);
@@ -65,7 +68,7 @@ async fn answers_match_the_record() {
 
     // The hold lapses; a look-up notices. It answers expired, records the expiry
     // with its event, and frees the permit: the next buyer gets in at once.
-    seed(&redis.url(), "brief", &spec(1)).await;
+    seed(&redis.url(), "brief", spec(1)).await;
     assert_eq!(sidecar.reserve("brief", "b", "bob", 1).await.status, 201);
     let busy = sidecar.reserve("brief", "c", "carol", 1).await;
     assert_eq!(busy.outcome(), "throttled", "one permit: {}", busy.text);

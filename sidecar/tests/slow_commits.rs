@@ -7,23 +7,26 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, marker_state, seed};
-use dropgate_testkit::{PostgresServer, RedisServer, Reply};
+use common::{NS, Peer, marker_state, one_per_buyer, seed};
+use dropgate_api::DropKeys;
+use dropgate_testkit::{DropSpec, PostgresServer, RedisServer, Reply};
 
-fn spec(limit: i64) -> String {
-    format!(
-        "  sku: X\n  limitedQuantity: {limit}\n  perUserLimit: 1\n  holdSeconds: 60\n  throttle: {{permits: 1000, acquireTimeoutMs: 100}}\n"
-    )
+/// This file's drop: one per buyer, holds that outlast the test.
+fn spec(limit: i64) -> DropSpec {
+    one_per_buyer(limit)
+        .hold_seconds(60)
+        .acquire_timeout_ms(100)
 }
 
 fn show(r: &Reply) -> String {
     format!("{} {}", r.status, r.text)
 }
 
-fn redis_int(redis: &RedisServer, key: &str) -> i64 {
+/// The integer at one of drop `sale`'s keys (`DropKeys::held`, say).
+fn redis_int(redis: &RedisServer, key: fn(&DropKeys) -> String) -> i64 {
     let mut conn = redis.connection().expect("connect");
     redis::cmd("GET")
-        .arg(format!("dropgate:{{{NS}/sale}}:{key}"))
+        .arg(key(&DropKeys::new(NS, "sale")))
         .query::<Option<i64>>(&mut conn)
         .expect("GET")
         .unwrap_or(0)
@@ -65,7 +68,7 @@ async fn stall_commits(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::
 async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirmable() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", &spec(2)).await;
+    seed(&redis.url(), "sale", spec(2)).await;
     let a = Peer::start(&redis.url(), &postgres.url()).await;
     let w = a.reserve("sale", "w", "w", 1).await;
     assert_eq!(w.status, 201, "{}", show(&w));
@@ -102,8 +105,8 @@ async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirma
     let ledger = ledger_state(&pool, "k1").await;
     eprintln!(
         "marker {marker:?}, ledger {ledger:?}, remaining {} held {}",
-        redis_int(&redis, "remaining"),
-        redis_int(&redis, "held")
+        redis_int(&redis, DropKeys::remaining),
+        redis_int(&redis, DropKeys::held)
     );
     assert!(
         first.status == 201 || retry.status == 201 || retry.status == 200,
@@ -132,7 +135,7 @@ async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirma
 async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledger() {
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", &spec(2)).await;
+    seed(&redis.url(), "sale", spec(2)).await;
     let a = Peer::start(&redis.url(), &postgres.url()).await;
     let b = Peer::start(&redis.url(), &postgres.url()).await;
     let w = a.reserve("sale", "w", "w", 1).await;
@@ -156,8 +159,8 @@ async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledg
     eprintln!("first: {}\nother: {}", show(&first), show(&other));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let sold = 1 + [&first, &other].iter().filter(|r| r.status == 201).count();
-    let remaining = redis_int(&redis, "remaining");
-    let held = redis_int(&redis, "held");
+    let remaining = redis_int(&redis, DropKeys::remaining);
+    let held = redis_int(&redis, DropKeys::held);
     eprintln!(
         "k1 marker {:?} ledger {:?}; k2 marker {:?} ledger {:?}; remaining {remaining} held {held}",
         marker_state(&redis, "sale", "k1"),

@@ -26,6 +26,26 @@ impl Reply {
     pub fn outcome(&self) -> &str {
         self.body["outcome"].as_str().unwrap_or("")
     }
+
+    /// Asserts the answer's status and `outcome` together; a failure prints the
+    /// whole answer. `#[track_caller]` makes the panic name the test's line.
+    #[track_caller]
+    pub fn assert_answer(&self, status: u16, outcome: &str) {
+        self.assert_answer_because(status, outcome, "");
+    }
+
+    /// [`Reply::assert_answer`] with a word on the case (which path, which
+    /// request) ahead of the answer in the failure message.
+    #[track_caller]
+    pub fn assert_answer_because(&self, status: u16, outcome: &str, context: &str) {
+        assert_eq!(
+            (self.status.as_u16(), self.outcome()),
+            (status, outcome),
+            "{context}{}answer: {}",
+            if context.is_empty() { "" } else { ": " },
+            self.text
+        );
+    }
 }
 
 impl HttpClient {

@@ -1,14 +1,17 @@
 //! Test harness shared by the crates' integration tests, the flash sale and e2e:
-//! real servers on free loopback ports, and a small HTTP client.
+//! real servers on free loopback ports, a small HTTP client, and the drop specs
+//! tests seed.
 //!
 //! Every server runs in a temporary directory and is killed when its handle drops,
 //! so a failed test leaves nothing behind.
 
+mod drop_spec;
 mod http_client;
 mod postgres;
 mod proxy;
 mod redis_server;
 
+pub use drop_spec::DropSpec;
 pub use http_client::{HttpClient, Reply};
 pub use postgres::PostgresServer;
 pub use proxy::TcpProxy;

@@ -3,8 +3,10 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::fmt::Display;
 
-use dropgate_testkit::{HttpClient, RedisServer, Reply};
+use dropgate_api::DropKeys;
+use dropgate_testkit::{DropSpec, HttpClient, RedisServer, Reply};
 use tokio::sync::oneshot;
 
 pub const NS: &str = "shop";
@@ -137,8 +139,9 @@ impl Sidecar {
     }
 
     /// Publishes and seeds drop `name` with the given spec lines (YAML, indented
-    /// two spaces), through the operator's `apply`.
-    pub async fn seed(&self, name: &str, spec: &str) {
+    /// two spaces: a `DropSpec`, or a string for a spec it cannot write), through
+    /// the operator's `apply`.
+    pub async fn seed(&self, name: &str, spec: impl Display) {
         seed(&self.redis.url(), name, spec).await;
     }
 
@@ -164,7 +167,7 @@ impl Sidecar {
     pub fn ledger_key(&self, drop: &str) -> String {
         let mut conn = self.redis.connection().expect("connect");
         let sale: String = redis::cmd("HGET")
-            .arg(format!("dropgate:{{{NS}/{drop}}}:config"))
+            .arg(DropKeys::new(NS, drop).config())
             .arg("sale")
             .query(&mut conn)
             .expect("HGET sale");
@@ -172,11 +175,11 @@ impl Sidecar {
     }
 
     pub fn remaining(&self, drop: &str) -> i64 {
-        self.int(&format!("dropgate:{{{NS}/{drop}}}:remaining"))
+        self.int(&DropKeys::new(NS, drop).remaining())
     }
 
     pub fn held(&self, drop: &str) -> i64 {
-        self.int(&format!("dropgate:{{{NS}/{drop}}}:held"))
+        self.int(&DropKeys::new(NS, drop).held())
     }
 
     fn int(&self, key: &str) -> i64 {
@@ -210,6 +213,7 @@ impl Sidecar {
     /// DESIGN.md's invariants for a quiet drop: remaining + held == limit, the
     /// buyers' counts add up to held, and so do the live reservations.
     pub fn assert_invariants(&self, drop: &str, limit: i64) {
+        let keys = DropKeys::new(NS, drop);
         let mut conn = self.redis.connection().expect("connect");
         let remaining = self.remaining(drop);
         let held = self.held(drop);
@@ -220,12 +224,12 @@ impl Sidecar {
         );
         assert!(held <= limit, "oversold: {held} held of {limit}");
         let buyers: BTreeMap<String, i64> = redis::cmd("HGETALL")
-            .arg(format!("dropgate:{{{NS}/{drop}}}:buyers"))
+            .arg(keys.buyers())
             .query(&mut conn)
             .expect("HGETALL");
         assert_eq!(buyers.values().sum::<i64>(), held, "buyers' counts");
         let markers: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("dropgate:{{{NS}/{drop}}}:res:*"))
+            .arg(keys.reservation_pattern())
             .query(&mut conn)
             .expect("KEYS");
         let mut live = 0;
@@ -266,7 +270,7 @@ pub async fn reserve(http: &HttpClient, drop: &str, key: &str, user: &str, quant
 pub fn marker_state(redis: &RedisServer, drop: &str, key: &str) -> Option<String> {
     let mut conn = redis.connection().expect("connect");
     redis::cmd("HGET")
-        .arg(format!("dropgate:{{{NS}/{drop}}}:res:{key}"))
+        .arg(DropKeys::new(NS, drop).reservation(key))
         .arg("state")
         .query(&mut conn)
         .expect("HGET")
@@ -297,9 +301,15 @@ pub async fn ledger_states(
         .collect()
 }
 
+/// The drop the race and outage tests sell: `limit` units, one per buyer, and
+/// permits enough that the throttle never refuses a rush.
+pub fn one_per_buyer(limit: i64) -> DropSpec {
+    DropSpec::new(limit).per_user_limit(1).permits(1000)
+}
+
 /// Publishes and seeds drop `name` in the Redis at `redis_url` through the
 /// operator's `apply`.
-pub async fn seed(redis_url: &str, name: &str, spec: &str) {
+pub async fn seed(redis_url: &str, name: &str, spec: impl Display) {
     apply(redis_url, &manifest(name, spec)).await;
 }
 
@@ -315,7 +325,8 @@ pub async fn apply(redis_url: &str, manifest: &str) {
     assert!(done.not_ready.is_none(), "{:?}", done.not_ready);
 }
 
-pub fn manifest(name: &str, spec: &str) -> String {
+/// An InventoryDrop `name` in namespace [`NS`] with the given spec lines.
+pub fn manifest(name: &str, spec: impl Display) -> String {
     format!(
         "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: {NS}}}\nspec:\n  redis: {{url: redis://unused:1}}\n{spec}\n"
     )
