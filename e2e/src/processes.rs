@@ -118,6 +118,11 @@ impl SidecarProcess {
         Err("dropgate-sidecar did not answer /healthz within 5s".into())
     }
 
+    /// The process id (for a `kill -9` that must land while requests are in flight).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL, then wait: the process dies wherever it is, as `kill -9` does.
     pub fn kill(mut self) {
         let _ = self.child.kill();

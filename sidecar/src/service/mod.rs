@@ -207,7 +207,9 @@ fn after_redis_failure(
     app.redis_failed(error);
     match config.failure_policy {
         FailurePolicy::Open => {
-            tracing::warn!(drop = %drop.name, %error, "Redis failed: fallback path");
+            // Per request, so debug: the breaker opening and the hand-over to the
+            // ledger are what an operator needs to see, once each.
+            tracing::debug!(drop = %drop.name, %error, "Redis failed: fallback path");
             Choice::Fallback(Reason::Outage)
         }
         FailurePolicy::Closed => Choice::Refused(redis_down(drop, config, error)),

@@ -21,13 +21,16 @@ pub async fn settle(
     settle: Settle,
 ) -> Result<Served, Failure> {
     let drop = super::find_drop(app, drop_name).await?;
-    let served = decide(app, &drop, Call::Settle(key, settle)).await?;
-    // A reservation that no longer waits for its buyer frees its permit at once,
-    // whichever call found it so (a look-up that expired it included).
-    if served.outcome.settles() {
+    decide(app, &drop, Call::Settle(key, settle)).await
+}
+
+/// A reservation that no longer waits for its buyer frees its permit at once,
+/// whichever call found it so (a look-up that expired it included), on either
+/// gate, before anything else can fail.
+fn free_permit_if_settled(drop: &Drop, key: &str, outcome: &Outcome) {
+    if outcome.settles() {
         drop.throttle.release(key);
     }
-    Ok(served)
 }
 
 /// Confirm, cancel or look-up on the ledger's gate. `None`: the drop is back on
@@ -41,12 +44,16 @@ pub(super) async fn on_fallback(
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
     let ledger_key = drop.ledger_key();
-    on_ledger(app, drop, reason, || {
+    let decided = on_ledger(app, drop, reason, || {
         app.ledger
             .fallback_settle(&ledger_key, config, key, settle, now_ms())
     })
     .await
-    .transpose()
+    .transpose();
+    if let Some(Ok(outcome)) = &decided {
+        free_permit_if_settled(drop, key, outcome);
+    }
+    decided
 }
 
 pub(super) async fn on_gate(
@@ -76,13 +83,14 @@ pub(super) async fn on_gate(
         // recorded, or a marker that outlived its TTL. Answer from the ledger's
         // record, moving no unit: replaying it here would take its units a second
         // time.
-        return Turn::Done(Ok(
-            match app.ledger.reservation(&drop.ledger_key(), key).await {
-                Ok(Some(row)) => from_ledger(row, settle),
-                _ => Outcome::NotFound,
-            },
-        ));
+        let outcome = match app.ledger.reservation(&drop.ledger_key(), key).await {
+            Ok(Some(row)) => from_ledger(row, settle),
+            _ => Outcome::NotFound,
+        };
+        free_permit_if_settled(drop, key, &outcome);
+        return Turn::Done(Ok(outcome));
     }
+    free_permit_if_settled(drop, key, &reply.outcome);
     match record_settled(app, drop, config, key, &reply).await {
         Ok(None) => Turn::Done(Ok(reply.outcome)),
         Ok(Some(overruled)) => Turn::Done(Ok(overruled)),

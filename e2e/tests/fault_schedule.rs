@@ -1,0 +1,708 @@
+//! Randomized fault schedules against real processes: a seeded generator interleaves
+//! buyers, retries, confirms, duplicate cancels, restocks, kill-switch flips, Redis
+//! restarting empty (then re-seeded), Redis losing its last writes, and `kill -9` of
+//! a sidecar process followed by its restart, with two sidecar processes sharing one
+//! PostgreSQL ledger.
+//!
+//! After every step: nothing is sold beyond the limit, as the buyers were told it
+//! and as Redis and the ledger record it. After each schedule, once healed and
+//! quiet, DESIGN.md's invariants hold: remaining + held == limit in Redis, the
+//! ledger holds what Redis holds, every acknowledged reservation that no
+//! acknowledged cancel ended is held, and every event written since the last loss
+//! of Redis data reached the drop's stream.
+//!
+//! `DROPGATE_SCHEDULES=n` (default 20) schedules of `DROPGATE_OPS=m` (default 2000)
+//! operations each; `DROPGATE_SEED=s` replays the one schedule a failure names.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dropgate_api::DropKeys;
+use dropgate_e2e::processes::{SidecarProcess, apply};
+use dropgate_testkit::{HttpClient, PostgresServer, RedisServer, Reply};
+use futures::future::join_all;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::Row;
+
+const NS: &str = "shop";
+const SIDECARS: usize = 2;
+/// Requests in flight on a sidecar when it is killed.
+const KILLED_MID_RUSH: usize = 20;
+
+/// One thing that happens to the sale; buyer steps carry how many requests.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Rush(usize),
+    Retry(usize),
+    Confirm(usize),
+    /// Each picked reservation cancelled twice at once, through both sidecars.
+    DuplicateCancel(usize),
+    Restock(i64),
+    KillSwitch(bool),
+    /// Redis killed and started empty, then the drop re-seeded.
+    RedisRestart,
+    Checkpoint,
+    /// Redis put back to the last checkpoint: a failover that lost the last writes.
+    LoseSinceCheckpoint,
+    /// `kill -9` of one sidecar while buyers' requests are in flight on it, then a
+    /// new process on the same ledger.
+    KillSidecar(usize),
+}
+
+impl Step {
+    /// Operations it counts for: one per request, one per fault.
+    fn ops(self) -> usize {
+        match self {
+            Step::Rush(n) | Step::Retry(n) | Step::Confirm(n) => n,
+            Step::DuplicateCancel(n) => 2 * n,
+            Step::KillSidecar(_) => KILLED_MID_RUSH + 1,
+            _ => 1,
+        }
+    }
+}
+
+fn next_step(rng: &mut StdRng) -> Step {
+    match rng.random_range(0..100) {
+        0..40 => Step::Rush(rng.random_range(5..40)),
+        40..55 => Step::Retry(rng.random_range(5..30)),
+        55..65 => Step::Confirm(rng.random_range(1..10)),
+        65..75 => Step::DuplicateCancel(rng.random_range(1..6)),
+        75..80 => Step::Restock(rng.random_range(1..5)),
+        80..86 => Step::KillSwitch(rng.random_bool(0.5)),
+        86..89 => Step::RedisRestart,
+        89..93 => Step::Checkpoint,
+        93..96 => Step::LoseSinceCheckpoint,
+        _ => Step::KillSidecar(rng.random_range(0..SIDECARS)),
+    }
+}
+
+/// The Redis and the PostgreSQL ledger every schedule runs on (each on a drop of
+/// its own): starting PostgreSQL takes seconds.
+struct Lab {
+    redis: RedisServer,
+    postgres: PostgresServer,
+    pool: sqlx::PgPool,
+    dir: tempfile::TempDir,
+}
+
+impl Lab {
+    async fn start() -> Self {
+        let postgres = PostgresServer::start().expect("PostgreSQL");
+        let pool = sqlx::PgPool::connect(&postgres.url())
+            .await
+            .expect("the test's own connection to the ledger");
+        Lab {
+            redis: RedisServer::start().expect("redis-server"),
+            postgres,
+            pool,
+            dir: tempfile::tempdir().expect("dir"),
+        }
+    }
+}
+
+/// One schedule's sale and what its buyers were told.
+struct World {
+    lab: Lab,
+    drop: String,
+    sidecars: Vec<SidecarProcess>,
+    https: Vec<HttpClient>,
+    limit: i64,
+    gate_on: bool,
+    /// Keys whose buyer heard 201 or `already_reserved`.
+    acknowledged: HashSet<String>,
+    /// Keys whose cancel was acknowledged (`cancelled` / `already_cancelled`).
+    cancelled: HashSet<String>,
+    /// Keys whose cancel got no answer (the sidecar died under it): it may or may
+    /// not have happened.
+    cancel_unknown: HashSet<String>,
+    checkpoint: Vec<(String, Vec<u8>)>,
+    /// When Redis last lost data (ms since the epoch): events written before it may
+    /// have gone with it.
+    lost_at_ms: i64,
+    next_key: usize,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// SIGKILL, wherever the process is.
+fn kill_9(pid: u32) {
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+}
+
+fn key(i: usize) -> String {
+    format!("k{i}")
+}
+
+/// A reserve; `None` when no answer came (the sidecar died under it).
+async fn reserve(http: &HttpClient, drop: &str, key: &str) -> Option<Reply> {
+    let body = format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#);
+    http.post(&format!("/v1/drops/{drop}/reservations"), &body)
+        .await
+        .ok()
+}
+
+async fn settle(http: &HttpClient, drop: &str, key: &str, op: &str) -> Option<Reply> {
+    http.post(&format!("/v1/drops/{drop}/reservations/{key}/{op}"), "")
+        .await
+        .ok()
+}
+
+impl World {
+    async fn new(lab: Lab, seed: u64) -> Self {
+        let mut world = World {
+            lab,
+            drop: format!("sale-{seed}"),
+            sidecars: Vec::new(),
+            https: Vec::new(),
+            limit: 40,
+            gate_on: true,
+            acknowledged: HashSet::new(),
+            cancelled: HashSet::new(),
+            cancel_unknown: HashSet::new(),
+            checkpoint: Vec::new(),
+            lost_at_ms: 0,
+            next_key: 0,
+        };
+        world.publish();
+        for _ in 0..SIDECARS {
+            let sidecar = world.start_sidecar().await;
+            world.https.push(HttpClient::new(sidecar.base.clone()));
+            world.sidecars.push(sidecar);
+        }
+        world
+    }
+
+    async fn start_sidecar(&self) -> SidecarProcess {
+        SidecarProcess::start(&self.lab.redis.url(), NS, &self.lab.postgres.url())
+            .await
+            .expect("sidecar starts")
+    }
+
+    /// The drop's manifest, as a shop would `kubectl apply` it.
+    fn manifest(&self) -> PathBuf {
+        let gate = if self.gate_on {
+            ""
+        } else {
+            "  gate: {enabled: false}\n"
+        };
+        // Holds outlast the schedule: an acknowledged reservation is held until an
+        // acknowledged cancel ends it.
+        let path = self.lab.dir.path().join(format!("{}.yaml", self.drop));
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {}, namespace: {NS}}}\n\
+                 spec:\n  redis: {{url: redis://unused:1}}\n  sku: X\n  limitedQuantity: {}\n  perUserLimit: 1\n  \
+                 holdSeconds: 3600\n  throttle: {{permits: 5000}}\n{gate}",
+                self.drop, self.limit
+            ),
+        )
+        .expect("manifest written");
+        path
+    }
+
+    /// Publishes the drop as the operator's `apply -f` does (the same sale each
+    /// time: a manifest has no creation time).
+    fn publish(&self) {
+        apply(&self.manifest(), &self.lab.redis.url()).expect("apply");
+    }
+
+    fn http(&self, i: usize) -> &HttpClient {
+        &self.https[i % SIDECARS]
+    }
+
+    async fn apply(&mut self, rng: &mut StdRng, step: Step) {
+        match step {
+            Step::Rush(n) => {
+                let first = self.next_key;
+                self.next_key += n;
+                let replies = self.reserve_all((first..first + n).map(|i| (i, i))).await;
+                self.note_reserves(replies);
+            }
+            Step::Retry(n) => {
+                if self.next_key == 0 {
+                    return;
+                }
+                // Half of them through another sidecar than their first attempt.
+                let picked: Vec<(usize, usize)> = (0..n)
+                    .map(|_| {
+                        let i = rng.random_range(0..self.next_key);
+                        (i, i + usize::from(rng.random_bool(0.5)))
+                    })
+                    .collect();
+                let replies = self.reserve_all(picked.into_iter()).await;
+                self.note_reserves(replies);
+            }
+            Step::Confirm(n) => {
+                let picked = self.pick_held(rng, n);
+                let this = &*self;
+                join_all(
+                    picked
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| settle(this.http(i), &this.drop, k, "confirm")),
+                )
+                .await;
+            }
+            Step::DuplicateCancel(n) => {
+                let picked = self.pick_held(rng, n);
+                let this = &*self;
+                let replies = join_all(picked.iter().flat_map(|k| {
+                    (0..2).map(move |i| async move {
+                        (
+                            k.clone(),
+                            settle(this.http(i), &this.drop, k, "cancel").await,
+                        )
+                    })
+                }))
+                .await;
+                for (k, reply) in replies {
+                    match reply {
+                        Some(r)
+                            if r.outcome() == "cancelled" || r.outcome() == "already_cancelled" =>
+                        {
+                            self.cancelled.insert(k);
+                        }
+                        // A sidecar that died under the request: it may have happened.
+                        None => {
+                            self.cancel_unknown.insert(k);
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+            Step::Restock(by) => {
+                self.limit += by;
+                self.publish();
+            }
+            Step::KillSwitch(on) => {
+                self.gate_on = on;
+                self.publish();
+            }
+            Step::RedisRestart => {
+                self.lab.redis.restart().expect("redis restarts empty");
+                self.lost_at_ms = now_ms();
+                self.checkpoint.clear();
+                self.publish();
+            }
+            Step::Checkpoint => self.checkpoint = dump(&self.lab.redis),
+            Step::LoseSinceCheckpoint => {
+                if !self.checkpoint.is_empty() {
+                    restore(&self.lab.redis, &self.checkpoint);
+                    self.lost_at_ms = now_ms();
+                }
+            }
+            Step::KillSidecar(s) => {
+                // New buyers on the doomed sidecar; the kill lands among them.
+                let first = self.next_key;
+                self.next_key += KILLED_MID_RUSH;
+                let delay = Duration::from_millis(rng.random_range(0..15));
+                let doomed = self.sidecars[s].pid();
+                let killer = async move {
+                    tokio::time::sleep(delay).await;
+                    kill_9(doomed);
+                };
+                let rush = self.reserve_all((first..first + KILLED_MID_RUSH).map(|i| (i, s)));
+                let (replies, ()) = tokio::join!(rush, killer);
+                self.note_reserves(replies);
+                let fresh = self.start_sidecar().await;
+                self.https[s] = HttpClient::new(fresh.base.clone());
+                std::mem::replace(&mut self.sidecars[s], fresh).kill();
+            }
+        }
+    }
+
+    /// Reserves key `k` through sidecar `via` for each `(k, via)`, all at once.
+    async fn reserve_all(
+        &self,
+        picked: impl Iterator<Item = (usize, usize)>,
+    ) -> Vec<(String, Option<Reply>)> {
+        join_all(picked.map(|(i, via)| async move {
+            let k = key(i);
+            let reply = reserve(self.http(via), &self.drop, &k).await;
+            (k, reply)
+        }))
+        .await
+    }
+
+    fn pick_held(&self, rng: &mut StdRng, n: usize) -> Vec<String> {
+        let held: Vec<&String> = self.acknowledged.difference(&self.cancelled).collect();
+        if held.is_empty() {
+            return Vec::new();
+        }
+        (0..n)
+            .map(|_| held[rng.random_range(0..held.len())].clone())
+            .collect()
+    }
+
+    fn note_reserves(&mut self, replies: Vec<(String, Option<Reply>)>) {
+        for (k, reply) in replies {
+            let Some(reply) = reply else { continue };
+            let state = reply.body.get("state").and_then(|s| s.as_str());
+            if reply.status == 201 {
+                self.acknowledged.insert(k);
+            } else if reply.outcome() == "already_reserved" {
+                // A retry hears what its key holds, cancelled included.
+                if matches!(state, Some("active" | "confirmed")) {
+                    self.acknowledged.insert(k);
+                } else {
+                    self.cancelled.insert(k);
+                }
+            } else {
+                assert!(
+                    matches!(reply.status.as_u16(), 409 | 503),
+                    "{k}: unexpected answer {} {}",
+                    reply.status,
+                    reply.text
+                );
+            }
+        }
+    }
+
+    /// Units the buyers were told they hold: acknowledged, and neither cancelled
+    /// nor under a cancel whose answer never came.
+    fn told_held(&self) -> i64 {
+        self.acknowledged
+            .iter()
+            .filter(|k| !self.cancelled.contains(*k) && !self.cancel_unknown.contains(*k))
+            .count() as i64
+    }
+
+    async fn ledger_held(&self) -> i64 {
+        sqlx::query(
+            "SELECT CAST(COALESCE(SUM(quantity), 0) AS BIGINT) FROM reservations \
+             WHERE drop_key LIKE $1 AND state IN ('active', 'confirmed')",
+        )
+        .bind(format!("{NS}/{}/%", self.drop))
+        .fetch_one(&self.lab.pool)
+        .await
+        .expect("the ledger answers")
+        .get(0)
+    }
+
+    fn redis_int(&self, name: fn(&DropKeys) -> String) -> Option<i64> {
+        let mut conn = self.lab.redis.connection().ok()?;
+        redis::cmd("GET")
+            .arg(name(&DropKeys::new(NS, &self.drop)))
+            .query::<Option<i64>>(&mut conn)
+            .ok()
+            .map(|v| v.unwrap_or(0))
+    }
+
+    fn redis_text(&self, name: fn(&DropKeys) -> String) -> Option<String> {
+        let mut conn = self.lab.redis.connection().ok()?;
+        redis::cmd("GET")
+            .arg(name(&DropKeys::new(NS, &self.drop)))
+            .query::<Option<String>>(&mut conn)
+            .ok()
+            .flatten()
+    }
+
+    /// Where Redis and the ledger disagree, for a failure's message.
+    async fn diagnose(&self) -> String {
+        let keys = DropKeys::new(NS, &self.drop);
+        let Ok(mut conn) = self.lab.redis.connection() else {
+            return "Redis unreachable".into();
+        };
+        let config: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(keys.config())
+            .query(&mut conn)
+            .unwrap_or_default();
+        let buyers: HashMap<String, i64> = redis::cmd("HGETALL")
+            .arg(keys.buyers())
+            .query(&mut conn)
+            .unwrap_or_default();
+        let ledger: HashMap<String, String> =
+            sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key LIKE $1")
+                .bind(format!("{NS}/{}/%", self.drop))
+                .fetch_all(&self.lab.pool)
+                .await
+                .map(|rows| rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+                .unwrap_or_default();
+        let mut states: HashMap<String, usize> = HashMap::new();
+        let mut differ = Vec::new();
+        for i in 0..self.next_key {
+            let k = key(i);
+            let state: Option<String> = redis::cmd("HGET")
+                .arg(keys.reservation(&k))
+                .arg("state")
+                .query(&mut conn)
+                .unwrap_or(None);
+            if let Some(state) = &state {
+                *states.entry(state.clone()).or_default() += 1;
+            }
+            if state.as_deref() != ledger.get(&k).map(String::as_str) {
+                differ.push(format!("{k}: Redis {state:?} ledger {:?}", ledger.get(&k)));
+            }
+        }
+        let stock: Option<(i64, i64, i64)> =
+            sqlx::query("SELECT available, lim, generation FROM stock WHERE drop_key LIKE $1")
+                .bind(format!("{NS}/{}/%", self.drop))
+                .fetch_optional(&self.lab.pool)
+                .await
+                .ok()
+                .flatten()
+                .map(|row| (row.get(0), row.get(1), row.get(2)));
+        format!(
+            "config limit {:?} generation {:?}; remaining {:?} held {:?} buyers {}; markers {states:?}; ledger stock (available, limit, generation) {stock:?}; differ {differ:?}",
+            config.get("limit"),
+            config.get("generation"),
+            self.redis_int(DropKeys::remaining),
+            self.redis_int(DropKeys::held),
+            buyers.values().sum::<i64>()
+        )
+    }
+
+    /// Never oversold, as the buyers were told it and as each store records it.
+    async fn assert_never_oversold(&self, seed: u64, step: usize, what: Step) {
+        let told = self.told_held();
+        let at = format!("seed {seed} step {step} ({what:?})");
+        assert!(
+            told <= self.limit,
+            "{at}: buyers hold {told} of {}",
+            self.limit
+        );
+        let ledger = self.ledger_held().await;
+        assert!(
+            ledger <= self.limit,
+            "{at}: the ledger holds {ledger} of {}",
+            self.limit
+        );
+        // Redis's record: the units its reservations hold. Pending markers are
+        // admissions nobody was told of yet (a dead sidecar's stay until they are
+        // abandoned), and while the gate is closed for a rebuild the count moves
+        // row by row: neither is a sale.
+        let gate = self.redis_text(DropKeys::gate);
+        if gate.as_deref().is_some_and(|g| g != "lost")
+            && let Some(sold) = self.redis_sold()
+            && sold > self.limit
+        {
+            let now = self.diagnose().await;
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            panic!(
+                "{at}: Redis's reservations hold {sold} of {} with its gate open at {gate:?} (the ledger holds {ledger})\nthen: {now}\n3 s later: {}",
+                self.limit,
+                self.diagnose().await
+            );
+        }
+    }
+
+    /// Units held by Redis's active and confirmed reservations.
+    fn redis_sold(&self) -> Option<i64> {
+        let keys = DropKeys::new(NS, &self.drop);
+        let mut conn = self.lab.redis.connection().ok()?;
+        let mut pipe = redis::pipe();
+        for i in 0..self.next_key {
+            pipe.cmd("HMGET")
+                .arg(keys.reservation(&key(i)))
+                .arg("state")
+                .arg("quantity");
+        }
+        let markers: Vec<(Option<String>, Option<i64>)> = pipe.query(&mut conn).ok()?;
+        Some(
+            markers
+                .into_iter()
+                .filter(|(state, _)| matches!(state.as_deref(), Some("active" | "confirmed")))
+                .map(|(_, quantity)| quantity.unwrap_or(0))
+                .sum(),
+        )
+    }
+
+    /// Everything healed and quiet: the invariants of DESIGN.md.
+    async fn assert_settled(&mut self, seed: u64) {
+        self.gate_on = true;
+        self.publish();
+        let mut last = String::new();
+        let mut agreed = false;
+        for _ in 0..150 {
+            // A look-up nudges each sidecar to open the gate after a loss.
+            for i in 0..SIDECARS {
+                let _ = self.https[i]
+                    .get(&format!("/v1/drops/{}/reservations/nudge", self.drop))
+                    .await;
+            }
+            let remaining = self.redis_int(DropKeys::remaining).unwrap_or(-1);
+            let held = self.redis_int(DropKeys::held).unwrap_or(-1);
+            let ledger = self.ledger_held().await;
+            last = format!(
+                "remaining {remaining} held {held} ledger {ledger} limit {}",
+                self.limit
+            );
+            if remaining + held == self.limit && held == ledger {
+                agreed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(agreed, "seed {seed}: never quiet: {last}");
+
+        let states: HashMap<String, String> =
+            sqlx::query("SELECT res_key, state FROM reservations WHERE drop_key LIKE $1")
+                .bind(format!("{NS}/{}/%", self.drop))
+                .fetch_all(&self.lab.pool)
+                .await
+                .expect("the ledger answers")
+                .iter()
+                .map(|row| (row.get(0), row.get(1)))
+                .collect();
+        for k in self.acknowledged.difference(&self.cancelled) {
+            let state = states.get(k).map(String::as_str);
+            let held = matches!(state, Some("active" | "confirmed"));
+            assert!(
+                held || (self.cancel_unknown.contains(k) && state == Some("cancelled")),
+                "seed {seed}: acknowledged {k} is {state:?} in the ledger"
+            );
+        }
+
+        // Every event written since Redis last lost data reaches the stream.
+        // A dispatcher killed mid-round keeps its claim on the drop's events for
+        // the claim's 30 s; then the other sidecar's dispatcher takes them over.
+        let mut sent = false;
+        for _ in 0..450 {
+            let unsent: i64 = sqlx::query(
+                "SELECT COUNT(*) FROM outbox WHERE sent_at_ms IS NULL AND drop_key LIKE $1",
+            )
+            .bind(format!("{NS}/{}/%", self.drop))
+            .fetch_one(&self.lab.pool)
+            .await
+            .expect("the ledger answers")
+            .get(0);
+            if unsent == 0 {
+                sent = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(sent, "seed {seed}: the outbox never drained");
+        let written: Vec<String> = sqlx::query(
+            "SELECT event_id FROM outbox WHERE drop_key LIKE $1 AND created_at_ms > $2",
+        )
+        .bind(format!("{NS}/{}/%", self.drop))
+        .bind(self.lost_at_ms + 1000)
+        .fetch_all(&self.lab.pool)
+        .await
+        .expect("the ledger answers")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+        let published = stream_event_ids(&self.lab.redis, &self.drop);
+        for id in &written {
+            assert!(
+                published.contains_key(id),
+                "seed {seed}: event {id} never reached the stream"
+            );
+        }
+    }
+
+    fn shutdown(self) -> Lab {
+        for sidecar in self.sidecars {
+            let _ = sidecar.terminate();
+        }
+        self.lab
+    }
+}
+
+/// Each event id in the drop's stream, with how many times it is there.
+fn stream_event_ids(redis: &RedisServer, drop: &str) -> HashMap<String, usize> {
+    let mut conn = redis.connection().expect("connect");
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(DropKeys::new(NS, drop).events())
+        .arg("-")
+        .arg("+")
+        .query(&mut conn)
+        .expect("XRANGE");
+    let mut ids = HashMap::new();
+    for (_, fields) in entries {
+        for (name, value) in fields {
+            if name == "eventId" {
+                *ids.entry(value).or_insert(0) += 1;
+            }
+        }
+    }
+    ids
+}
+
+/// Every key of Redis with its DUMP, as a replica that stops here would hold it.
+fn dump(redis: &RedisServer) -> Vec<(String, Vec<u8>)> {
+    let Ok(mut conn) = redis.connection() else {
+        return Vec::new();
+    };
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query(&mut conn)
+        .unwrap_or_default();
+    keys.into_iter()
+        .filter_map(|key| {
+            let dumped: Option<Vec<u8>> = redis::cmd("DUMP").arg(&key).query(&mut conn).ok()?;
+            dumped.map(|d| (key, d))
+        })
+        .collect()
+}
+
+/// Puts Redis back to `checkpoint`: everything written since is lost.
+fn restore(redis: &RedisServer, checkpoint: &[(String, Vec<u8>)]) {
+    let mut conn = redis.connection().expect("connect");
+    let _: () = redis::cmd("FLUSHALL").query(&mut conn).expect("FLUSHALL");
+    for (key, dumped) in checkpoint {
+        let _: () = redis::cmd("RESTORE")
+            .arg(key)
+            .arg(0)
+            .arg(dumped.as_slice())
+            .arg("REPLACE")
+            .query(&mut conn)
+            .expect("RESTORE");
+    }
+}
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+async fn run(lab: Lab, seed: u64, ops: usize) -> Lab {
+    eprintln!("schedule seed {seed} (replay: DROPGATE_SEED={seed})");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut world = World::new(lab, seed).await;
+    let (mut done, mut step) = (0, 0);
+    while done < ops {
+        let what = next_step(&mut rng);
+        world.apply(&mut rng, what).await;
+        world.assert_never_oversold(seed, step, what).await;
+        done += what.ops();
+        step += 1;
+    }
+    world.assert_settled(seed).await;
+    eprintln!(
+        "seed {seed}: {step} steps, {done} operations, {} acknowledged, {} cancelled, limit {}",
+        world.acknowledged.len(),
+        world.cancelled.len(),
+        world.limit
+    );
+    world.shutdown()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn randomized_fault_schedules_never_oversell() {
+    let ops = env_number("DROPGATE_OPS", 2000) as usize;
+    let seeds: Vec<u64> = match std::env::var("DROPGATE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(seed) => vec![seed],
+        None => (1..=env_number("DROPGATE_SCHEDULES", 20)).collect(),
+    };
+    let mut lab = Lab::start().await;
+    for seed in seeds {
+        lab = run(lab, seed, ops).await;
+    }
+}
