@@ -4,7 +4,8 @@
 //!
 //! Imports run one way: `routes` -> `service` -> storage (`gate`, `ledger`,
 //! `throttle`, `drops`); nothing below the routes knows HTTP, and background work
-//! calls the service, never a route.
+//! never touches a route: it moves drops through the service's hand-over and
+//! records through its `record`, and sweeps storage directly.
 //!
 //! - [`server`]: `run(listener, settings, shutdown)`, the entry point; serves the
 //!   routes and runs the background work until shutdown, then drains.
@@ -17,17 +18,18 @@
 //!   [`State`](reservation::State), what a call came to
 //!   ([`Outcome`](reservation::Outcome), one variant per answer with only its own
 //!   fields), and the [`Change`](reservation::Change) the ledger records.
-//! - [`service`]: the reservation service. It chooses each call's gate once (the
-//!   drop's mode, the Redis breaker, then the failure policy), runs reserve
-//!   ([`service::reserve`]) and confirm / cancel / look-up ([`service::settle`]) on
+//! - [`service`]: the reservation service. Each attempt of a call chooses its gate
+//!   in one place (the drop's mode, the Redis breaker, then the failure policy),
+//!   and runs reserve ([`service::reserve`], in `service/admit.rs`) and confirm /
+//!   cancel / look-up ([`service::settle`], in `service/settle.rs`) on
 //!   the Redis gate or the ledger's fallback gate, records what the gate decided
 //!   ([`service::record`]), and moves drops between the gates
 //!   ([`service::handover`]: opening the gate only once Redis holds everything the
 //!   ledger recorded, rebuilding a Redis that lost writes, handing a drop to the
 //!   fallback).
 //! - [`gate`]: the atomic Lua scripts (`gate/*.lua`, one per operation, run by SHA)
-//!   and the thin Rust calls around them; `gate/reply.rs` parses the scripts' replies
-//!   into the vocabulary, the one place that knows their words.
+//!   and the thin Rust calls around them; `gate/reply.rs` parses the replies of the
+//!   reservation scripts into the vocabulary, the one place that knows their words.
 //! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
 //!   its outbox, the fallback gate (answering the same [`Outcome`](reservation::Outcome)s),
 //!   lock fences.

@@ -97,8 +97,9 @@ pub async fn reserve(
 }
 
 /// Takes back an overdue pending admission that `ledger` (the caller's) was to
-/// record and has claimed as never recorded: `abandoned`, `not_overdue` when a retry
-/// took it over or it moved on, `not_ours` when another ledger was to record it.
+/// record and has claimed as never recorded. One a retry took over, one that moved
+/// on, and one another ledger was to record are left alone (and leave the pending
+/// set).
 pub async fn abandon(
     conn: &mut ConnectionManager,
     keys: &DropKeys,

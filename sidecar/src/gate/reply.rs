@@ -3,8 +3,13 @@
 //!
 //! Every script answers `{outcome, user, quantity, state, expiresAt, remaining, seq,
 //! epoch, expiredSeq, expiredFrom, sale}` as strings, `''` where there is nothing to
-//! say (see `prelude.lua`). A word a script does not say is a parse error, never a
-//! guess.
+//! say (see `prelude.lua`). Refusals reuse slots: `per_user_limit_exceeded` carries
+//! the buyer's held units in `quantity` and the limit in `expiresAt`, `not_open` /
+//! `ended` the window's edge in `expiresAt`, `mode` the drop's mode in `state`;
+//! confirm and cancel answer a state they cannot change with the state itself
+//! (`cancelled`, `expired`). A word the called script does not say is a parse
+//! error, never a guess. (The sweeper's `expire`, `undo` and `abandon` are read for
+//! their step or not at all: their words only say why nothing happened.)
 
 use dropgate_api::Mode;
 use redis::{ErrorKind, RedisError, RedisResult};

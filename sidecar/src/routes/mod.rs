@@ -18,7 +18,7 @@ use warp::{Filter, Rejection};
 
 use crate::answer::Answer;
 use crate::app::App;
-use crate::service::Failure;
+use crate::service::{Failure, Throttled};
 
 /// Largest request body accepted: the bodies are a few short fields.
 const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -161,21 +161,26 @@ const RETRY_AFTER_SECONDS: u64 = 1;
 fn failed(app: &App, failure: Failure) -> Answer {
     match failure {
         Failure::UnknownDrop { name, .. } => unknown_drop(app, &name),
-        Failure::Throttled {
-            permits,
-            detail,
-            path,
-        } => reservations::mark(
-            Answer::refusal(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "throttled",
-                format!(
-                    "all {permits} reservation permits of this sidecar are in use ({detail}): retry the same key after {RETRY_AFTER_SECONDS}s"
+        Failure::Throttled { permits, why, path } => {
+            let why = match why {
+                Throttled::NoPermit => format!(
+                    "all {permits} reservation permits of this sidecar are in use: nothing was reserved"
                 ),
+                Throttled::KeyInFlight => "an earlier attempt with this key is unresolved; it is settled or taken over within a few seconds".into(),
+                Throttled::ExpiredWhileWaiting => {
+                    "the admission's hold expired while it waited for a permit: nothing is held".into()
+                }
+            };
+            reservations::mark(
+                Answer::refusal(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "throttled",
+                    format!("{why}: retry the same key after {RETRY_AFTER_SECONDS}s"),
+                )
+                .retry_after(RETRY_AFTER_SECONDS),
+                path,
             )
-            .retry_after(RETRY_AFTER_SECONDS),
-            path,
-        ),
+        }
         Failure::Unavailable { why, path, retry } => {
             let answer = if retry {
                 retry_later(why)

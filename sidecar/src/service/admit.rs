@@ -6,7 +6,9 @@ use dropgate_api::{DropConfig, Mode};
 
 use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
-use super::{Call, Choice, Failure, Served, Turn, after_redis_failure, closed, decide, on_ledger};
+use super::{
+    Call, Choice, Failure, Served, Throttled, Turn, after_redis_failure, closed, decide, on_ledger,
+};
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::Drop;
@@ -89,15 +91,14 @@ pub(super) async fn on_gate(
             let _ = gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await;
             return Turn::Reopen { suspect: false };
         }
+        // Pending until activated below; also a retry's take-over of an admission
+        // its dead sidecar never finished (that one carries no change number).
         Outcome::Admitted(view) => view,
         Outcome::Closed => return Turn::Reopen { suspect: false },
         Outcome::OffGate(Mode::FailOpen) => return Turn::Reroute(Choice::Fallback(Reason::Mode)),
         Outcome::OffGate(_) => return Turn::Reroute(Choice::Refused(closed(drop))),
         Outcome::Pending => {
-            return Turn::Done(Err(Failure::throttled(
-                config,
-                "an earlier attempt with this key is unresolved; it is settled or taken over within a few seconds",
-            )));
+            return Turn::Done(Err(Failure::throttled(config, Throttled::KeyInFlight)));
         }
         refused => return Turn::Done(Ok(refused)),
     };
@@ -105,7 +106,7 @@ pub(super) async fn on_gate(
     let Some(permit) = drop.throttle.acquire(permit_wait).await else {
         return Turn::Done(
             match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
-                Ok(()) => Err(Failure::throttled(config, "nothing was reserved")),
+                Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
                 Err(e) => Err(Failure::unavailable(format!(
                     "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
                 ))),
@@ -161,7 +162,9 @@ pub(super) async fn on_gate(
             RecordError::SoldOut { available } => Turn::Done(Ok(Outcome::SoldOut {
                 remaining: available,
             })),
-            RecordError::KeyUsed { .. } => Turn::Done(from_ledger_record(app, drop, request).await),
+            RecordError::KeyUsed { .. } => {
+                Turn::Done(from_ledger_record(app, &ledger_key, request).await)
+            }
             RecordError::Failed(error) => Turn::Done(Err(Failure::unavailable(format!(
                 "the ledger could not record the reservation ({error}); nothing was reserved: retry the same key"
             )))),
@@ -190,7 +193,7 @@ pub(super) async fn on_gate(
             // (pending -> active); until then the hold still counts in Redis.
             app.redis_failed(&error);
             tracing::warn!(drop = %drop.name, %error, "activation failed after the ledger recorded the admission");
-            replay_later(app, drop, &drop.ledger_key(), &request.key).await;
+            replay_later(app, drop, &ledger_key, &request.key).await;
             held
         }
         Ok((
@@ -208,7 +211,7 @@ pub(super) async fn on_gate(
             // admitted afresh after this one was taken for dead), or a replay from
             // the ledger activated it: the replay makes Redis hold this durable
             // reservation whatever that attempt does.
-            replay_later(app, drop, &drop.ledger_key(), &request.key).await;
+            replay_later(app, drop, &ledger_key, &request.key).await;
             View {
                 reservation: Reservation {
                     state: State::Active,
@@ -233,14 +236,14 @@ pub(super) async fn on_gate(
             }
             return Turn::Done(Err(Failure::throttled(
                 config,
-                "the admission expired while it waited",
+                Throttled::ExpiredWhileWaiting,
             )));
         }
         Ok((Activation::Gone { marker: None, .. }, _)) => {
             // The sweeper took it for an admission its sidecar never finished just
             // before the commit landed: the ledger has it, and the refresh replays
             // it into Redis.
-            replay_later(app, drop, &drop.ledger_key(), &request.key).await;
+            replay_later(app, drop, &ledger_key, &request.key).await;
             held
         }
     };
@@ -262,12 +265,12 @@ pub(super) async fn on_gate(
 
 /// The answer for a reserve whose key the ledger already holds for a reservation
 /// Redis no longer knows (its marker outlived its TTL): the ledger's word.
-async fn from_ledger_record(app: &App, drop: &Drop, request: &Reserve) -> Result<Outcome, Failure> {
-    match app
-        .ledger
-        .reservation(&drop.ledger_key(), &request.key)
-        .await
-    {
+async fn from_ledger_record(
+    app: &App,
+    ledger_key: &str,
+    request: &Reserve,
+) -> Result<Outcome, Failure> {
+    match app.ledger.reservation(ledger_key, &request.key).await {
         Ok(Some(row)) if row.user == request.user && row.quantity == request.quantity => {
             Ok(Outcome::AlreadyReserved(View {
                 reservation: row.reservation(),
@@ -332,7 +335,7 @@ pub(super) async fn on_fallback(
     // permit never starts.
     let wait = Duration::from_millis(config.acquire_timeout_ms);
     let Some(permit) = drop.throttle.acquire(wait).await else {
-        return Some(Err(Failure::throttled(config, "nothing was reserved")));
+        return Some(Err(Failure::throttled(config, Throttled::NoPermit)));
     };
     let outcome = match on_ledger(app, drop, reason, || {
         app.ledger.fallback_reserve(

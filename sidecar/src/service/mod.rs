@@ -53,11 +53,11 @@ pub struct Served {
 pub enum Failure {
     /// No drop of that name is published in this sidecar's namespace.
     UnknownDrop { name: String, namespace: String },
-    /// Every reservation permit of this sidecar is held by an unconfirmed
-    /// reservation; `detail` says what became of this call.
+    /// The call could not go on for want of a throttle permit, or of the key's
+    /// own earlier attempt settling; `why` says which. Nothing was reserved.
     Throttled {
         permits: u32,
-        detail: &'static str,
+        why: Throttled,
         path: Path,
     },
     /// Neither gate could decide; the sentence says why. `retry`: soon, with the
@@ -88,11 +88,9 @@ impl Failure {
 
     fn on_fallback(self) -> Self {
         match self {
-            Failure::Throttled {
-                permits, detail, ..
-            } => Failure::Throttled {
+            Failure::Throttled { permits, why, .. } => Failure::Throttled {
                 permits,
-                detail,
+                why,
                 path: Path::Fallback,
             },
             Failure::Unavailable { why, retry, .. } => Failure::Unavailable {
@@ -104,13 +102,26 @@ impl Failure {
         }
     }
 
-    fn throttled(config: &DropConfig, detail: &'static str) -> Self {
+    fn throttled(config: &DropConfig, why: Throttled) -> Self {
         Failure::Throttled {
             permits: config.permits,
-            detail,
+            why,
             path: Path::Gate,
         }
     }
+}
+
+/// Why a reserve was throttled (503 with Retry-After).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Throttled {
+    /// Every permit of this sidecar is held by an unconfirmed reservation.
+    NoPermit,
+    /// An earlier attempt with this key is between admission and activation (on
+    /// this sidecar or another, or left so by one that died): it is settled, or
+    /// taken over by a retry, within a few seconds.
+    KeyInFlight,
+    /// The admission's hold lapsed while it waited for its permit and its record.
+    ExpiredWhileWaiting,
 }
 
 /// The drop a call names, or why it cannot be served.

@@ -56,6 +56,9 @@ pub(super) async fn on_fallback(
     decided
 }
 
+/// One attempt at the Redis gate: the script, the expiry it made on the way, and
+/// the ledger's record of a confirm or cancel (the ledger's word when Redis has no
+/// marker for the key).
 pub(super) async fn on_gate(
     app: &App,
     drop: &Drop,
@@ -85,7 +88,12 @@ pub(super) async fn on_gate(
         // time.
         let outcome = match app.ledger.reservation(&drop.ledger_key(), key).await {
             Ok(Some(row)) => from_ledger(row, settle),
-            _ => Outcome::NotFound,
+            Ok(None) => Outcome::NotFound,
+            Err(e) => {
+                return Turn::Done(Err(Failure::unavailable(format!(
+                    "Redis has no reservation {key} and the ledger could not be asked ({e}): nothing was changed"
+                ))));
+            }
         };
         free_permit_if_settled(drop, key, &outcome);
         return Turn::Done(Ok(outcome));
