@@ -209,6 +209,37 @@ async fn every_change_is_recorded_published_and_consumed_once() {
             Some("active")
         );
     }
+    // A confirm Redis made but the ledger could not record frees its throttle
+    // permit all the same: the reservation no longer waits for its buyer.
+    sidecar
+        .seed("tight", DropSpec::new(5).permits(1).acquire_timeout_ms(20))
+        .await;
+    sidecar
+        .reserve("tight", "t1", "t1", 1)
+        .await
+        .assert_answer(201, "admitted");
+    faults::arm(Fault::BeforeLedgerCommit, 1);
+    sidecar
+        .settle("tight", "t1", "confirm")
+        .await
+        .assert_answer(503, "unavailable");
+    sidecar
+        .reserve("tight", "t2", "t2", 1)
+        .await
+        .assert_answer(201, "admitted");
+    // The retry heals the record.
+    sidecar
+        .settle("tight", "t1", "confirm")
+        .await
+        .assert_answer(200, "already_confirmed");
+    let (t1,): (String,) = sqlx::query_as(
+        "SELECT state FROM reservations WHERE drop_key LIKE 'shop/tight/%' AND res_key = 't1'",
+    )
+    .fetch_one(ledger.pool())
+    .await
+    .expect("t1 is in the ledger");
+    assert_eq!(t1, "confirmed");
+
     sidecar.assert_invariants("sale", 50);
     let held: i64 = sqlx::query("SELECT COALESCE(SUM(quantity), 0) FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND state IN ('active', 'confirmed')")
         .fetch_one(ledger.pool())

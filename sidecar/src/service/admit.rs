@@ -7,7 +7,7 @@ use dropgate_api::{DropConfig, Mode};
 use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::{
-    Call, Choice, Failure, Served, Throttled, Turn, after_redis_failure, closed, decide, on_ledger,
+    Call, Choice, Failure, Served, Throttled, Turn, closed, decide, on_ledger, redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -68,7 +68,7 @@ pub(super) async fn on_gate(
         .await
         {
             Ok(reply) => reply,
-            Err(e) => return Turn::Reroute(after_redis_failure(app, drop, config, &e)),
+            Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
         };
         app.redis_answered();
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
@@ -194,7 +194,11 @@ pub(super) async fn on_gate(
             app.redis_failed(&error);
             tracing::warn!(drop = %drop.name, %error, "activation failed after the ledger recorded the admission");
             replay_later(app, drop, &ledger_key, &request.key).await;
-            held
+            // No replica wait: Redis just failed under this connection, and the
+            // ledger already has the admission.
+            drop.throttle
+                .hold(&request.key, permit, held.reservation.expires_at_ms);
+            return Turn::Done(Ok(Outcome::Admitted(held)));
         }
         Ok((
             Activation::Gone {

@@ -227,6 +227,19 @@ fn after_redis_failure(
     }
 }
 
+/// Where an attempt goes when its gate script failed: a reply this sidecar cannot
+/// read is its own bug (a script and its parser out of step), not an outage, and
+/// neither moves the drop to the fallback nor blames the network.
+fn redis_failed(app: &App, drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Choice {
+    if error.kind() == redis::ErrorKind::Parse {
+        tracing::error!(drop = %drop.name, %error, "a gate script's reply could not be read");
+        return Choice::Refused(Failure::unavailable(format!(
+            "the gate answered something this sidecar cannot read ({error}): nothing was decided here"
+        )));
+    }
+    after_redis_failure(app, drop, config, error)
+}
+
 /// The failure when Redis failed under a call that cannot go to the fallback.
 fn redis_down(drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Failure {
     tracing::warn!(drop = %drop.name, %error, "Redis failed");

@@ -4,7 +4,7 @@ use dropgate_api::DropConfig;
 
 use super::handover::{self, Opening, Reason};
 use super::record::{change_key, change_of, record_expiry, replay_later};
-use super::{Call, Failure, Served, Turn, after_redis_failure, decide, on_ledger};
+use super::{Call, Failure, Served, Turn, decide, on_ledger, redis_failed};
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::Drop;
@@ -74,7 +74,7 @@ pub(super) async fn on_gate(
     };
     let reply = match reply {
         Ok(reply) => reply,
-        Err(e) => return Turn::Reroute(after_redis_failure(app, drop, config, &e)),
+        Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
     };
     app.redis_answered();
     if reply.outcome == Outcome::Closed {
