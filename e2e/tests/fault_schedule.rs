@@ -275,6 +275,19 @@ impl World {
                         None => {
                             self.cancel_unknown.insert(k);
                         }
+                        // 503: retried as a buyer would (a cancel Redis made but the
+                        // ledger did not record is recorded by its retry).
+                        Some(r) if r.status == 503 => match self.cancel_until_answered(&k).await {
+                            Some(outcome)
+                                if outcome == "cancelled" || outcome == "already_cancelled" =>
+                            {
+                                self.cancelled.insert(k);
+                            }
+                            Some(_) => {}
+                            None => {
+                                self.cancel_unknown.insert(k);
+                            }
+                        },
                         Some(_) => {}
                     }
                 }
@@ -331,6 +344,20 @@ impl World {
             (k, reply)
         }))
         .await
+    }
+
+    /// Retries the cancel of `k` until it is answered other than 503 (20 times at
+    /// most); its outcome, or `None` if it never was.
+    async fn cancel_until_answered(&self, k: &str) -> Option<String> {
+        for attempt in 0..20 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if let Some(reply) = settle(self.http(attempt), &self.drop, k, "cancel").await
+                && reply.status != 503
+            {
+                return Some(reply.outcome().to_string());
+            }
+        }
+        None
     }
 
     fn pick_held(&self, rng: &mut StdRng, n: usize) -> Vec<String> {
@@ -522,7 +549,10 @@ impl World {
         self.publish();
         let mut last = String::new();
         let mut agreed = false;
-        for _ in 0..150 {
+        // Up to 45 s: a rebuild whose sidecar was killed mid-way is taken over
+        // after 10 s, and a killed sidecar's pending admissions are abandoned after
+        // their bound; on a loaded machine either can take a while.
+        for _ in 0..450 {
             // A look-up nudges each sidecar to open the gate after a loss.
             for i in 0..SIDECARS {
                 let _ = self.https[i]
