@@ -64,6 +64,12 @@ async fn run(
     Wire::parse(invocation.invoke_async(conn).await?)
 }
 
+/// The SHA1 of the reserve script as Redis caches it (for a bench that drives the
+/// same script with `redis-benchmark`).
+pub fn reserve_sha() -> &'static str {
+    RESERVE.get_hash()
+}
+
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending
 /// reservation, or says why not. `attempt` identifies this admission for
 /// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it;
