@@ -539,7 +539,7 @@ async fn compare_designs(
     rows.push(row(
         "sidecar reserve, 1,000 drops",
         sidecar_spread,
-        format!("{}", spread_check(&conn, SPREAD_DROPS).await?),
+        spread_check(&conn, SPREAD_DROPS).await?,
     ));
     let raw_spread = measure(clients, per_client, |c, i| {
         let (mut conn, spread) = (conn.clone(), &spread);
