@@ -33,6 +33,11 @@ struct Cli {
     /// A few hundred calls per row: proves the bench runs, measures nothing.
     #[arg(long)]
     quick: bool,
+    /// Instead of the tables: mixed load for this many seconds (600 for the
+    /// ten-minute soak), printing the sidecar's RSS as it goes; fails on any answer
+    /// outside the expected ones.
+    #[arg(long)]
+    soak: Option<u64>,
 }
 
 struct Row {
@@ -62,6 +67,9 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: &Cli) -> Result<(), String> {
+    if let Some(seconds) = cli.soak {
+        return soak(cli.clients, Duration::from_secs(seconds)).await;
+    }
     let n = if cli.quick { 100 } else { cli.requests.max(10) };
     let redis = RedisServer::start().map_err(|e| e.to_string())?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
@@ -808,4 +816,183 @@ async fn script_reserves(
         }
     })
     .await
+}
+
+/// The sidecar's resident set (kB), from /proc.
+fn rss_kb(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Whether an answer is one the API promises for the call (DESIGN.md's table).
+fn expected(call: &str, status: u16, outcome: &str) -> bool {
+    matches!(
+        (call, status, outcome),
+        ("reserve", 201, "admitted")
+            | ("reserve", 200, "already_reserved")
+            | ("reserve", 409, "sold_out")
+            | ("reserve", 503, "throttled")
+            | ("confirm", 200, "confirmed" | "already_confirmed")
+            | ("confirm", 409, "expired" | "cancelled")
+            | ("cancel", 200, "cancelled" | "already_cancelled")
+            | ("cancel", 409, "expired")
+            | ("lookup", 200, "found")
+            // Calls on keys the mix never reserved (or reserved on the sold-out drop).
+            | ("confirm" | "cancel" | "lookup", 404, "not_found")
+    )
+}
+
+/// Mixed load for `length` on one sidecar: new buyers, retries, confirms, cancels
+/// (refunds too), look-ups, and buyers of a sold-out drop; holds of 5 s so that
+/// expiries churn. Prints RSS every minute; fails on an unexpected answer or a
+/// drop that does not add up at the end.
+async fn soak(clients: usize, length: Duration) -> Result<(), String> {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let redis = RedisServer::start().map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    for (name, limit) in [("soak", 100_000_000), ("gone", 0)] {
+        let manifest = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &manifest,
+            format!(
+                "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: shop}}\n\
+                 spec:\n  sku: SOAK\n  limitedQuantity: {limit}\n  holdSeconds: 5\n  redis: {{url: redis://unused:1}}\n  throttle: {{permits: 100000}}\n"
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        apply(&manifest, &redis.url())?;
+    }
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start(&redis.url(), "shop", &ledger).await?;
+    let pid = sidecar.pid();
+    let http = HttpClient::new(sidecar.base.clone());
+    let started = Instant::now();
+    let rss_start = rss_kb(pid);
+    println!("soak: {clients} clients for {length:?}; sidecar RSS at start {rss_start:?} kB");
+    let answers: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+    let unexpected: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let reporter = async {
+        let mut minute = 0;
+        while started.elapsed() < length {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if started.elapsed().as_secs() / 60 > minute {
+                minute += 1;
+                let total: u64 = answers.lock().map(|a| a.values().sum()).unwrap_or(0);
+                println!(
+                    "  {minute} min: {total} answers, sidecar RSS {:?} kB",
+                    rss_kb(pid)
+                );
+            }
+        }
+    };
+    let load = join_all((0..clients).map(|c| {
+        let (http, answers, unexpected) = (http.clone(), &answers, &unexpected);
+        async move {
+            let mut i = 0u64;
+            while started.elapsed() < length {
+                i += 1;
+                let key = format!("c{c}-{i}");
+                let earlier = format!("c{c}-{}", i.saturating_sub(1 + i % 7).max(1));
+                let (call, reply) = match i % 20 {
+                    0..=10 => {
+                        let body = format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#);
+                        (
+                            "reserve",
+                            http.post("/v1/drops/soak/reservations", &body).await,
+                        )
+                    }
+                    11..=12 => {
+                        let body =
+                            format!(r#"{{"key":"{earlier}","user":"{earlier}","quantity":1}}"#);
+                        (
+                            "reserve",
+                            http.post("/v1/drops/soak/reservations", &body).await,
+                        )
+                    }
+                    13..=14 => (
+                        "confirm",
+                        http.post(
+                            &format!("/v1/drops/soak/reservations/{earlier}/confirm"),
+                            "",
+                        )
+                        .await,
+                    ),
+                    15..=16 => (
+                        "cancel",
+                        http.post(&format!("/v1/drops/soak/reservations/{earlier}/cancel"), "")
+                            .await,
+                    ),
+                    17 => (
+                        "lookup",
+                        http.get(&format!("/v1/drops/soak/reservations/{earlier}"))
+                            .await,
+                    ),
+                    _ => {
+                        let body = format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#);
+                        (
+                            "reserve",
+                            http.post("/v1/drops/gone/reservations", &body).await,
+                        )
+                    }
+                };
+                match reply {
+                    Ok(reply) => {
+                        let (status, outcome) =
+                            (reply.status.as_u16(), reply.outcome().to_string());
+                        if let Ok(mut a) = answers.lock() {
+                            *a.entry(format!("{call} {status} {outcome}")).or_insert(0) += 1;
+                        }
+                        if !expected(call, status, &outcome)
+                            && let Ok(mut u) = unexpected.lock()
+                            && u.len() < 20
+                        {
+                            u.push(format!("{call} {key}: {} {}", reply.status, reply.text));
+                        }
+                    }
+                    Err(e) => {
+                        if let Ok(mut u) = unexpected.lock()
+                            && u.len() < 20
+                        {
+                            u.push(format!("{call} {key}: no answer ({e})"));
+                        }
+                    }
+                }
+            }
+        }
+    }));
+    tokio::join!(load, reporter);
+    let rss_end = rss_kb(pid);
+    println!("soak: sidecar RSS at start {rss_start:?} kB, at the end {rss_end:?} kB");
+    if let Ok(answers) = answers.lock() {
+        for (answer, count) in answers.iter() {
+            println!("  {answer:<40} {count}");
+        }
+    }
+    let keys = dropgate_api::DropKeys::new("shop", "soak");
+    let client = redis::Client::open(redis.url()).map_err(|e| e.to_string())?;
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| e.to_string())?;
+    let (remaining, held): (i64, i64) = redis::pipe()
+        .get(keys.remaining())
+        .get(keys.held())
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    if remaining + held != 100_000_000 {
+        return Err(format!(
+            "the soak's drop does not add up: remaining {remaining}, held {held}"
+        ));
+    }
+    let unexpected = unexpected.lock().map(|u| u.clone()).unwrap_or_default();
+    if !unexpected.is_empty() {
+        return Err(format!("unexpected answers: {unexpected:#?}"));
+    }
+    println!("soak: every answer expected; remaining + held = limit");
+    Ok(())
 }
