@@ -16,7 +16,8 @@ use sqlx::{Any, Row, Transaction};
 
 use super::authority::require_ledger;
 use super::{
-    Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation, transition, write_event,
+    EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation, transition,
+    write_event,
 };
 use crate::reservation::{Change, Outcome, Reservation, Settle, State, Stock, View};
 
@@ -150,7 +151,8 @@ impl Ledger {
                 tx.rollback().await?;
                 return Ok(Decision::Done(Outcome::SoldOut { remaining }));
             }
-            write_event(&mut tx, &change, "fallback", now).await?;
+            let mut ids = EventIds::for_events(1);
+            write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
             let view = view(&mut tx, drop_key, key).await?;
             tx.commit().await?;
             Ok(Decision::Done(Outcome::Admitted(view)))
@@ -218,7 +220,8 @@ impl Ledger {
                 if target == State::Cancelled {
                     adjust_holdings(&mut tx, &change, 1).await?;
                 }
-                write_event(&mut tx, &change, "fallback", now).await?;
+                let mut ids = EventIds::for_events(1);
+                write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
             }
             let view = view(&mut tx, drop_key, key).await?;
             let outcome = match (settle, row.state) {
@@ -515,7 +518,8 @@ async fn expire_if_due(
     );
     if transition(tx, &change, false, now).await? {
         adjust_holdings(tx, &change, 1).await?;
-        write_event(tx, &change, "fallback", now).await?;
+        let mut ids = EventIds::for_events(1);
+        write_event(tx, &mut ids, &change, "fallback", now).await?;
     }
     read(tx, drop_key, key).await
 }

@@ -328,6 +328,8 @@ async fn commit(
         )
         .await?;
     }
+    // At most one event per change.
+    let mut ids = EventIds::for_events(changes.len());
     let mut verdicts = Vec::with_capacity(changes.len());
     let mut units: Vec<(&str, i64)> = Vec::new();
     let mut buyers: Vec<(&str, &str, i64)> = Vec::new();
@@ -340,7 +342,7 @@ async fn commit(
             verdicts.push(Err(refusal));
             continue;
         }
-        let moved = match apply_gate_change(&mut tx, change, now).await? {
+        let moved = match apply_gate_change(&mut tx, &mut ids, change, now).await? {
             Ok(moved) => moved,
             Err(refusal) => {
                 verdicts.push(Err(refusal));
@@ -395,12 +397,13 @@ async fn commit(
 /// it, as after its marker's TTL, or was never told), and then nothing is written.
 async fn apply_gate_change(
     tx: &mut Transaction<'static, Any>,
+    ids: &mut EventIds,
     change: &Change,
     now: i64,
 ) -> Result<Result<i64, RecordError>, sqlx::Error> {
     if change.state == State::Active {
         if insert_reservation(tx, change, "gate", true, now).await? {
-            write_event(tx, change, "gate", now).await?;
+            write_event(tx, ids, change, "gate", now).await?;
             return Ok(Ok(-change.quantity));
         }
         // The key has a record. The same admission recorded again (a retry that
@@ -422,7 +425,7 @@ async fn apply_gate_change(
         });
     }
     if transition(tx, change, true, now).await? {
-        write_event(tx, change, "gate", now).await?;
+        write_event(tx, ids, change, "gate", now).await?;
         return Ok(Ok(if change.state.holds_units() {
             0
         } else {
@@ -440,7 +443,7 @@ async fn apply_gate_change(
         // admission that expired before any ledger recorded it is nobody's news.
         None => {
             if !change.from_pending && insert_reservation(tx, change, "gate", true, now).await? {
-                write_event(tx, change, "gate", now).await?;
+                write_event(tx, ids, change, "gate", now).await?;
             }
             Ok(Ok(0))
         }
@@ -568,7 +571,7 @@ async fn adjust_holdings(
     move_buyer(tx, &change.drop_key, &change.user, -units).await
 }
 
-/// Moves what `user` holds of a drop by `held` units.
+/// Moves what `user` holds of a drop by `held` units (one upsert).
 async fn move_buyer(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
@@ -576,20 +579,52 @@ async fn move_buyer(
     held: i64,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
-         ON CONFLICT (drop_key, user_id) DO NOTHING",
+        "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, $3) \
+         ON CONFLICT (drop_key, user_id) DO UPDATE SET held = buyers.held + excluded.held",
     )
     .bind(drop_key)
     .bind(user)
+    .bind(held)
     .execute(&mut **tx)
     .await?;
-    sqlx::query("UPDATE buyers SET held = held + $1 WHERE drop_key = $2 AND user_id = $3")
-        .bind(held)
-        .bind(drop_key)
-        .bind(user)
-        .execute(&mut **tx)
-        .await?;
     Ok(())
+}
+
+/// Outbox ids taken from the sequence a block at a time: one statement per
+/// transaction instead of one per event (an unused id leaves a gap, which orders
+/// nothing differently). The block is taken at the transaction's first event, as
+/// the single id was: the sequence row stays the last lock a commit takes.
+pub(super) struct EventIds {
+    /// Ids to take when the first is wanted.
+    size: i64,
+    next: i64,
+    last: i64,
+}
+
+impl EventIds {
+    /// Room for `count` events (more are taken a block at a time again).
+    pub(super) fn for_events(count: usize) -> Self {
+        Self {
+            size: i64::try_from(count.max(1)).unwrap_or(i64::MAX),
+            next: 1,
+            last: 0,
+        }
+    }
+
+    async fn take(&mut self, tx: &mut Transaction<'static, Any>) -> Result<i64, sqlx::Error> {
+        if self.next > self.last {
+            let row: AnyRow = sqlx::query(
+                "UPDATE sequences SET next_value = next_value + $1 WHERE name = 'outbox' RETURNING next_value",
+            )
+            .bind(self.size)
+            .fetch_one(&mut **tx)
+            .await?;
+            self.last = row.try_get(0)?;
+            self.next = self.last - self.size + 1;
+        }
+        self.next += 1;
+        Ok(self.next - 1)
+    }
 }
 
 /// Appends the change's event to the outbox (once: the event id is the drop, the
@@ -597,6 +632,7 @@ async fn move_buyer(
 /// second change with the same number fails the transaction (Redis lost writes).
 async fn write_event(
     tx: &mut Transaction<'static, Any>,
+    ids: &mut EventIds,
     change: &Change,
     path: &str,
     now: i64,
@@ -616,10 +652,7 @@ async fn write_event(
         "user": change.user,
     }))
     .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
-    let row: AnyRow = sqlx::query("UPDATE sequences SET next_value = next_value + 1 WHERE name = 'outbox' RETURNING next_value")
-        .fetch_one(&mut **tx)
-        .await?;
-    let id: i64 = row.try_get(0)?;
+    let id = ids.take(tx).await?;
     sqlx::query(
         "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, sent_at_ms, seq) \
          VALUES ($1, $2, $3, $4, $5, NULL, $6) ON CONFLICT (event_id) DO NOTHING",
