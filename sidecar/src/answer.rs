@@ -55,6 +55,11 @@ impl Answer {
         self
     }
 
+    /// Which gate answered: `fallback` when the answer carries its header.
+    pub fn path(&self) -> &'static str {
+        if self.fallback { "fallback" } else { "gate" }
+    }
+
     pub fn outcome(&self) -> &str {
         self.body
             .get("outcome")

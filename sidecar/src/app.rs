@@ -55,11 +55,14 @@ impl App {
             .set_max_delay(Duration::from_millis(200));
         // Lazy: the sidecar starts (and answers `unavailable`) while Redis is down.
         let redis = ConnectionManager::new_lazy_with_config(client, config)?;
+        let ledger = Ledger::open(&settings.database_url).await?;
+        let mut metrics = Metrics::new();
+        metrics.register_ledger(ledger.commit_seconds());
         Ok(Self {
             drops: Drops::new(&settings.namespace),
             redis,
-            ledger: Ledger::open(&settings.database_url).await?,
-            metrics: Metrics::new(),
+            ledger,
+            metrics,
             replicas: Replicas::new(settings.wait_replicas, settings.wait_timeout_ms),
             redis_down_until: AtomicI64::new(0),
             redis_reached_at: AtomicI64::new(0),

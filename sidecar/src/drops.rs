@@ -90,6 +90,11 @@ impl Drops {
         &self.namespace
     }
 
+    /// Whether `name` is a drop this sidecar serves (without asking Redis).
+    pub fn knows(&self, name: &str) -> bool {
+        self.read().contains_key(name)
+    }
+
     /// The drop `name`: from memory when known, else read from Redis. `Ok(None)` when
     /// no config is published for it.
     pub async fn get(

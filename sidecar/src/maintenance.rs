@@ -35,7 +35,10 @@ pub async fn run(
     }
     loop {
         tokio::select! {
-            _ = refresh_tick.tick() => refresh_configs(&app).await,
+            _ = refresh_tick.tick() => {
+                refresh_configs(&app).await;
+                note_outbox_lag(&app).await;
+            }
             _ = sweep_tick.tick() => expire_due_holds(&app).await,
             _ = dispatch_tick.tick() => dispatch_events(&app).await,
             _ = stop.changed() => return,
@@ -85,6 +88,7 @@ async fn refresh_configs(app: &App) {
         if !reached {
             continue;
         }
+        note_drop(app, &drop).await;
         let checked = match drop.config().mode {
             Mode::Gate => handover::check(app, &drop)
                 .await
@@ -96,6 +100,47 @@ async fn refresh_configs(app: &App) {
             Mode::Closed => Ok(()),
         };
         let _ = checked;
+    }
+}
+
+/// The drop's mode and what it has left, for `/metrics`: Redis's count while Redis
+/// gates it, the ledger's while the ledger does.
+async fn note_drop(app: &App, drop: &crate::drops::Drop) {
+    let config = drop.config();
+    app.metrics.set_mode(&drop.name, config.mode);
+    let remaining = match config.mode {
+        Mode::FailOpen => app
+            .ledger
+            .available(&drop.ledger_key())
+            .await
+            .ok()
+            .map(|left| left.unwrap_or(config.limit)),
+        Mode::Gate | Mode::Closed => {
+            let mut conn = app.redis.clone();
+            gate::remaining(&mut conn, &drop.keys)
+                .await
+                .ok()
+                .map(|left| left.unwrap_or(0))
+        }
+    };
+    if let Some(remaining) = remaining {
+        app.metrics
+            .remaining
+            .get_or_create(&DropLabel {
+                drop: drop.name.clone(),
+            })
+            .set(remaining);
+    }
+}
+
+/// How far the outbox is behind, for `/metrics`.
+async fn note_outbox_lag(app: &App) {
+    match crate::ledger::outbox::oldest_unsent_ms(app.ledger.pool()).await {
+        Ok(oldest) => {
+            let lag = oldest.map_or(0.0, |at| (now_ms() - at).max(0) as f64 / 1000.0);
+            app.metrics.outbox_lag.set(lag);
+        }
+        Err(error) => tracing::debug!(%error, "outbox lag not read"),
     }
 }
 

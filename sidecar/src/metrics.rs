@@ -9,15 +9,28 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// An answer's labels. `drop` is empty for routes without one and for names this
+/// sidecar does not serve (an unknown name must not mint a series); `path` says
+/// which gate answered.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Answered {
     pub route: &'static str,
     pub outcome: String,
+    pub drop: String,
+    pub path: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Route {
     pub route: &'static str,
+    pub drop: String,
+}
+
+/// A drop's mode: 1 on the mode it is in, 0 on the others.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DropMode {
+    pub drop: String,
+    pub mode: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -44,6 +57,12 @@ pub struct Metrics {
     /// own ledger is per pod (SQLite): anything but 0 means its fallback is per pod
     /// in a shop with several replicas.
     pub per_pod_ledger_peers: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
+    /// What each drop has left, as the gate deciding it counts (read by the refresh).
+    pub remaining: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
+    /// Each drop's mode as this sidecar last read it.
+    pub mode: Family<DropMode, Gauge<i64, std::sync::atomic::AtomicI64>>,
+    /// Age of the oldest event the outbox has not published yet (0 when none).
+    pub outbox_lag: Gauge<f64, AtomicU64>,
 }
 
 impl Metrics {
@@ -57,7 +76,29 @@ impl Metrics {
         let expired = Counter::default();
         let replica_wait_timeouts = Counter::default();
         let per_pod_ledger_peers = Family::default();
-        registry.register("answers", "Answers by route and outcome", answers.clone());
+        let remaining = Family::default();
+        let mode = Family::default();
+        let outbox_lag = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "answers",
+            "Answers by route, outcome, drop and path",
+            answers.clone(),
+        );
+        registry.register(
+            "remaining",
+            "Units a drop has left, as the gate deciding it counts",
+            remaining.clone(),
+        );
+        registry.register(
+            "drop_mode",
+            "1 on the mode a drop is in (gate, fail-open, closed)",
+            mode.clone(),
+        );
+        registry.register(
+            "outbox_lag_seconds",
+            "Age of the oldest unpublished outbox event",
+            outbox_lag.clone(),
+        );
         registry.register(
             "request_duration_seconds",
             "Time to answer, by route",
@@ -91,18 +132,58 @@ impl Metrics {
             expired,
             replica_wait_timeouts,
             per_pod_ledger_peers,
+            remaining,
+            mode,
+            outbox_lag,
         }
     }
 
-    pub fn observe(&self, route: &'static str, outcome: &str, seconds: f64) {
+    /// Registers the ledger's group-commit durations.
+    pub fn register_ledger(&mut self, commit_seconds: Histogram) {
+        self.registry.register(
+            "ledger_commit_seconds",
+            "Time one group commit of the ledger took",
+            commit_seconds,
+        );
+    }
+
+    /// Notes a drop's mode.
+    pub fn set_mode(&self, drop: &str, current: dropgate_api::Mode) {
+        for mode in [
+            dropgate_api::Mode::Gate,
+            dropgate_api::Mode::FailOpen,
+            dropgate_api::Mode::Closed,
+        ] {
+            self.mode
+                .get_or_create(&DropMode {
+                    drop: drop.to_string(),
+                    mode: mode.as_str(),
+                })
+                .set(i64::from(mode == current));
+        }
+    }
+
+    pub fn observe(
+        &self,
+        route: &'static str,
+        drop: &str,
+        outcome: &str,
+        path: &'static str,
+        seconds: f64,
+    ) {
         self.answers
             .get_or_create(&Answered {
                 route,
                 outcome: outcome.to_string(),
+                drop: drop.to_string(),
+                path,
             })
             .inc();
         self.latency
-            .get_or_create(&Route { route })
+            .get_or_create(&Route {
+                route,
+                drop: drop.to_string(),
+            })
             .observe(seconds);
     }
 

@@ -22,6 +22,7 @@ pub mod fallback;
 pub mod fences;
 pub mod outbox;
 
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 
 use crate::clock::now_ms;
@@ -108,6 +109,8 @@ pub struct Ledger {
     /// This ledger's identity, made on first open: sidecars sharing a PostgreSQL
     /// ledger share it, per-pod ledgers each have their own.
     id: String,
+    /// How long each group commit took (for `/metrics`).
+    commit_seconds: Histogram,
 }
 
 pub use authority::{Authority, Holder};
@@ -168,13 +171,25 @@ impl Ledger {
         sqlx::migrate!("./migrations").run(&pool).await?;
         let id = ledger_id(&pool).await?;
         let (writer, queue) = mpsc::channel(BATCH * 4);
-        tokio::spawn(group_commit(pool.clone(), backend, queue));
+        let commit_seconds = Histogram::new(exponential_buckets(0.000_25, 2.0, 14));
+        tokio::spawn(group_commit(
+            pool.clone(),
+            backend,
+            queue,
+            commit_seconds.clone(),
+        ));
         Ok(Self {
             pool,
             writer,
             backend,
             id,
+            commit_seconds,
         })
+    }
+
+    /// The group commits' durations, to register with the sidecar's metrics.
+    pub fn commit_seconds(&self) -> Histogram {
+        self.commit_seconds.clone()
     }
 
     pub fn pool(&self) -> &AnyPool {
@@ -240,7 +255,12 @@ impl From<sqlx::Error> for CommitError {
 /// The writer task: one transaction for everything that queued up while the last
 /// commit ran. A batch that fails is retried change by change, so that one bad
 /// change cannot fail the others.
-async fn group_commit(pool: AnyPool, backend: Backend, mut queue: mpsc::Receiver<Pending>) {
+async fn group_commit(
+    pool: AnyPool,
+    backend: Backend,
+    mut queue: mpsc::Receiver<Pending>,
+    commit_seconds: Histogram,
+) {
     while let Some(first) = queue.recv().await {
         let mut batch = vec![first];
         while batch.len() < BATCH {
@@ -250,7 +270,10 @@ async fn group_commit(pool: AnyPool, backend: Backend, mut queue: mpsc::Receiver
             }
         }
         let changes: Vec<&Change> = batch.iter().map(|(c, _)| c).collect();
-        match commit(&pool, backend, &changes).await {
+        let started = std::time::Instant::now();
+        let committed = commit(&pool, backend, &changes).await;
+        commit_seconds.observe(started.elapsed().as_secs_f64());
+        match committed {
             Ok(verdicts) => {
                 for ((_, done), verdict) in batch.into_iter().zip(verdicts) {
                     let _ = done.send(verdict);

@@ -48,6 +48,14 @@ fn quoted(s: &str) -> String {
     Value::String(s.to_string()).to_string()
 }
 
+/// When the oldest event not published yet was written (ms since the epoch).
+pub async fn oldest_unsent_ms(pool: &AnyPool) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query("SELECT MIN(created_at_ms) FROM outbox WHERE sent_at_ms IS NULL")
+        .fetch_one(pool)
+        .await?
+        .try_get(0)
+}
+
 /// Why a dispatch round published nothing.
 #[derive(Debug, thiserror::Error)]
 pub enum DispatchError {

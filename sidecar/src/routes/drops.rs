@@ -15,7 +15,7 @@ use crate::service;
 pub async fn show(drop: String, app: Arc<App>) -> Response {
     let started = Instant::now();
     let answer = describe(&app, &drop).await;
-    finish(&app, "drop", started, answer)
+    finish(&app, "drop", Some(&drop), started, answer)
 }
 
 async fn describe(app: &App, raw_drop: &str) -> Answer {

@@ -25,7 +25,7 @@ pub async fn acquire(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -
         Err(refusal) => Err(refusal),
     }
     .unwrap_or_else(|refusal| refusal);
-    finish(&app, "lock_acquire", started, answer)
+    finish(&app, "lock_acquire", None, started, answer)
 }
 
 pub async fn renew(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
@@ -35,7 +35,7 @@ pub async fn renew(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -> 
         Err(refusal) => Err(refusal),
     }
     .unwrap_or_else(|refusal| refusal);
-    finish(&app, "lock_renew", started, answer)
+    finish(&app, "lock_renew", None, started, answer)
 }
 
 pub async fn release(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
@@ -45,7 +45,7 @@ pub async fn release(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -
         Err(refusal) => Err(refusal),
     }
     .unwrap_or_else(|refusal| refusal);
-    finish(&app, "lock_release", started, answer)
+    finish(&app, "lock_release", None, started, answer)
 }
 
 /// The lock's name from the path, checked, and its keys.

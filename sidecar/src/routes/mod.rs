@@ -209,10 +209,23 @@ fn unknown_drop(app: &App, name: &str) -> Answer {
     )
 }
 
-/// Counts and times an answer, then sends it.
-fn finish(app: &App, route: &'static str, started: Instant, answer: Answer) -> Response {
-    app.metrics
-        .observe(route, answer.outcome(), started.elapsed().as_secs_f64());
+/// Counts and times an answer about drop `drop` (the path segment as sent), then
+/// sends it. A name this sidecar does not serve is counted without its name.
+fn finish(
+    app: &App,
+    route: &'static str,
+    drop: Option<&str>,
+    started: Instant,
+    answer: Answer,
+) -> Response {
+    let drop = drop.filter(|name| app.drops.knows(name)).unwrap_or("");
+    app.metrics.observe(
+        route,
+        drop,
+        answer.outcome(),
+        answer.path(),
+        started.elapsed().as_secs_f64(),
+    );
     answer.into_response()
 }
 

@@ -22,25 +22,25 @@ pub async fn reserve(drop: String, app: Arc<App>, body: Result<Bytes, Answer>) -
         Ok(body) => admit(&app, &drop, &body).await,
         Err(refusal) => refusal,
     };
-    finish(&app, "reserve", started, answer)
+    finish(&app, "reserve", Some(&drop), started, answer)
 }
 
 pub async fn confirm(drop: String, key: String, app: Arc<App>) -> Response {
     let started = Instant::now();
     let answer = settle(&app, &drop, &key, Settle::Confirm).await;
-    finish(&app, "confirm", started, answer)
+    finish(&app, "confirm", Some(&drop), started, answer)
 }
 
 pub async fn cancel(drop: String, key: String, app: Arc<App>) -> Response {
     let started = Instant::now();
     let answer = settle(&app, &drop, &key, Settle::Cancel).await;
-    finish(&app, "cancel", started, answer)
+    finish(&app, "cancel", Some(&drop), started, answer)
 }
 
 pub async fn lookup(drop: String, key: String, app: Arc<App>) -> Response {
     let started = Instant::now();
     let answer = settle(&app, &drop, &key, Settle::Lookup).await;
-    finish(&app, "lookup", started, answer)
+    finish(&app, "lookup", Some(&drop), started, answer)
 }
 
 async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
