@@ -615,8 +615,9 @@ async fn move_buyer(
 
 /// Outbox ids taken from the sequence a block at a time: one statement per
 /// transaction instead of one per event (an unused id leaves a gap, which orders
-/// nothing differently). The block is taken at the transaction's first event, as
-/// the single id was: the sequence row stays the last lock a commit takes.
+/// nothing differently). The block is taken at the transaction's first event, where
+/// the single id was taken before, so the order in which a commit locks rows is
+/// unchanged.
 pub(super) struct EventIds {
     /// Ids to take when the first is wanted.
     size: i64,

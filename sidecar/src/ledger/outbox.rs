@@ -48,12 +48,15 @@ fn quoted(s: &str) -> String {
     Value::String(s.to_string()).to_string()
 }
 
-/// When the oldest event not published yet was written (ms since the epoch).
+/// When the oldest event not published yet was written (ms since the epoch). Ids
+/// follow commit order, so the first unsent id is the oldest: one index probe
+/// (`outbox_pending`), not a scan of the backlog.
 pub async fn oldest_unsent_ms(pool: &AnyPool) -> Result<Option<i64>, sqlx::Error> {
-    sqlx::query("SELECT MIN(created_at_ms) FROM outbox WHERE sent_at_ms IS NULL")
-        .fetch_one(pool)
+    sqlx::query("SELECT created_at_ms FROM outbox WHERE sent_at_ms IS NULL ORDER BY id LIMIT 1")
+        .fetch_optional(pool)
         .await?
-        .try_get(0)
+        .map(|row| row.try_get(0))
+        .transpose()
 }
 
 /// Why a dispatch round published nothing.
