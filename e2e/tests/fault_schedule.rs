@@ -306,10 +306,13 @@ impl World {
                 self.checkpoint.clear();
                 self.publish();
             }
-            Step::Checkpoint => self.checkpoint = dump(&self.lab.redis),
+            Step::Checkpoint => self.checkpoint = self.lab.redis.checkpoint(),
             Step::LoseSinceCheckpoint => {
                 if !self.checkpoint.is_empty() {
-                    restore(&self.lab.redis, &self.checkpoint);
+                    self.lab
+                        .redis
+                        .roll_back_to(&self.checkpoint)
+                        .expect("Redis rolls back");
                     self.lost_at_ms = now_ms();
                 }
             }
@@ -658,38 +661,6 @@ fn stream_event_ids(redis: &RedisServer, drop: &str) -> HashMap<String, usize> {
         }
     }
     ids
-}
-
-/// Every key of Redis with its DUMP, as a replica that stops here would hold it.
-fn dump(redis: &RedisServer) -> Vec<(String, Vec<u8>)> {
-    let Ok(mut conn) = redis.connection() else {
-        return Vec::new();
-    };
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("*")
-        .query(&mut conn)
-        .unwrap_or_default();
-    keys.into_iter()
-        .filter_map(|key| {
-            let dumped: Option<Vec<u8>> = redis::cmd("DUMP").arg(&key).query(&mut conn).ok()?;
-            dumped.map(|d| (key, d))
-        })
-        .collect()
-}
-
-/// Puts Redis back to `checkpoint`: everything written since is lost.
-fn restore(redis: &RedisServer, checkpoint: &[(String, Vec<u8>)]) {
-    let mut conn = redis.connection().expect("connect");
-    let _: () = redis::cmd("FLUSHALL").query(&mut conn).expect("FLUSHALL");
-    for (key, dumped) in checkpoint {
-        let _: () = redis::cmd("RESTORE")
-            .arg(key)
-            .arg(0)
-            .arg(dumped.as_slice())
-            .arg("REPLACE")
-            .query(&mut conn)
-            .expect("RESTORE");
-    }
 }
 
 fn env_number(name: &str, default: u64) -> u64 {

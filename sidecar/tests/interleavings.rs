@@ -202,10 +202,12 @@ impl World {
                 self.lost_data = true;
                 self.publish().await;
             }
-            Step::Checkpoint => self.checkpoint = dump(&self.redis),
+            Step::Checkpoint => self.checkpoint = self.redis.checkpoint(),
             Step::LoseSinceCheckpoint => {
                 if !self.checkpoint.is_empty() {
-                    restore(&self.redis, &self.checkpoint);
+                    self.redis
+                        .roll_back_to(&self.checkpoint)
+                        .expect("Redis rolls back");
                     self.lost_data = true;
                 }
             }
@@ -329,33 +331,6 @@ async fn ledger_held(url: &str) -> i64 {
     .get(0);
     pool.close().await;
     held
-}
-
-/// Every key of Redis with its DUMP, as a replica that stops here would hold it.
-fn dump(redis: &RedisServer) -> Vec<(String, Vec<u8>)> {
-    let mut conn = redis.connection().expect("connect");
-    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
-    keys.into_iter()
-        .filter_map(|key| {
-            let dumped: Option<Vec<u8>> = redis::cmd("DUMP").arg(&key).query(&mut conn).ok()?;
-            dumped.map(|d| (key, d))
-        })
-        .collect()
-}
-
-/// Puts Redis back to `checkpoint`: everything written since is lost.
-fn restore(redis: &RedisServer, checkpoint: &[(String, Vec<u8>)]) {
-    let mut conn = redis.connection().expect("connect");
-    let _: () = redis::cmd("FLUSHALL").query(&mut conn).expect("FLUSHALL");
-    for (key, dumped) in checkpoint {
-        let _: () = redis::cmd("RESTORE")
-            .arg(key)
-            .arg(0)
-            .arg(dumped.as_slice())
-            .arg("REPLACE")
-            .query(&mut conn)
-            .expect("RESTORE");
-    }
 }
 
 fn seeds() -> Vec<u64> {

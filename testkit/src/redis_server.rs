@@ -137,6 +137,40 @@ impl RedisServer {
             .query(&mut conn)
     }
 
+    /// Every key with its DUMP, as a replica that stops here would hold them (empty
+    /// while the server is unreachable).
+    pub fn checkpoint(&self) -> Vec<(String, Vec<u8>)> {
+        let Ok(mut conn) = self.connection() else {
+            return Vec::new();
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*")
+            .query(&mut conn)
+            .unwrap_or_default();
+        keys.into_iter()
+            .filter_map(|key| {
+                let dumped: Option<Vec<u8>> = redis::cmd("DUMP").arg(&key).query(&mut conn).ok()?;
+                dumped.map(|d| (key, d))
+            })
+            .collect()
+    }
+
+    /// Puts the data back to `checkpoint`: everything written since is lost, as in a
+    /// failover to a replica that was behind.
+    pub fn roll_back_to(&self, checkpoint: &[(String, Vec<u8>)]) -> redis::RedisResult<()> {
+        let mut conn = self.connection()?;
+        redis::cmd("FLUSHALL").query::<()>(&mut conn)?;
+        for (key, dumped) in checkpoint {
+            redis::cmd("RESTORE")
+                .arg(key)
+                .arg(0)
+                .arg(dumped.as_slice())
+                .arg("REPLACE")
+                .query::<()>(&mut conn)?;
+        }
+        Ok(())
+    }
+
     fn signal(&self, signal: &str) -> std::io::Result<()> {
         let Some(child) = self.child.as_ref() else {
             return Err(std::io::Error::other("redis-server is not running"));
