@@ -80,6 +80,17 @@ impl SidecarProcess {
         database_url: &str,
         extra: &[&str],
     ) -> Result<Self, String> {
+        Self::start_with_env(redis_url, namespace, database_url, extra, &[]).await
+    }
+
+    /// Same, with more command-line flags and environment variables.
+    pub async fn start_with_env(
+        redis_url: &str,
+        namespace: &str,
+        database_url: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self, String> {
         let port = dropgate_testkit::free_port().map_err(|e| e.to_string())?;
         let listen = format!("127.0.0.1:{port}");
         let child = Command::new(binary("dropgate-sidecar"))
@@ -93,6 +104,7 @@ impl SidecarProcess {
             ])
             .args(["--database-url", database_url])
             .args(extra)
+            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("DROPGATE_E2E_LOG")

@@ -7,6 +7,8 @@ use k8s_openapi::jiff::Timestamp;
 use crate::memorystore::Memorystore;
 use crate::reconcile::{self, Reconciled};
 use crate::{Error, Result, store};
+use kube::ResourceExt;
+use tracing::Instrument;
 
 /// Reads one InventoryDrop manifest. Type errors name their path
 /// (`spec.limitedQuantity: invalid type: ...`).
@@ -47,6 +49,25 @@ pub async fn apply(
     memorystore: &Memorystore,
 ) -> Result<Reconciled> {
     let drop = parse_manifest(manifest)?;
+    let span = reconcile::span(&format!(
+        "{}/{}",
+        drop.namespace().unwrap_or_else(|| "default".into()),
+        drop.name_any()
+    ));
+    let applied = apply_parsed(&drop, redis_url, memorystore)
+        .instrument(span.clone())
+        .await;
+    if applied.is_err() {
+        span.record("otel.status_code", "ERROR");
+    }
+    applied
+}
+
+async fn apply_parsed(
+    drop: &InventoryDrop,
+    redis_url: Option<&str>,
+    memorystore: &Memorystore,
+) -> Result<Reconciled> {
     let url = match (redis_url, &drop.spec.redis.url) {
         (Some(url), _) => url.to_string(),
         (None, Some(url)) => url.clone(),
@@ -56,17 +77,17 @@ pub async fn apply(
         (None, None) => return Err(Error::NoRedisUrl),
     };
     let mut conn = store::connect(&url).await?;
-    let report = reconcile::verify_ha(&drop, &url, &mut conn, memorystore).await;
+    let report = reconcile::verify_ha(drop, &url, &mut conn, memorystore).await;
     // A one-shot run has no grace period to wait out: an unanswered check keeps
     // the mode already published and says the drop is not Ready.
     let (kept, unanswered) = if report.is_verified() {
         (None, None)
     } else {
-        let published = store::published(&mut conn, &reconcile::keys_of(&drop)).await?;
+        let published = store::published(&mut conn, &reconcile::keys_of(drop)).await?;
         (published.map(|c| c.mode), Some(report.message.clone()))
     };
     let mut done =
-        reconcile::reconcile(&drop, &mut conn, report, kept, None, Timestamp::now()).await?;
+        reconcile::reconcile(drop, &mut conn, report, kept, None, Timestamp::now()).await?;
     if drop.spec.redis.require_high_availability
         && let Some(message) = unanswered
     {

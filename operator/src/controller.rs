@@ -20,6 +20,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use redis::aio::ConnectionManager;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::decide;
 use crate::inject::webhook::Webhook;
@@ -171,8 +172,16 @@ fn object_key(drop: &InventoryDrop) -> String {
 
 /// One reconcile of one drop, wrapped in the finalizer: Apply makes Redis match,
 /// Cleanup removes the drop's keys before Kubernetes deletes the object.
-#[tracing::instrument(skip_all, fields(drop = %object_key(&drop)))]
 pub async fn reconcile(drop: Arc<InventoryDrop>, ctx: Arc<Context>) -> Result<Action> {
+    let span = reconcile::span(&object_key(&drop));
+    let reconciled = reconcile_traced(drop, ctx).instrument(span.clone()).await;
+    if reconciled.is_err() {
+        span.record("otel.status_code", "ERROR");
+    }
+    reconciled
+}
+
+async fn reconcile_traced(drop: Arc<InventoryDrop>, ctx: Arc<Context>) -> Result<Action> {
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
     let namespace = drop.namespace().unwrap_or_else(|| "default".into());

@@ -26,6 +26,17 @@ pub enum Verdict {
     Unknown,
 }
 
+impl Verdict {
+    /// The verdict as traces name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::HighlyAvailable => "highly_available",
+            Verdict::NotHighlyAvailable => "not_highly_available",
+            Verdict::Unknown => "unknown",
+        }
+    }
+}
+
 impl HaReport {
     pub fn is_highly_available(&self) -> bool {
         self.verdict == Verdict::HighlyAvailable

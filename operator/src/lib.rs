@@ -145,17 +145,3 @@ pub fn crd_yaml() -> std::result::Result<String, serde_norway::Error> {
     use kube::CustomResourceExt;
     serde_norway::to_string(&dropgate_api::InventoryDrop::crd())
 }
-
-pub mod telemetry {
-    /// Logs go to stderr so that `crdgen` and `apply` print clean YAML on stdout.
-    /// `RUST_LOG` filters; the default is `info`.
-    pub fn init() {
-        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init();
-    }
-}

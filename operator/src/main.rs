@@ -7,6 +7,9 @@ use dropgate_operator::cli::{self, Cli};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    dropgate_operator::telemetry::init();
-    cli::run(Cli::parse()).await
+    // Logs to stderr so that `crdgen`, `apply` and `inject` print clean YAML.
+    let telemetry = dropgate_telemetry::Telemetry::init("dropgate-operator", "info");
+    let code = cli::run(Cli::parse()).await;
+    telemetry.shutdown().await;
+    code
 }

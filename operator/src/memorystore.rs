@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 use bytes::Bytes;
 use dropgate_api::Tier;
@@ -282,13 +283,22 @@ impl Memorystore {
         url: &str,
         headers: &[(&str, &str)],
     ) -> Result<(StatusCode, Bytes), String> {
+        let span = tracing::debug_span!(
+            "GET",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            http.request.method = "GET",
+            url.full = url,
+            http.response.status_code = tracing::field::Empty,
+        );
         let mut request = Request::get(url);
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
-        let request = request
+        let mut request = request
             .body(Full::new(Bytes::new()))
             .map_err(|e| format!("bad request: {e}"))?;
+        dropgate_telemetry::inject(&span, request.headers_mut());
         let call = async {
             let response = self
                 .http
@@ -304,9 +314,23 @@ impl Memorystore {
                 .to_bytes();
             Ok((status, body))
         };
-        tokio::time::timeout(self.timeout, call)
+        let answered = tokio::time::timeout(self.timeout, call)
+            .instrument(span.clone())
             .await
-            .map_err(|_| format!("no answer within {:?}", self.timeout))?
+            .map_err(|_| format!("no answer within {:?}", self.timeout))
+            .and_then(|answered| answered);
+        match &answered {
+            Ok((status, _)) => {
+                span.record("http.response.status_code", status.as_u16());
+                if status.is_client_error() || status.is_server_error() {
+                    span.record("otel.status_code", "ERROR");
+                }
+            }
+            Err(_) => {
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        answered
     }
 }
 

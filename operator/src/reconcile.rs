@@ -62,6 +62,20 @@ pub fn validate(drop: &InventoryDrop) -> Result<()> {
     Ok(())
 }
 
+/// The span of one reconcile of the drop `namespace/name`: the HA check (and its
+/// Memorystore call) and the seeding are its children; it ends with the mode chosen
+/// and the HA verdict it was chosen on.
+pub fn span(drop: &str) -> tracing::Span {
+    tracing::info_span!(
+        "reconcile",
+        dropgate.drop = drop,
+        dropgate.mode = tracing::field::Empty,
+        dropgate.ha.verdict = tracing::field::Empty,
+        dropgate.ha.reason = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    )
+}
+
 /// Reconciles `drop` into the Redis behind `conn`, given what [`verify_ha`] found.
 /// `previous` is the status last written, so that condition transition times carry
 /// over; `kept` is the mode to keep while the HA check goes unanswered
@@ -83,6 +97,10 @@ pub async fn reconcile(
         &ha_report,
         kept,
     );
+    let span = tracing::Span::current();
+    span.record("dropgate.mode", mode.as_str());
+    span.record("dropgate.ha.verdict", ha_report.verdict.as_str());
+    span.record("dropgate.ha.reason", ha_report.reason);
     let kept = kept.is_some()
         && spec.gate.enabled
         && spec.redis.require_high_availability

@@ -56,6 +56,10 @@ impl Answer {
     }
 
     /// Which gate answered: `fallback` when the answer carries its header.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
     pub fn path(&self) -> &'static str {
         if self.fallback { "fallback" } else { "gate" }
     }

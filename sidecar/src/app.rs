@@ -39,6 +39,8 @@ pub struct App {
     /// outage hands a drop to the fallback gate (ms): a few refreshes, so that one
     /// sidecar's partition is told from everyone's outage.
     pub quiet_ms: i64,
+    /// `--trace-buyer-ids`: name the buyer on request spans.
+    pub trace_buyer_ids: bool,
 }
 
 /// How long one connection failure keeps requests off Redis. The background refresh
@@ -70,6 +72,7 @@ impl App {
             quiet_ms: i64::try_from(settings.refresh_ms.saturating_mul(4))
                 .unwrap_or(i64::MAX)
                 .max(1000),
+            trace_buyer_ids: settings.trace_buyer_ids,
         })
     }
 

@@ -88,12 +88,4 @@ pub enum Error {
 /// Logs go to stderr, filtered by `RUST_LOG`. The default leaves out warp's
 /// per-connection errors: a client that hangs up, or an idle keep-alive connection
 /// closed by a graceful shutdown, is not the sidecar's error.
-pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,warp::server=off"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-}
+pub const DEFAULT_LOG_FILTER: &str = "info,warp::server=off";

@@ -7,7 +7,10 @@ use dropgate_sidecar::Settings;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    dropgate_sidecar::init_tracing();
+    let telemetry = dropgate_telemetry::Telemetry::init(
+        "dropgate-sidecar",
+        dropgate_sidecar::DEFAULT_LOG_FILTER,
+    );
     let settings = Settings::parse();
     // rediss:// needs a process-wide rustls crypto provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -18,7 +21,9 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match dropgate_sidecar::run(listener, settings, shutdown_signal()).await {
+    let served = dropgate_sidecar::run(listener, settings, shutdown_signal()).await;
+    telemetry.shutdown().await;
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

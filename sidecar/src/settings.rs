@@ -46,6 +46,11 @@ pub struct Settings {
     /// 201 is sent anyway (the admission is durable in the ledger) and counted.
     #[arg(long, env = "DROPGATE_WAIT_TIMEOUT_MS", default_value_t = 100)]
     pub wait_timeout_ms: u64,
+    /// Put the buyer's user id and idempotency key on the request's trace span
+    /// (`dropgate.user`, `dropgate.key`). Off by default: traces often leave the
+    /// shop's hands, buyer identifiers should not without a decision.
+    #[arg(long, env = "DROPGATE_TRACE_BUYER_IDS", default_value_t = false)]
+    pub trace_buyer_ids: bool,
 }
 
 impl Settings {

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 
 #[derive(Debug)]
 pub struct Throttle {
@@ -81,13 +82,25 @@ impl Throttle {
 
     /// Waits at most `timeout` for a permit.
     pub async fn acquire(&self, timeout: Duration) -> Option<Permit> {
+        let span = tracing::debug_span!(
+            "throttle wait",
+            dropgate.throttle.available = self.semaphore.available_permits(),
+            dropgate.throttle.waited = tracing::field::Empty,
+            dropgate.throttle.granted = tracing::field::Empty,
+        );
         let permit = match self.semaphore.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => tokio::time::timeout(timeout, self.semaphore.clone().acquire_owned())
-                .await
-                .ok()?
-                .ok()?,
+            Ok(permit) => Some(permit),
+            Err(_) => {
+                span.record("dropgate.throttle.waited", true);
+                tokio::time::timeout(timeout, self.semaphore.clone().acquire_owned())
+                    .instrument(span.clone())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
         };
+        span.record("dropgate.throttle.granted", permit.is_some());
+        let permit = permit?;
         Some(Permit {
             permit: Some(permit),
             debt: self.debt.clone(),

@@ -68,9 +68,23 @@ impl HttpClient {
         path: &str,
         body: Option<&str>,
     ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        self.request_with_headers(method, path, body, &[]).await
+    }
+
+    /// [`HttpClient::request`] with more request headers (`traceparent`, say).
+    pub async fn request_with_headers(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
         let mut builder = Request::builder()
             .method(method)
             .uri(format!("{}{}", self.base, path));
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
         if body.is_some() {
             builder = builder.header("content-type", "application/json");
         }

@@ -13,40 +13,56 @@ use std::sync::LazyLock;
 use dropgate_api::DropKeys;
 use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
+use tracing::Instrument;
 
 use crate::ledger::Recorded;
 
+/// A gate script and the name its client span has.
+struct GateScript {
+    script: Script,
+    /// `EVALSHA <script>`: what one call is called in a trace.
+    span: &'static str,
+}
+
 macro_rules! gate_script {
-    ($file:literal) => {
-        LazyLock::new(|| Script::new(concat!(include_str!("prelude.lua"), include_str!($file))))
+    ($name:literal) => {
+        LazyLock::new(|| GateScript {
+            script: Script::new(concat!(
+                include_str!("prelude.lua"),
+                include_str!(concat!($name, ".lua"))
+            )),
+            span: concat!("EVALSHA ", $name),
+        })
     };
 }
 
-static RESERVE: LazyLock<Script> = gate_script!("reserve.lua");
-static CONFIRM: LazyLock<Script> = gate_script!("confirm.lua");
-static CANCEL: LazyLock<Script> = gate_script!("cancel.lua");
-static LOOKUP: LazyLock<Script> = gate_script!("lookup.lua");
-static EXPIRE: LazyLock<Script> = gate_script!("expire.lua");
-static UNDO: LazyLock<Script> = gate_script!("undo.lua");
-static ACTIVATE: LazyLock<Script> = gate_script!("activate.lua");
-static REPLAY: LazyLock<Script> = gate_script!("replay.lua");
-static OPEN: LazyLock<Script> = gate_script!("open.lua");
-static ABANDON: LazyLock<Script> = gate_script!("abandon.lua");
-static CLOSE: LazyLock<Script> = gate_script!("close.lua");
+static RESERVE: LazyLock<GateScript> = gate_script!("reserve");
+static CONFIRM: LazyLock<GateScript> = gate_script!("confirm");
+static CANCEL: LazyLock<GateScript> = gate_script!("cancel");
+static LOOKUP: LazyLock<GateScript> = gate_script!("lookup");
+static EXPIRE: LazyLock<GateScript> = gate_script!("expire");
+static UNDO: LazyLock<GateScript> = gate_script!("undo");
+static ACTIVATE: LazyLock<GateScript> = gate_script!("activate");
+static REPLAY: LazyLock<GateScript> = gate_script!("replay");
+static OPEN: LazyLock<GateScript> = gate_script!("open");
+static ABANDON: LazyLock<GateScript> = gate_script!("abandon");
+static CLOSE: LazyLock<GateScript> = gate_script!("close");
 
 mod reply;
 
 pub use reply::{Activation, Closing, Expiry, Opened, Replay, Reply, Step};
 use reply::{Call, Wire};
 
+/// Runs `script` on the drop's keys (every script gets the same ten, so each call
+/// stays in the drop's hash slot), as one client span.
 async fn run(
-    script: &Script,
+    script: &GateScript,
     conn: &mut ConnectionManager,
     keys: &DropKeys,
     key: &str,
     args: &[&str],
 ) -> RedisResult<Wire> {
-    let mut invocation = script.key(keys.config());
+    let mut invocation = script.script.key(keys.config());
     invocation
         .key(keys.remaining())
         .key(keys.held())
@@ -61,13 +77,29 @@ async fn run(
     for arg in args {
         invocation.arg(*arg);
     }
-    Wire::parse(invocation.invoke_async(conn).await?)
+    let span = tracing::debug_span!(
+        "EVALSHA",
+        otel.name = script.span,
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        db.system = "redis",
+        db.system.name = "redis",
+        db.operation.name = "EVALSHA",
+        db.query.summary = script.span,
+    );
+    let called = invocation.invoke_async(conn).instrument(span.clone()).await;
+    if let Err(error) = &called {
+        span.record("otel.status_code", "ERROR");
+        span.record("error.type", error.category());
+    }
+    Wire::parse(called?)
 }
 
 /// The SHA1 of the reserve script as Redis caches it (for a bench that drives the
 /// same script with `redis-benchmark`).
 pub fn reserve_sha() -> &'static str {
-    RESERVE.get_hash()
+    RESERVE.script.get_hash()
 }
 
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending

@@ -29,6 +29,7 @@ use crate::clock::now_ms;
 use crate::reservation::{Change, State};
 use sqlx::{Any, AnyPool, Row, Transaction};
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -91,13 +92,29 @@ fn event(state: State) -> &'static str {
     }
 }
 
-type Pending = (Change, oneshot::Sender<Result<(), RecordError>>);
+/// A change waiting for the writer, who answers on the sender and names the group
+/// commit that took it on the waiting request's span.
+type Pending = (
+    Change,
+    oneshot::Sender<Result<(), RecordError>>,
+    tracing::Span,
+);
 
 /// Which database is behind the `Any` pool: the few statements that differ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Backend {
     Sqlite,
     Postgres,
+}
+
+impl Backend {
+    /// OpenTelemetry's `db.system` name.
+    fn system(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgresql",
+        }
+    }
 }
 
 /// An open ledger.
@@ -218,10 +235,31 @@ impl Ledger {
                 "a pending admission is never recorded".into(),
             ));
         }
+        let span = tracing::debug_span!(
+            "ledger commit",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            db.system = self.backend.system(),
+            db.system.name = self.backend.system(),
+            db.operation.name = "COMMIT",
+            dropgate.ledger.batch = tracing::field::Empty,
+            dropgate.ledger.batch_size = tracing::field::Empty,
+        );
         let (done, wait) = oneshot::channel();
         let gone = || RecordError::Failed("the ledger's writer stopped".into());
-        self.writer.send((change, done)).await.map_err(|_| gone())?;
-        wait.await.map_err(|_| gone())?
+        let recorded = async {
+            self.writer
+                .send((change, done, tracing::Span::current()))
+                .await
+                .map_err(|_| gone())?;
+            wait.await.map_err(|_| gone())?
+        }
+        .instrument(span.clone())
+        .await;
+        if recorded.is_err() {
+            span.record("otel.status_code", "ERROR");
+        }
+        recorded
     }
 }
 
@@ -261,6 +299,7 @@ async fn group_commit(
     mut queue: mpsc::Receiver<Pending>,
     commit_seconds: Histogram,
 ) {
+    let mut number: u64 = 0;
     while let Some(first) = queue.recv().await {
         let mut batch = vec![first];
         while batch.len() < BATCH {
@@ -269,18 +308,24 @@ async fn group_commit(
                 Err(_) => break,
             }
         }
-        let changes: Vec<&Change> = batch.iter().map(|(c, _)| c).collect();
+        // Which group commit took each waiting request's change, for its trace.
+        number += 1;
+        for (_, _, span) in &batch {
+            span.record("dropgate.ledger.batch", number);
+            span.record("dropgate.ledger.batch_size", batch.len());
+        }
+        let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
         let started = std::time::Instant::now();
         let committed = commit(&pool, backend, &changes).await;
         commit_seconds.observe(started.elapsed().as_secs_f64());
         match committed {
             Ok(verdicts) => {
-                for ((_, done), verdict) in batch.into_iter().zip(verdicts) {
+                for ((_, done, _), verdict) in batch.into_iter().zip(verdicts) {
                     let _ = done.send(verdict);
                 }
             }
             Err(_) if batch.len() > 1 => {
-                for (change, done) in batch {
+                for (change, done, _) in batch {
                     let verdict = match commit(&pool, backend, &[&change]).await {
                         Ok(mut verdicts) => verdicts.pop().unwrap_or(Ok(())),
                         Err(e) => Err(single_failure(&pool, &change, e).await),
@@ -289,7 +334,7 @@ async fn group_commit(
                 }
             }
             Err(e) => {
-                if let Some((change, done)) = batch.pop() {
+                if let Some((change, done, _)) = batch.pop() {
                     let _ = done.send(Err(single_failure(&pool, &change, e).await));
                 }
             }

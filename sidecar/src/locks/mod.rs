@@ -14,6 +14,7 @@ use rand::Rng;
 use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
 use sqlx::AnyPool;
+use tracing::Instrument;
 
 use crate::ledger::fences;
 
@@ -69,10 +70,49 @@ pub async fn acquire(
     ttl_ms: i64,
     wait: Duration,
 ) -> Result<Option<Held>, LockError> {
+    let span = tracing::debug_span!(
+        "lock acquire",
+        db.system = "redis",
+        db.system.name = "redis",
+        dropgate.lock.attempts = tracing::field::Empty,
+        dropgate.lock.granted = tracing::field::Empty,
+        dropgate.lock.fence = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    );
+    let mut attempts: u32 = 0;
+    let taken = take(conn, ledger, keys, ledger_name, ttl_ms, wait, &mut attempts)
+        .instrument(span.clone())
+        .await;
+    span.record("dropgate.lock.attempts", attempts);
+    match &taken {
+        Ok(held) => {
+            span.record("dropgate.lock.granted", held.is_some());
+            if let Some(held) = held {
+                span.record("dropgate.lock.fence", held.fence);
+            }
+        }
+        Err(_) => {
+            span.record("otel.status_code", "ERROR");
+        }
+    }
+    taken
+}
+
+/// [`acquire`]'s attempts, counted in `attempts`.
+async fn take(
+    conn: &mut ConnectionManager,
+    ledger: FenceLedger<'_>,
+    keys: &LockKeys,
+    ledger_name: &str,
+    ttl_ms: i64,
+    wait: Duration,
+    attempts: &mut u32,
+) -> Result<Option<Held>, LockError> {
     let token = format!("{:032x}", rand::random::<u128>());
     let deadline = Instant::now() + wait;
     let mut step = BACKOFF_BASE;
     loop {
+        *attempts += 1;
         // Read on every attempt: another holder may have raised it meanwhile.
         let floor = fences::high_water(ledger.pool, ledger_name).await?;
         let (granted, fence, when, ledgers): (i64, i64, i64, i64) = ACQUIRE
@@ -129,12 +169,15 @@ pub async fn renew(
     token: &str,
     ttl_ms: i64,
 ) -> RedisResult<Option<i64>> {
+    let span = lock_span("lock renew");
     let (renewed, when): (i64, i64) = RENEW
         .key(keys.lock())
         .arg(token)
         .arg(ttl_ms)
         .invoke_async(conn)
+        .instrument(span.clone())
         .await?;
+    span.record("dropgate.lock.held", renewed == 1);
     Ok((renewed == 1).then_some(when))
 }
 
@@ -144,10 +187,25 @@ pub async fn release(
     keys: &LockKeys,
     token: &str,
 ) -> RedisResult<bool> {
+    let span = lock_span("lock release");
     let released: i64 = RELEASE
         .key(keys.lock())
         .arg(token)
         .invoke_async(conn)
+        .instrument(span.clone())
         .await?;
+    span.record("dropgate.lock.held", released == 1);
     Ok(released == 1)
+}
+
+/// The span of one renew or release: `dropgate.lock.held` says whether the token
+/// still held the lock.
+fn lock_span(name: &'static str) -> tracing::Span {
+    tracing::debug_span!(
+        "lock",
+        otel.name = name,
+        db.system = "redis",
+        db.system.name = "redis",
+        dropgate.lock.held = tracing::field::Empty,
+    )
 }

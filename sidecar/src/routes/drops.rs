@@ -1,21 +1,19 @@
 //! `GET /v1/drops/{drop}`: what a shop's page shows before the sale.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use warp::http::StatusCode;
 use warp::reply::Response;
 
-use super::{failed, finish};
+use super::{Caller, SHOW, failed, served};
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
 use crate::input;
 use crate::service;
 
-pub async fn show(drop: String, app: Arc<App>) -> Response {
-    let started = Instant::now();
-    let answer = describe(&app, &drop).await;
-    finish(&app, "drop", Some(&drop), started, answer)
+pub async fn show(drop: String, caller: Caller, app: Arc<App>) -> Response {
+    let answer = describe(&app, &drop);
+    served(&app, &SHOW, Some(&drop), caller, answer).await
 }
 
 async fn describe(app: &App, raw_drop: &str) -> Answer {

@@ -1,14 +1,14 @@
 //! `POST /v1/locks/{name}`, `POST /v1/locks/{name}/renew`, `DELETE /v1/locks/{name}`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use dropgate_api::LockKeys;
 use warp::http::StatusCode;
 use warp::reply::Response;
 
-use super::finish;
+use super::{Caller, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW, served};
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
 use crate::input::{self, Fields};
@@ -18,34 +18,52 @@ use crate::locks;
 const MAX_TTL_MS: i64 = 86_400_000;
 const MAX_WAIT_MS: i64 = 60_000;
 
-pub async fn acquire(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
-    let started = Instant::now();
-    let answer = match body {
-        Ok(body) => take(&app, &name, &body).await,
-        Err(refusal) => Err(refusal),
-    }
-    .unwrap_or_else(|refusal| refusal);
-    finish(&app, "lock_acquire", None, started, answer)
+pub async fn acquire(
+    name: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    served(&app, &LOCK_ACQUIRE, None, caller, async {
+        match body {
+            Ok(body) => take(&app, &name, &body).await,
+            Err(refusal) => Err(refusal),
+        }
+        .unwrap_or_else(|refusal| refusal)
+    })
+    .await
 }
 
-pub async fn renew(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
-    let started = Instant::now();
-    let answer = match body {
-        Ok(body) => extend(&app, &name, &body).await,
-        Err(refusal) => Err(refusal),
-    }
-    .unwrap_or_else(|refusal| refusal);
-    finish(&app, "lock_renew", None, started, answer)
+pub async fn renew(
+    name: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    served(&app, &LOCK_RENEW, None, caller, async {
+        match body {
+            Ok(body) => extend(&app, &name, &body).await,
+            Err(refusal) => Err(refusal),
+        }
+        .unwrap_or_else(|refusal| refusal)
+    })
+    .await
 }
 
-pub async fn release(name: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
-    let started = Instant::now();
-    let answer = match body {
-        Ok(body) => give_up(&app, &name, &body).await,
-        Err(refusal) => Err(refusal),
-    }
-    .unwrap_or_else(|refusal| refusal);
-    finish(&app, "lock_release", None, started, answer)
+pub async fn release(
+    name: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    served(&app, &LOCK_RELEASE, None, caller, async {
+        match body {
+            Ok(body) => give_up(&app, &name, &body).await,
+            Err(refusal) => Err(refusal),
+        }
+        .unwrap_or_else(|refusal| refusal)
+    })
+    .await
 }
 
 /// The lock's name from the path, checked, and its keys.

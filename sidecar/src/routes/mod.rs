@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use tracing::Instrument;
 use warp::filters::BoxedFilter;
 use warp::http::StatusCode;
 use warp::reply::Response;
@@ -31,37 +32,45 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
 
     let reserve = warp::path!("v1" / "drops" / String / "reservations")
         .and(warp::post())
+        .and(caller())
         .and(app.clone())
         .and(body)
         .then(reservations::reserve);
     let confirm = warp::path!("v1" / "drops" / String / "reservations" / String / "confirm")
         .and(warp::post())
+        .and(caller())
         .and(app.clone())
         .then(reservations::confirm);
     let cancel = warp::path!("v1" / "drops" / String / "reservations" / String / "cancel")
         .and(warp::post())
+        .and(caller())
         .and(app.clone())
         .then(reservations::cancel);
     let lookup = warp::path!("v1" / "drops" / String / "reservations" / String)
         .and(warp::get())
+        .and(caller())
         .and(app.clone())
         .then(reservations::lookup);
     let drop = warp::path!("v1" / "drops" / String)
         .and(warp::get())
+        .and(caller())
         .and(app.clone())
         .then(drops::show);
     let lock_acquire = warp::path!("v1" / "locks" / String)
         .and(warp::post())
+        .and(caller())
         .and(app.clone())
         .and(body)
         .then(locks::acquire);
     let lock_renew = warp::path!("v1" / "locks" / String / "renew")
         .and(warp::post())
+        .and(caller())
         .and(app.clone())
         .and(body)
         .then(locks::renew);
     let lock_release = warp::path!("v1" / "locks" / String)
         .and(warp::delete())
+        .and(caller())
         .and(app.clone())
         .and(body)
         .then(locks::release);
@@ -209,24 +218,130 @@ fn unknown_drop(app: &App, name: &str) -> Answer {
     )
 }
 
-/// Counts and times an answer about drop `drop` (the path segment as sent), then
-/// sends it. A name this sidecar does not serve is counted without its name.
-fn finish(
+/// An API route as its span and its metrics name it.
+pub(crate) struct Route {
+    /// The `route` label of the metrics.
+    name: &'static str,
+    method: &'static str,
+    /// The path template (`http.route`).
+    template: &'static str,
+    /// `{method} {template}`, the server span's name.
+    span: &'static str,
+}
+
+macro_rules! route {
+    ($name:literal, $method:literal, $template:literal) => {
+        Route {
+            name: $name,
+            method: $method,
+            template: $template,
+            span: concat!($method, " ", $template),
+        }
+    };
+}
+
+const RESERVE: Route = route!("reserve", "POST", "/v1/drops/{drop}/reservations");
+const CONFIRM: Route = route!(
+    "confirm",
+    "POST",
+    "/v1/drops/{drop}/reservations/{key}/confirm"
+);
+const CANCEL: Route = route!(
+    "cancel",
+    "POST",
+    "/v1/drops/{drop}/reservations/{key}/cancel"
+);
+const LOOKUP: Route = route!("lookup", "GET", "/v1/drops/{drop}/reservations/{key}");
+const SHOW: Route = route!("drop", "GET", "/v1/drops/{drop}");
+const LOCK_ACQUIRE: Route = route!("lock_acquire", "POST", "/v1/locks/{name}");
+const LOCK_RENEW: Route = route!("lock_renew", "POST", "/v1/locks/{name}/renew");
+const LOCK_RELEASE: Route = route!("lock_release", "DELETE", "/v1/locks/{name}");
+
+/// The caller's W3C trace context (`traceparent`, `tracestate`). A header that is
+/// not text counts as absent: tracing never refuses a request.
+#[derive(Debug, Default)]
+pub(crate) struct Caller {
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+}
+
+fn caller() -> impl Filter<Extract = (Caller,), Error = Infallible> + Clone {
+    let header = |name: &'static str| {
+        warp::header::optional::<String>(name)
+            .or(warp::any().map(|| None))
+            .unify()
+    };
+    header("traceparent")
+        .and(header("tracestate"))
+        .map(|traceparent, tracestate| Caller {
+            traceparent,
+            tracestate,
+        })
+}
+
+/// Serves one request of `route` about drop `drop` (the path segment as sent): runs
+/// `handler` in the request's server span (a child of the caller's span when the
+/// caller sent one), then counts, times and sends its answer. A drop name this
+/// sidecar does not serve is neither a metric label nor a span attribute.
+async fn served(
     app: &App,
-    route: &'static str,
+    route: &Route,
     drop: Option<&str>,
-    started: Instant,
-    answer: Answer,
+    caller: Caller,
+    handler: impl Future<Output = Answer>,
 ) -> Response {
+    let started = Instant::now();
+    let span = tracing::debug_span!(
+        "request",
+        otel.name = route.span,
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = route.method,
+        http.route = route.template,
+        http.response.status_code = tracing::field::Empty,
+        dropgate.drop = tracing::field::Empty,
+        dropgate.outcome = tracing::field::Empty,
+        dropgate.path = tracing::field::Empty,
+        dropgate.user = tracing::field::Empty,
+        dropgate.key = tracing::field::Empty,
+    );
+    dropgate_telemetry::continue_trace(
+        &span,
+        caller.traceparent.as_deref(),
+        caller.tracestate.as_deref(),
+    );
+    let answer = handler.instrument(span.clone()).await;
+    // Known only now: the handler loads a drop on its first request.
     let drop = drop.filter(|name| app.drops.knows(name)).unwrap_or("");
+    if !drop.is_empty() {
+        span.record("dropgate.drop", drop);
+    }
+    let status = answer.status();
+    span.record("http.response.status_code", status.as_u16());
+    span.record("dropgate.outcome", answer.outcome());
+    span.record("dropgate.path", answer.path());
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
     app.metrics.observe(
-        route,
+        route.name,
         drop,
         answer.outcome(),
         answer.path(),
         started.elapsed().as_secs_f64(),
     );
     answer.into_response()
+}
+
+/// Names the buyer on the request's span, when `--trace-buyer-ids` asks for it.
+fn name_buyer(app: &App, key: &str, user: Option<&str>) {
+    if app.trace_buyer_ids {
+        let span = tracing::Span::current();
+        span.record("dropgate.key", key);
+        if let Some(user) = user {
+            span.record("dropgate.user", user);
+        }
+    }
 }
 
 /// What warp refused before any handler ran, as JSON answers like the rest.

@@ -3,44 +3,46 @@
 //! here.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use warp::http::StatusCode;
 use warp::reply::Response;
 
-use super::{failed, finish, retry_later};
+use super::{CANCEL, CONFIRM, Caller, LOOKUP, RESERVE, failed, name_buyer, retry_later, served};
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
 use crate::input::{self, Reserve};
 use crate::reservation::{Outcome, Settle, View};
 use crate::service::{self, Path, Served};
 
-pub async fn reserve(drop: String, app: Arc<App>, body: Result<Bytes, Answer>) -> Response {
-    let started = Instant::now();
-    let answer = match body {
-        Ok(body) => admit(&app, &drop, &body).await,
-        Err(refusal) => refusal,
-    };
-    finish(&app, "reserve", Some(&drop), started, answer)
+pub async fn reserve(
+    drop: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    served(&app, &RESERVE, Some(&drop), caller, async {
+        match body {
+            Ok(body) => admit(&app, &drop, &body).await,
+            Err(refusal) => refusal,
+        }
+    })
+    .await
 }
 
-pub async fn confirm(drop: String, key: String, app: Arc<App>) -> Response {
-    let started = Instant::now();
-    let answer = settle(&app, &drop, &key, Settle::Confirm).await;
-    finish(&app, "confirm", Some(&drop), started, answer)
+pub async fn confirm(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
+    let answer = settle(&app, &drop, &key, Settle::Confirm);
+    served(&app, &CONFIRM, Some(&drop), caller, answer).await
 }
 
-pub async fn cancel(drop: String, key: String, app: Arc<App>) -> Response {
-    let started = Instant::now();
-    let answer = settle(&app, &drop, &key, Settle::Cancel).await;
-    finish(&app, "cancel", Some(&drop), started, answer)
+pub async fn cancel(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
+    let answer = settle(&app, &drop, &key, Settle::Cancel);
+    served(&app, &CANCEL, Some(&drop), caller, answer).await
 }
 
-pub async fn lookup(drop: String, key: String, app: Arc<App>) -> Response {
-    let started = Instant::now();
-    let answer = settle(&app, &drop, &key, Settle::Lookup).await;
-    finish(&app, "lookup", Some(&drop), started, answer)
+pub async fn lookup(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
+    let answer = settle(&app, &drop, &key, Settle::Lookup);
+    served(&app, &LOOKUP, Some(&drop), caller, answer).await
 }
 
 async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
@@ -50,6 +52,7 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
         Ok(parsed) => parsed,
         Err(invalid) => return Answer::invalid(invalid.0),
     };
+    name_buyer(app, &request.key, Some(&request.user));
     let asked = Asked {
         app,
         drop: &drop,
@@ -70,6 +73,7 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle) -> Ans
         Ok(parsed) => parsed,
         Err(invalid) => return Answer::invalid(invalid.0),
     };
+    name_buyer(app, &key, None);
     let asked = Asked {
         app,
         drop: &drop,

@@ -217,6 +217,7 @@ fn lost_sale(drop: &str) -> String {
 
 /// Replays every reservation the ledger recorded for the drop into Redis, forward
 /// only: what Redis already has as far or further is left alone.
+#[tracing::instrument(level = "debug", name = "rebuild", skip_all, fields(dropgate.drop = %drop.name))]
 async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, HandoverError> {
     let mut conn = app.redis.clone();
     let mut after = String::new();

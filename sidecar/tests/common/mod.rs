@@ -62,6 +62,7 @@ impl Peer {
             sweep_ms: 100,
             wait_replicas: 0,
             wait_timeout_ms: 100,
+            trace_buyer_ids: false,
         };
         customize(&mut settings);
         let (stop, stopped) = oneshot::channel::<()>();
