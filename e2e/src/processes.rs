@@ -91,9 +91,29 @@ impl SidecarProcess {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Self, String> {
+        Self::start_binary(
+            &binary("dropgate-sidecar"),
+            redis_url,
+            namespace,
+            database_url,
+            extra,
+            env,
+        )
+        .await
+    }
+
+    /// Same, from the sidecar binary at `path` (an earlier build, for the bench).
+    pub async fn start_binary(
+        path: &Path,
+        redis_url: &str,
+        namespace: &str,
+        database_url: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self, String> {
         let port = dropgate_testkit::free_port().map_err(|e| e.to_string())?;
         let listen = format!("127.0.0.1:{port}");
-        let child = Command::new(binary("dropgate-sidecar"))
+        let child = Command::new(path)
             .args([
                 "--listen",
                 &listen,

@@ -15,12 +15,15 @@
 
 use dropgate_sidecar::reservation::Outcome;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use dropgate_e2e::processes::{SidecarProcess, apply};
 use dropgate_testkit::{HttpClient, RedisServer};
 use futures::future::join_all;
+use warp::Filter;
 
 #[derive(Parser)]
 struct Cli {
@@ -38,6 +41,10 @@ struct Cli {
     /// outside the expected ones.
     #[arg(long)]
     soak: Option<u64>,
+    /// Another dropgate-sidecar binary (an earlier build) measured in the same run:
+    /// its reserve and sold-out rows come after this build's, on drops of their own.
+    #[arg(long)]
+    baseline_sidecar: Option<std::path::PathBuf>,
 }
 
 struct Row {
@@ -348,8 +355,7 @@ async fn compare_designs(
     http: &HttpClient,
 ) -> Result<(), String> {
     use dropgate_e2e::designs::{LockAndCounter, SqlRow, Took};
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicI64, Ordering};
+    use std::sync::atomic::AtomicI64;
     let clients = cli.clients.max(1);
     let per_client = (n / clients).max(if cli.quick { 2 } else { 20 });
     let units = (clients * per_client) as i64;
@@ -578,6 +584,35 @@ async fn compare_designs(
         "pending markers, as admitted".into(),
     ));
 
+    // 8. The same sidecar exporting every request's spans over OTLP (to a sink in
+    //    this process that reads and drops them), and, when given, an earlier build:
+    //    what tracing costs on and off.
+    let sink = OtlpSink::start().await?;
+    let exporting = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint.as_str()),
+        ("OTEL_TRACES_SAMPLER", "always_on"),
+    ];
+    let sidecar_binary = dropgate_e2e::processes::binary("dropgate-sidecar");
+    let mut others = vec![("traced", "OTLP on", sidecar_binary, &exporting[..])];
+    if let Some(path) = &cli.baseline_sidecar {
+        others.push(("baseline", "baseline bin", path.clone(), &[]));
+    }
+    for (drop, label, binary, env) in others {
+        let (served, sold_out) =
+            other_sidecar(&binary, env, redis, drop, clients, per_client).await?;
+        let (admitted, answered) = (
+            format!("sidecar reserve, {label}"),
+            format!("sidecar sold-out, {label}"),
+        );
+        let check = if drop == "traced" {
+            sink.received()
+        } else {
+            binary.display().to_string()
+        };
+        rows.push(row(&admitted, served, check.clone()));
+        rows.push(row(&answered, sold_out, check));
+    }
+
     let baseline = rows[1].per_second;
     println!();
     println!(
@@ -610,6 +645,106 @@ async fn compare_designs(
         sidecar_sold_out
     );
     Ok(())
+}
+
+/// A sidecar from `binary` with `env`, on a ledger and drops of its own (`drop`,
+/// 10,000,000 units, and `drop-gone`, none): its reserve row and its sold-out row.
+async fn other_sidecar(
+    binary: &std::path::Path,
+    env: &[(&str, &str)],
+    redis: &RedisServer,
+    drop: &str,
+    clients: usize,
+    per_client: usize,
+) -> Result<((f64, Vec<Duration>), (f64, Vec<Duration>)), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    for (name, units) in [(drop.to_string(), 10_000_000), (format!("{drop}-gone"), 0)] {
+        let manifest = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &manifest,
+            format!(
+                "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: shop}}\n\
+                 spec:\n  sku: {name}\n  limitedQuantity: {units}\n  redis: {{url: redis://unused:1}}\n  throttle: {{permits: 1000000}}\n"
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        apply(&manifest, &redis.url())?;
+    }
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar =
+        SidecarProcess::start_binary(binary, &redis.url(), "shop", &ledger, &[], env).await?;
+    let http = HttpClient::new(sidecar.base.clone());
+    let served = http_reserves(clients, per_client, &http, drop, "o", 201).await?;
+    let gone = format!("{drop}-gone");
+    let first = http
+        .post(
+            &format!("/v1/drops/{gone}/reservations"),
+            r#"{"key":"open","user":"open","quantity":1}"#,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    if first.outcome() != "sold_out" {
+        return Err(format!("the empty drop answered {}", first.text));
+    }
+    let sold_out = http_reserves(clients, per_client, &http, &gone, "og", 409).await?;
+    sidecar.terminate()?;
+    let keys = dropgate_api::DropKeys::new("shop", drop);
+    let mut conn = redis.connection().map_err(|e| e.to_string())?;
+    let (remaining, held): (i64, i64) = redis::pipe()
+        .get(keys.remaining())
+        .get(keys.held())
+        .query(&mut conn)
+        .map_err(|e| e.to_string())?;
+    if remaining + held != 10_000_000 || remaining < 0 {
+        return Err(format!(
+            "drop {drop} does not add up: remaining {remaining}, held {held}"
+        ));
+    }
+    Ok((served, sold_out))
+}
+
+/// An OTLP/HTTP endpoint that takes every export and keeps only counts.
+struct OtlpSink {
+    endpoint: String,
+    exports: Arc<AtomicU64>,
+    bytes: Arc<AtomicU64>,
+}
+
+impl OtlpSink {
+    async fn start() -> Result<Self, String> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let endpoint = format!(
+            "http://{}",
+            listener.local_addr().map_err(|e| e.to_string())?
+        );
+        let (exports, bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (e, b) = (exports.clone(), bytes.clone());
+        let sink = warp::post()
+            .and(warp::path!("v1" / "traces"))
+            .and(warp::body::bytes())
+            .map(move |body: bytes::Bytes| {
+                e.fetch_add(1, Ordering::Relaxed);
+                b.fetch_add(body.len() as u64, Ordering::Relaxed);
+                warp::reply::with_header("", "content-type", "application/x-protobuf")
+            });
+        tokio::spawn(warp::serve(sink).incoming(listener).run());
+        Ok(Self {
+            endpoint,
+            exports,
+            bytes,
+        })
+    }
+
+    /// What arrived, for the row's check column.
+    fn received(&self) -> String {
+        format!(
+            "OTLP sink got {} exports, {} KB",
+            self.exports.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed) / 1024
+        )
+    }
 }
 
 /// Drops of the spread case.

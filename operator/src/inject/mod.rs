@@ -98,6 +98,9 @@ pub struct Settings {
         default_value = "64Mi"
     )]
     pub memory: String,
+    /// Traces of the injected sidecars.
+    #[command(flatten)]
+    pub traces: SidecarTraces,
     /// The operator's own namespace: never injected.
     #[arg(
         long = "operator-namespace",
@@ -105,6 +108,82 @@ pub struct Settings {
         default_value = "dropgate-system"
     )]
     pub operator_namespace: String,
+}
+
+/// Where the injected sidecars send traces (the chart's `tracing` values).
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+pub struct SidecarTraces {
+    /// The OTLP/HTTP endpoint, given to each sidecar as OTEL_EXPORTER_OTLP_ENDPOINT;
+    /// `$(HOST_IP)` in it is the pod's node (a collector on every node). Unset:
+    /// the sidecars export no traces.
+    #[arg(long = "sidecar-otlp-endpoint", env = "DROPGATE_SIDECAR_OTLP_ENDPOINT")]
+    pub endpoint: Option<String>,
+    /// OTEL_TRACES_SAMPLER of the sidecars.
+    #[arg(
+        long = "sidecar-trace-sampler",
+        env = "DROPGATE_SIDECAR_TRACE_SAMPLER",
+        default_value = "parentbased_traceidratio",
+        value_parser = [
+            "always_on", "always_off", "traceidratio",
+            "parentbased_always_on", "parentbased_always_off", "parentbased_traceidratio",
+        ]
+    )]
+    pub sampler: String,
+    /// OTEL_TRACES_SAMPLER_ARG: the share of traces a ratio sampler keeps, 0 to 1.
+    #[arg(
+        long = "sidecar-trace-sampler-arg",
+        env = "DROPGATE_SIDECAR_TRACE_SAMPLER_ARG",
+        default_value = "0.1",
+        value_parser = ratio
+    )]
+    pub sampler_arg: String,
+}
+
+fn ratio(text: &str) -> Result<String, String> {
+    match text.trim().parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(text.trim().to_string()),
+        _ => Err(format!("{text} is not a ratio between 0 and 1")),
+    }
+}
+
+impl SidecarTraces {
+    /// The sidecar's OpenTelemetry environment; nothing without an endpoint. It
+    /// comes after DROPGATE_NAMESPACE, which it refers to.
+    fn env(&self) -> Vec<EnvVar> {
+        let Some(endpoint) = &self.endpoint else {
+            return Vec::new();
+        };
+        let field = |name: &str, path: &str| EnvVar {
+            name: name.into(),
+            value: None,
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: path.into(),
+                    api_version: None,
+                }),
+                ..EnvVarSource::default()
+            }),
+        };
+        let value = |name: &str, value: &str| EnvVar {
+            name: name.into(),
+            value: Some(value.into()),
+            value_from: None,
+        };
+        vec![
+            field("HOST_IP", "status.hostIP"),
+            field("DROPGATE_POD_NAME", "metadata.name"),
+            value("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+            value("OTEL_SERVICE_NAME", "dropgate-sidecar"),
+            value(
+                "OTEL_RESOURCE_ATTRIBUTES",
+                &format!(
+                    "k8s.namespace.name=$(DROPGATE_NAMESPACE),k8s.pod.name=$(DROPGATE_POD_NAME),k8s.container.name={CONTAINER}"
+                ),
+            ),
+            value("OTEL_TRACES_SAMPLER", &self.sampler),
+            value("OTEL_TRACES_SAMPLER_ARG", &self.sampler_arg),
+        ]
+    }
 }
 
 /// What [`inject`] decided.
@@ -382,27 +461,32 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
         image: Some(tuning.image.clone()),
         image_pull_policy: Some(settings.image_pull_policy.clone()),
         command: Some(vec!["dropgate-sidecar".into()]),
-        env: Some(vec![
-            EnvVar {
-                name: "DROPGATE_NAMESPACE".into(),
-                value: None,
-                value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector {
-                        field_path: "metadata.namespace".into(),
-                        api_version: None,
+        env: Some(
+            vec![
+                EnvVar {
+                    name: "DROPGATE_NAMESPACE".into(),
+                    value: None,
+                    value_from: Some(EnvVarSource {
+                        field_ref: Some(ObjectFieldSelector {
+                            field_path: "metadata.namespace".into(),
+                            api_version: None,
+                        }),
+                        ..EnvVarSource::default()
                     }),
-                    ..EnvVarSource::default()
-                }),
-            },
-            EnvVar {
-                name: "DROPGATE_REDIS_URL".into(),
-                value: None,
-                value_from: Some(secret(&settings.redis_secret, &settings.redis_secret_key)),
-            },
-            database,
-            value("DROPGATE_LISTEN", format!("127.0.0.1:{}", tuning.port)),
-            value("DROPGATE_HEALTH_LISTEN", format!("0.0.0.0:{HEALTH_PORT}")),
-        ]),
+                },
+                EnvVar {
+                    name: "DROPGATE_REDIS_URL".into(),
+                    value: None,
+                    value_from: Some(secret(&settings.redis_secret, &settings.redis_secret_key)),
+                },
+                database,
+                value("DROPGATE_LISTEN", format!("127.0.0.1:{}", tuning.port)),
+                value("DROPGATE_HEALTH_LISTEN", format!("0.0.0.0:{HEALTH_PORT}")),
+            ]
+            .into_iter()
+            .chain(settings.traces.env())
+            .collect(),
+        ),
         ports: Some(vec![ContainerPort {
             name: Some("dropgate-health".into()),
             container_port: i32::from(HEALTH_PORT),
@@ -651,6 +735,73 @@ mod tests {
             "app",
             "the app is untouched"
         );
+    }
+
+    #[test]
+    fn traces_are_configured_only_when_the_chart_names_a_collector() {
+        let labelled = pod(json!({"dropgate.io/inject": "true"}), json!({}));
+        let names = |settings: &Settings| -> Vec<String> {
+            match inject(&labelled, "shop", settings).expect("ok") {
+                Decision::Inject(mutation) => mutation
+                    .sidecar
+                    .env
+                    .into_iter()
+                    .flatten()
+                    .map(|e| e.name)
+                    .collect(),
+                Decision::Skip(why) => panic!("skipped: {}", why.as_str()),
+            }
+        };
+        assert!(!names(&settings()).iter().any(|n| n.starts_with("OTEL_")));
+
+        let traced = Cli::try_parse_from([
+            "test",
+            "--sidecar-otlp-endpoint",
+            "http://$(HOST_IP):4318",
+            "--sidecar-trace-sampler-arg",
+            "0.25",
+        ])
+        .expect("valid settings")
+        .settings;
+        let mutation = match inject(&labelled, "shop", &traced).expect("ok") {
+            Decision::Inject(mutation) => mutation,
+            Decision::Skip(why) => panic!("skipped: {}", why.as_str()),
+        };
+        let sidecar = &mutation.sidecar;
+        assert_eq!(
+            env(sidecar, "OTEL_EXPORTER_OTLP_ENDPOINT")["value"],
+            "http://$(HOST_IP):4318"
+        );
+        assert_eq!(
+            env(sidecar, "HOST_IP")["valueFrom"]["fieldRef"]["fieldPath"],
+            "status.hostIP"
+        );
+        assert_eq!(
+            env(sidecar, "OTEL_SERVICE_NAME")["value"],
+            "dropgate-sidecar"
+        );
+        assert_eq!(
+            env(sidecar, "OTEL_TRACES_SAMPLER")["value"],
+            "parentbased_traceidratio"
+        );
+        assert_eq!(env(sidecar, "OTEL_TRACES_SAMPLER_ARG")["value"], "0.25");
+        // Kubernetes expands $(VAR) only from variables defined earlier in the list.
+        let order = names(&traced);
+        let at = |name: &str| order.iter().position(|n| n == name).expect(name);
+        assert!(at("HOST_IP") < at("OTEL_EXPORTER_OTLP_ENDPOINT"));
+        assert!(at("DROPGATE_NAMESPACE") < at("OTEL_RESOURCE_ATTRIBUTES"));
+        assert!(at("DROPGATE_POD_NAME") < at("OTEL_RESOURCE_ATTRIBUTES"));
+
+        for bad in [
+            ["--sidecar-trace-sampler-arg", "1.5"],
+            ["--sidecar-trace-sampler-arg", "most"],
+            ["--sidecar-trace-sampler", "jaeger_remote"],
+        ] {
+            assert!(
+                Cli::try_parse_from(["test", bad[0], bad[1]]).is_err(),
+                "{bad:?} accepted"
+            );
+        }
     }
 
     #[test]
