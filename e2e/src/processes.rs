@@ -113,7 +113,15 @@ impl SidecarProcess {
     ) -> Result<Self, String> {
         let port = dropgate_testkit::free_port().map_err(|e| e.to_string())?;
         let listen = format!("127.0.0.1:{port}");
-        let child = Command::new(path)
+        let mut command = Command::new(path);
+        // The caller's `OTEL_*` settings stay out of it: only `env` says what it
+        // exports.
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("OTEL_") {
+                command.env_remove(name);
+            }
+        }
+        let child = command
             .args([
                 "--listen",
                 &listen,

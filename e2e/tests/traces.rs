@@ -39,11 +39,24 @@ struct Received {
     span_id: String,
     parent: String,
     attributes: HashMap<String, String>,
+    /// The attributes sent as integers (OpenTelemetry's `int`), not text.
+    integers: Vec<String>,
 }
 
 impl Received {
     fn attribute(&self, key: &str) -> Option<&str> {
         self.attributes.get(key).map(String::as_str)
+    }
+
+    /// The attribute `key` is `value`, sent as an integer.
+    #[track_caller]
+    fn assert_integer(&self, key: &str, value: i64) {
+        self.assert_attribute(key, &value.to_string());
+        assert!(
+            self.integers.iter().any(|k| k == key),
+            "attribute {key} of span {} is not an integer",
+            self.name
+        );
     }
 
     #[track_caller]
@@ -58,7 +71,8 @@ impl Received {
 }
 
 /// A local OTLP/HTTP receiver: `POST /v1/traces` with an
-/// `ExportTraceServiceRequest` in protobuf, as a collector takes it.
+/// `ExportTraceServiceRequest` in protobuf, as a collector takes it. Every request
+/// counts as an export, whatever its path or content.
 struct Receiver {
     addr: SocketAddr,
     spans: Arc<Mutex<Vec<Received>>>,
@@ -76,27 +90,35 @@ impl Receiver {
         let spans: Arc<Mutex<Vec<Received>>> = Arc::default();
         let exports: Arc<Mutex<usize>> = Arc::default();
         let (into, counted) = (spans.clone(), exports.clone());
-        let traces = warp::post()
-            .and(warp::path!("v1" / "traces"))
-            .and(warp::header::exact_ignore_case(
-                "content-type",
-                "application/x-protobuf",
-            ))
+        let traces = warp::method()
+            .and(warp::path::full())
+            .and(warp::header::optional::<String>("content-type"))
             .and(warp::body::bytes())
-            .map(move |body: bytes::Bytes| {
-                *counted.lock().expect("count") += 1;
-                match ExportTraceServiceRequest::decode(body) {
-                    Ok(request) => {
-                        into.lock().expect("spans").extend(decoded(request));
-                        warp::http::Response::builder()
-                            .header("content-type", "application/x-protobuf")
-                            .body(ExportTraceServiceResponse::default().encode_to_vec())
+            .map(
+                move |method,
+                      path: warp::path::FullPath,
+                      kind: Option<String>,
+                      body: bytes::Bytes| {
+                    *counted.lock().expect("count") += 1;
+                    let otlp = method == Method::POST
+                        && path.as_str() == "/v1/traces"
+                        && kind.as_deref() == Some("application/x-protobuf");
+                    match ExportTraceServiceRequest::decode(body)
+                        .ok()
+                        .filter(|_| otlp)
+                    {
+                        Some(request) => {
+                            into.lock().expect("spans").extend(decoded(request));
+                            warp::http::Response::builder()
+                                .header("content-type", "application/x-protobuf")
+                                .body(ExportTraceServiceResponse::default().encode_to_vec())
+                        }
+                        None => warp::http::Response::builder()
+                            .status(400)
+                            .body(b"not an OTLP/HTTP protobuf export".to_vec()),
                     }
-                    Err(e) => warp::http::Response::builder()
-                        .status(400)
-                        .body(e.to_string().into_bytes()),
-                }
-            });
+                },
+            );
         tokio::spawn(warp::serve(traces).incoming(listener).run());
         Ok(Receiver {
             addr,
@@ -153,6 +175,10 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+fn is_integer(value: &Option<Value>) -> bool {
+    matches!(value, Some(Value::IntValue(_)))
+}
+
 fn text(value: Option<Value>) -> String {
     match value {
         Some(Value::StringValue(s)) => s,
@@ -176,7 +202,14 @@ fn decoded(request: ExportTraceServiceRequest) -> Vec<Received> {
         let service = resource.get("service.name").cloned().unwrap_or_default();
         for scope in resource_spans.scope_spans {
             for span in scope.spans {
+                let integers = span
+                    .attributes
+                    .iter()
+                    .filter(|kv| is_integer(&kv.value.as_ref().and_then(|v| v.value.clone())))
+                    .map(|kv| kv.key.clone())
+                    .collect();
                 out.push(Received {
+                    integers,
                     service: service.clone(),
                     resource: resource.clone(),
                     name: span.name,
@@ -288,13 +321,13 @@ async fn one_reserve_is_one_server_span_in_the_callers_trace_with_its_steps_as_c
     for (key, value) in [
         ("http.request.method", "POST"),
         ("http.route", "/v1/drops/{drop}/reservations"),
-        ("http.response.status_code", "201"),
         ("dropgate.drop", "sale"),
         ("dropgate.outcome", "admitted"),
         ("dropgate.path", "gate"),
     ] {
         server.assert_attribute(key, value);
     }
+    server.assert_integer("http.response.status_code", 201);
     assert!(
         server
             .attributes
@@ -325,11 +358,17 @@ async fn one_reserve_is_one_server_span_in_the_callers_trace_with_its_steps_as_c
     throttle.assert_attribute("dropgate.throttle.granted", "true");
     let commit = child("ledger commit");
     commit.assert_attribute("db.system", "sqlite");
-    let batch = commit.attribute("dropgate.ledger.batch").unwrap_or("");
-    assert!(
-        batch.parse::<u64>().is_ok_and(|n| n >= 1),
-        "names its group commit: {commit:#?}"
-    );
+    for named in ["dropgate.ledger.batch", "dropgate.ledger.batch_size"] {
+        let n = commit.attribute(named).unwrap_or("");
+        assert!(
+            n.parse::<u64>().is_ok_and(|n| n >= 1),
+            "{named}: {commit:#?}"
+        );
+        assert!(
+            commit.integers.iter().any(|k| k == named),
+            "{named} is an integer"
+        );
+    }
     child("EVALSHA activate");
 
     // Without a traceparent the reserve starts a trace of its own.
@@ -342,8 +381,15 @@ async fn one_reserve_is_one_server_span_in_the_callers_trace_with_its_steps_as_c
         })
         .await;
     assert_eq!(root.parent, "", "a root span: {root:#?}");
+}
 
-    // A lock's acquire: its attempts and the fence it was given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_acquire_is_a_span_with_its_attempts_and_fence() {
+    let receiver = Receiver::start().await;
+    let sale = Sale::published();
+    let env = exporting_to(&receiver);
+    let sidecar = sale.sidecar("l.db", &borrowed(&env), &[]).await;
+    let http = HttpClient::new(sidecar.base.clone());
     let taken = http
         .post(
             "/v1/locks/packing-slip",
@@ -355,11 +401,11 @@ async fn one_reserve_is_one_server_span_in_the_callers_trace_with_its_steps_as_c
     let acquire = receiver
         .span("for the lock's acquire", |s| s.name == "lock acquire")
         .await;
-    acquire.assert_attribute("dropgate.lock.attempts", "1");
+    acquire.assert_integer("dropgate.lock.attempts", 1);
     acquire.assert_attribute("dropgate.lock.granted", "true");
-    acquire.assert_attribute(
+    acquire.assert_integer(
         "dropgate.lock.fence",
-        &taken.body["fence"].as_i64().unwrap_or(-1).to_string(),
+        taken.body["fence"].as_i64().unwrap_or(-1),
     );
 }
 
@@ -402,11 +448,12 @@ async fn nothing_is_sent_without_an_endpoint_or_when_disabled() {
         ("OTEL_SDK_DISABLED", "true"),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
-    for (name, env) in [("c.db", &no_endpoint[..]), ("c.db", &disabled[..])] {
-        let sidecar = sale.sidecar(name, env, &[]).await;
+    // One ledger for both sidecars (one after the other), each its own buyer.
+    for (buyer, env) in [("c1", &no_endpoint[..]), ("c2", &disabled[..])] {
+        let sidecar = sale.sidecar("c.db", env, &[]).await;
         let http = HttpClient::new(sidecar.base.clone());
         let traceparent = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01");
-        reserve(&http, name, &[("traceparent", &traceparent)])
+        reserve(&http, buyer, &[("traceparent", &traceparent)])
             .await
             .assert_answer(201, "admitted");
         // Several export intervals, then a clean exit, which flushes what is queued.
@@ -458,15 +505,27 @@ async fn a_reconcile_is_a_span_with_the_mode_the_ha_verdict_and_its_memorystore_
     let manifest = dir.path().join("drop.yaml");
     std::fs::write(
         &manifest,
-        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\n\
-         metadata: {name: sale, namespace: shop}\n\
-         spec:\n  sku: SNKR-1\n  limitedQuantity: 10\n\
-         \x20 redis:\n    url: redis://unused:1\n    requireHighAvailability: true\n\
-         \x20   memorystore: {project: p, location: l, instance: i}\n",
+        r#"apiVersion: dropgate.io/v1alpha1
+kind: InventoryDrop
+metadata: {name: sale, namespace: shop}
+spec:
+  sku: SNKR-1
+  limitedQuantity: 10
+  redis:
+    url: redis://unused:1
+    requireHighAvailability: true
+    memorystore: {project: p, location: l, instance: i}
+"#,
     )
     .expect("manifest");
     let google = format!("http://{google}");
-    let out = Command::new(binary("dropgate-operator"))
+    let mut apply = Command::new(binary("dropgate-operator"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("OTEL_") {
+            apply.env_remove(name);
+        }
+    }
+    let out = apply
         .arg("apply")
         .arg("-f")
         .arg(&manifest)
@@ -504,7 +563,8 @@ async fn a_reconcile_is_a_span_with_the_mode_the_ha_verdict_and_its_memorystore_
         (reconcile.trace_id.as_str(), reconcile.span_id.as_str())
     );
     call.assert_attribute("http.request.method", "GET");
-    call.assert_attribute("http.response.status_code", "200");
+    call.assert_integer("http.response.status_code", 200);
+    call.assert_attribute("server.address", "127.0.0.1");
     let heard = heard.lock().expect("heard").clone();
     assert_eq!(heard.len(), 1, "one Memorystore call: {heard:?}");
     assert!(

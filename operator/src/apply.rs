@@ -7,7 +7,6 @@ use k8s_openapi::jiff::Timestamp;
 use crate::memorystore::Memorystore;
 use crate::reconcile::{self, Reconciled};
 use crate::{Error, Result, store};
-use kube::ResourceExt;
 use tracing::Instrument;
 
 /// Reads one InventoryDrop manifest. Type errors name their path
@@ -49,11 +48,7 @@ pub async fn apply(
     memorystore: &Memorystore,
 ) -> Result<Reconciled> {
     let drop = parse_manifest(manifest)?;
-    let span = reconcile::span(&format!(
-        "{}/{}",
-        drop.namespace().unwrap_or_else(|| "default".into()),
-        drop.name_any()
-    ));
+    let span = reconcile::span(&drop);
     let applied = apply_parsed(&drop, redis_url, memorystore)
         .instrument(span.clone())
         .await;

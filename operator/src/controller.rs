@@ -173,7 +173,7 @@ fn object_key(drop: &InventoryDrop) -> String {
 /// One reconcile of one drop, wrapped in the finalizer: Apply makes Redis match,
 /// Cleanup removes the drop's keys before Kubernetes deletes the object.
 pub async fn reconcile(drop: Arc<InventoryDrop>, ctx: Arc<Context>) -> Result<Action> {
-    let span = reconcile::span(&object_key(&drop));
+    let span = reconcile::span(&drop);
     let reconciled = reconcile_traced(drop, ctx).instrument(span.clone()).await;
     if reconciled.is_err() {
         span.record("otel.status_code", "ERROR");

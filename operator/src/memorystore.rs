@@ -283,12 +283,15 @@ impl Memorystore {
         url: &str,
         headers: &[(&str, &str)],
     ) -> Result<(StatusCode, Bytes), String> {
+        let uri = url.parse::<http::Uri>().ok();
         let span = tracing::debug_span!(
             "GET",
             otel.kind = "client",
             otel.status_code = tracing::field::Empty,
             http.request.method = "GET",
             url.full = url,
+            server.address = uri.as_ref().and_then(|u| u.host()),
+            server.port = uri.as_ref().and_then(|u| u.port_u16()).map(i64::from),
             http.response.status_code = tracing::field::Empty,
         );
         let mut request = Request::get(url);
@@ -321,7 +324,7 @@ impl Memorystore {
             .and_then(|answered| answered);
         match &answered {
             Ok((status, _)) => {
-                span.record("http.response.status_code", status.as_u16());
+                span.record("http.response.status_code", i64::from(status.as_u16()));
                 if status.is_client_error() || status.is_server_error() {
                     span.record("otel.status_code", "ERROR");
                 }

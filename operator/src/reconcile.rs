@@ -62,13 +62,17 @@ pub fn validate(drop: &InventoryDrop) -> Result<()> {
     Ok(())
 }
 
-/// The span of one reconcile of the drop `namespace/name`: the HA check (and its
-/// Memorystore call) and the seeding are its children; it ends with the mode chosen
-/// and the HA verdict it was chosen on.
-pub fn span(drop: &str) -> tracing::Span {
+/// The span of one reconcile of `drop` (named `namespace/name`): the HA check (and
+/// its Memorystore call) and the seeding are its children; [`reconcile`], run
+/// inside it, adds the mode chosen and the HA verdict it was chosen on.
+pub fn span(drop: &InventoryDrop) -> tracing::Span {
     tracing::info_span!(
         "reconcile",
-        dropgate.drop = drop,
+        dropgate.drop = %format_args!(
+            "{}/{}",
+            drop.namespace().as_deref().unwrap_or("default"),
+            drop.name_any()
+        ),
         dropgate.mode = tracing::field::Empty,
         dropgate.ha.verdict = tracing::field::Empty,
         dropgate.ha.reason = tracing::field::Empty,
@@ -97,6 +101,7 @@ pub async fn reconcile(
         &ha_report,
         kept,
     );
+    // On the caller's reconcile span (see `span`).
     let span = tracing::Span::current();
     span.record("dropgate.mode", mode.as_str());
     span.record("dropgate.ha.verdict", ha_report.verdict.as_str());

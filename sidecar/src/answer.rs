@@ -55,11 +55,11 @@ impl Answer {
         self
     }
 
-    /// Which gate answered: `fallback` when the answer carries its header.
     pub fn status(&self) -> StatusCode {
         self.status
     }
 
+    /// Which gate answered: `fallback` when the answer carries its header.
     pub fn path(&self) -> &'static str {
         if self.fallback { "fallback" } else { "gate" }
     }

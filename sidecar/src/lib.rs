@@ -85,7 +85,7 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
-/// Logs go to stderr, filtered by `RUST_LOG`. The default leaves out warp's
-/// per-connection errors: a client that hangs up, or an idle keep-alive connection
+/// The log filter when `RUST_LOG` is not set. It leaves out warp's per-connection
+/// errors: a client that hangs up, or an idle keep-alive connection
 /// closed by a graceful shutdown, is not the sidecar's error.
 pub const DEFAULT_LOG_FILTER: &str = "info,warp::server=off";

@@ -84,8 +84,9 @@ impl Throttle {
     pub async fn acquire(&self, timeout: Duration) -> Option<Permit> {
         let span = tracing::debug_span!(
             "throttle wait",
-            dropgate.throttle.available = self.semaphore.available_permits(),
-            dropgate.throttle.waited = tracing::field::Empty,
+            dropgate.throttle.available =
+                i64::try_from(self.semaphore.available_permits()).unwrap_or(i64::MAX),
+            dropgate.throttle.waited = false,
             dropgate.throttle.granted = tracing::field::Empty,
         );
         let permit = match self.semaphore.clone().try_acquire_owned() {

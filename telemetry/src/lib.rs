@@ -9,10 +9,12 @@
 //! in protobuf, batched on the binary's Tokio runtime, and `OTEL_SERVICE_NAME`,
 //! `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`,
 //! `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TIMEOUT` and `OTEL_BSP_*` mean
-//! what the specification says. With no endpoint there is no exporter, no span
-//! processor and no OpenTelemetry layer: dropgate's spans are at debug level, so at
-//! the default `RUST_LOG` they are disabled where they are written and cost a
-//! relaxed load each.
+//! what the specification says. Not spoken: gRPC, compression, a custom CA
+//! (`OTEL_EXPORTER_OTLP_CERTIFICATE`; public roots only), propagators other than W3C
+//! trace context. With no endpoint there is no exporter, no span processor and no
+//! OpenTelemetry layer: the request path's spans are at debug level, so at the
+//! default `RUST_LOG` they are disabled where they are written and cost a relaxed
+//! load each.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -34,6 +36,9 @@ use tracing_subscriber::{Layer, fmt};
 /// Whether spans are being exported: the request path reads the caller's trace
 /// context only then.
 static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// How long [`Telemetry::shutdown`] waits for the last spans to leave.
+pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(3);
 
 /// How long one export may take when the environment does not say.
 const DEFAULT_EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -122,8 +127,9 @@ impl Telemetry {
     /// `service` (unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` names
     /// the service). Call it inside the Tokio runtime: the exporter runs on it.
     pub fn init(service: &'static str, default_filter: &str) -> Telemetry {
-        let filter =
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+        // The exporter's own chatter only when it goes wrong (a failed export).
+        let filter = EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| EnvFilter::new(format!("{default_filter},opentelemetry=warn")));
         let logs = fmt::layer()
             .with_writer(std::io::stderr)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -140,8 +146,10 @@ impl Telemetry {
         let traces = provider.as_ref().map(|provider| {
             tracing_opentelemetry::layer()
                 .with_tracer(provider.tracer(service))
+                // Attributes a trace reader wants, not the code's whereabouts.
                 .with_threads(false)
                 .with_target(false)
+                .with_location(false)
                 .with_tracked_inactivity(false)
                 .with_filter(FilterFn::new(exported))
         });
@@ -160,19 +168,25 @@ impl Telemetry {
         Telemetry { provider }
     }
 
-    /// Sends the spans still queued and stops the exporter (bounded by the export
-    /// timeout). Call it before the process exits.
+    /// Sends the spans still queued and stops the exporter, for at most
+    /// [`SHUTDOWN_BOUND`]. Call it before the process exits.
     pub async fn shutdown(self) {
         let Some(provider) = self.provider else {
             return;
         };
         // The batch processor's shutdown blocks until its task on this runtime has
-        // flushed: off the runtime's worker threads.
-        match tokio::task::spawn_blocking(move || provider.shutdown()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("warning: the last spans may not have been exported: {e}"),
-            Err(e) => eprintln!("warning: the last spans may not have been exported: {e}"),
-        }
+        // sent every queued batch, each bounded only by the export timeout: behind a
+        // collector that hangs that is minutes, past a pod's grace period. Waited
+        // for off the runtime's workers and only so long; whatever is left goes
+        // with the runtime.
+        let flushing = tokio::task::spawn_blocking(move || provider.shutdown());
+        let unsent = match tokio::time::timeout(SHUTDOWN_BOUND, flushing).await {
+            Ok(Ok(Ok(()))) => return,
+            Ok(Ok(Err(e))) => e.to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("the collector did not take them within {SHUTDOWN_BOUND:?}"),
+        };
+        eprintln!("warning: the last spans may not have been exported: {unsent}");
     }
 }
 
@@ -225,12 +239,15 @@ fn provider(
 
 /// What the OpenTelemetry layer takes: dropgate's own spans (debug level and up:
 /// the request path's spans are debug so that logs at the default level skip them),
-/// and warnings and errors, which become events on the span they happen in.
+/// and warnings and errors, which become events on the span they happen in. The
+/// exporter's own logs (a failed export, a full queue) go to the logs only: as span
+/// events they would feed the exporter its own failures.
 fn exported(metadata: &Metadata<'_>) -> bool {
+    let target = metadata.target();
     if metadata.is_span() {
-        metadata.target().starts_with("dropgate") && *metadata.level() <= Level::DEBUG
+        target.starts_with("dropgate") && *metadata.level() <= Level::DEBUG
     } else {
-        *metadata.level() <= Level::WARN
+        *metadata.level() <= Level::WARN && !target.starts_with("opentelemetry")
     }
 }
 

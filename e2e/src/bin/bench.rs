@@ -584,16 +584,20 @@ async fn compare_designs(
         "pending markers, as admitted".into(),
     ));
 
-    // 8. The same sidecar exporting every request's spans over OTLP (to a sink in
-    //    this process that reads and drops them), and, when given, an earlier build:
-    //    what tracing costs on and off.
+    // 8. What tracing costs: a fresh sidecar of this build without and with every
+    //    request's spans exported over OTLP (to a sink in this process that reads
+    //    and drops them), each on drops and a ledger of its own, and, when given,
+    //    an earlier build the same way.
     let sink = OtlpSink::start().await?;
     let exporting = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint.as_str()),
         ("OTEL_TRACES_SAMPLER", "always_on"),
     ];
     let sidecar_binary = dropgate_e2e::processes::binary("dropgate-sidecar");
-    let mut others = vec![("traced", "OTLP on", sidecar_binary, &exporting[..])];
+    let mut others = vec![
+        ("plain", "OTLP off", sidecar_binary.clone(), &[][..]),
+        ("traced", "OTLP on", sidecar_binary, &exporting[..]),
+    ];
     if let Some(path) = &cli.baseline_sidecar {
         others.push(("baseline", "baseline bin", path.clone(), &[]));
     }
@@ -604,10 +608,10 @@ async fn compare_designs(
             format!("sidecar reserve, {label}"),
             format!("sidecar sold-out, {label}"),
         );
-        let check = if drop == "traced" {
-            sink.received()
-        } else {
-            binary.display().to_string()
+        let check = match drop {
+            "traced" => sink.received(),
+            "plain" => "no OTEL_* set".into(),
+            _ => binary.display().to_string(),
         };
         rows.push(row(&admitted, served, check.clone()));
         rows.push(row(&answered, sold_out, check));

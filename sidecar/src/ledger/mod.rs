@@ -256,7 +256,9 @@ impl Ledger {
         }
         .instrument(span.clone())
         .await;
-        if recorded.is_err() {
+        // A refusal (sold out, not the authority, ...) is the ledger doing its job;
+        // only a commit that could not be made is an error.
+        if let Err(RecordError::Failed(_)) = &recorded {
             span.record("otel.status_code", "ERROR");
         }
         recorded
@@ -308,11 +310,12 @@ async fn group_commit(
                 Err(_) => break,
             }
         }
-        // Which group commit took each waiting request's change, for its trace.
+        // Which group commit took each waiting request's change, for its trace: a
+        // number of this process's writer (it starts at 1 with the process), and
+        // how many changes that commit held.
         number += 1;
         for (_, _, span) in &batch {
-            span.record("dropgate.ledger.batch", number);
-            span.record("dropgate.ledger.batch_size", batch.len());
+            name_batch(span, number, batch.len());
         }
         let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
         let started = std::time::Instant::now();
@@ -325,7 +328,9 @@ async fn group_commit(
                 }
             }
             Err(_) if batch.len() > 1 => {
-                for (change, done, _) in batch {
+                for (change, done, span) in batch {
+                    number += 1;
+                    name_batch(&span, number, 1);
                     let verdict = match commit(&pool, backend, &[&change]).await {
                         Ok(mut verdicts) => verdicts.pop().unwrap_or(Ok(())),
                         Err(e) => Err(single_failure(&pool, &change, e).await),
@@ -340,6 +345,18 @@ async fn group_commit(
             }
         }
     }
+}
+
+/// Names the group commit `number` of `size` changes on a waiting request's span.
+fn name_batch(span: &tracing::Span, number: u64, size: usize) {
+    span.record(
+        "dropgate.ledger.batch",
+        i64::try_from(number).unwrap_or(i64::MAX),
+    );
+    span.record(
+        "dropgate.ledger.batch_size",
+        i64::try_from(size).unwrap_or(i64::MAX),
+    );
 }
 
 /// What a change that failed on its own is told.

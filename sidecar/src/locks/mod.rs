@@ -72,6 +72,7 @@ pub async fn acquire(
 ) -> Result<Option<Held>, LockError> {
     let span = tracing::debug_span!(
         "lock acquire",
+        otel.kind = "client",
         db.system = "redis",
         db.system.name = "redis",
         dropgate.lock.attempts = tracing::field::Empty,
@@ -83,7 +84,7 @@ pub async fn acquire(
     let taken = take(conn, ledger, keys, ledger_name, ttl_ms, wait, &mut attempts)
         .instrument(span.clone())
         .await;
-    span.record("dropgate.lock.attempts", attempts);
+    span.record("dropgate.lock.attempts", i64::from(attempts));
     match &taken {
         Ok(held) => {
             span.record("dropgate.lock.granted", held.is_some());
@@ -98,7 +99,7 @@ pub async fn acquire(
     taken
 }
 
-/// [`acquire`]'s attempts, counted in `attempts`.
+/// [`acquire`]'s attempts, counted in `attempts` (also when one fails).
 async fn take(
     conn: &mut ConnectionManager,
     ledger: FenceLedger<'_>,
@@ -170,15 +171,15 @@ pub async fn renew(
     ttl_ms: i64,
 ) -> RedisResult<Option<i64>> {
     let span = lock_span("lock renew");
-    let (renewed, when): (i64, i64) = RENEW
+    let renewed: RedisResult<(i64, i64)> = RENEW
         .key(keys.lock())
         .arg(token)
         .arg(ttl_ms)
         .invoke_async(conn)
         .instrument(span.clone())
-        .await?;
-    span.record("dropgate.lock.held", renewed == 1);
-    Ok((renewed == 1).then_some(when))
+        .await;
+    let (renewed, when) = held(&span, renewed)?;
+    Ok(renewed.then_some(when))
 }
 
 /// Releases the lock if `token` holds it; false when it does not.
@@ -188,22 +189,39 @@ pub async fn release(
     token: &str,
 ) -> RedisResult<bool> {
     let span = lock_span("lock release");
-    let released: i64 = RELEASE
+    let released: RedisResult<i64> = RELEASE
         .key(keys.lock())
         .arg(token)
         .invoke_async(conn)
         .instrument(span.clone())
-        .await?;
-    span.record("dropgate.lock.held", released == 1);
-    Ok(released == 1)
+        .await;
+    Ok(held(&span, released.map(|r| (r, 0)))?.0)
+}
+
+/// Reads a renew's or release's `(1 when the token held the lock, when)` into
+/// `span`.
+fn held(span: &tracing::Span, answer: RedisResult<(i64, i64)>) -> RedisResult<(bool, i64)> {
+    match answer {
+        Ok((held, when)) => {
+            span.record("dropgate.lock.held", held == 1);
+            Ok((held == 1, when))
+        }
+        Err(e) => {
+            span.record("otel.status_code", "ERROR");
+            Err(e)
+        }
+    }
 }
 
 /// The span of one renew or release: `dropgate.lock.held` says whether the token
 /// still held the lock.
 fn lock_span(name: &'static str) -> tracing::Span {
+    // `lock` in logs (a span's name there must be a constant), `name` in a trace.
     tracing::debug_span!(
         "lock",
         otel.name = name,
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
         db.system = "redis",
         db.system.name = "redis",
         dropgate.lock.held = tracing::field::Empty,

@@ -221,7 +221,7 @@ fn unknown_drop(app: &App, name: &str) -> Answer {
 /// An API route as its span and its metrics name it.
 pub(crate) struct Route {
     /// The `route` label of the metrics.
-    name: &'static str,
+    label: &'static str,
     method: &'static str,
     /// The path template (`http.route`).
     template: &'static str,
@@ -230,9 +230,9 @@ pub(crate) struct Route {
 }
 
 macro_rules! route {
-    ($name:literal, $method:literal, $template:literal) => {
+    ($label:literal, $method:literal, $template:literal) => {
         Route {
-            name: $name,
+            label: $label,
             method: $method,
             template: $template,
             span: concat!($method, " ", $template),
@@ -291,6 +291,9 @@ async fn served(
     handler: impl Future<Output = Answer>,
 ) -> Response {
     let started = Instant::now();
+    // `request` in logs (a span's name there must be a constant); in a trace,
+    // `otel.name`: the method and route, as OpenTelemetry names server spans. No
+    // `url.path`: a confirm's path holds the buyer's idempotency key.
     let span = tracing::debug_span!(
         "request",
         otel.name = route.span,
@@ -317,14 +320,14 @@ async fn served(
         span.record("dropgate.drop", drop);
     }
     let status = answer.status();
-    span.record("http.response.status_code", status.as_u16());
+    span.record("http.response.status_code", i64::from(status.as_u16()));
     span.record("dropgate.outcome", answer.outcome());
     span.record("dropgate.path", answer.path());
     if status.is_server_error() {
         span.record("otel.status_code", "ERROR");
     }
     app.metrics.observe(
-        route.name,
+        route.label,
         drop,
         answer.outcome(),
         answer.path(),
