@@ -118,6 +118,11 @@ pub struct RedisSpec {
     /// replica, gate.failurePolicy decides (fail open to the SQL fallback, or close).
     #[serde(default)]
     pub require_high_availability: bool,
+    /// The URL names a node (or the discovery endpoint) of a Redis Cluster: the
+    /// drop lives in its hash tag's slot, and highly available means every shard's
+    /// primary has an online replica. The sidecars need `--redis-cluster` too.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cluster: bool,
 }
 
 /// A key of a Secret in the drop's namespace.

@@ -71,7 +71,7 @@ async fn apply_parsed(
         }
         (None, None) => return Err(Error::NoRedisUrl),
     };
-    let mut conn = store::connect(&url).await?;
+    let mut conn = store::connect(&url, drop.spec.redis.cluster).await?;
     let report = reconcile::verify_ha(drop, &url, &mut conn, memorystore).await;
     // A one-shot run has no grace period to wait out: an unanswered check keeps
     // the mode already published and says the drop is not Ready.

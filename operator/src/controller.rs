@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use dropgate_api::Connection;
 use dropgate_api::{InventoryDrop, InventoryDropStatus, Mode};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -17,7 +18,6 @@ use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event, finalizer};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, reflector, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use redis::aio::ConnectionManager;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -72,9 +72,10 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub settings: Settings,
-    /// One reconnecting connection per Redis URL, kept across reconciles. The map's
-    /// lock is never held across a connect: a dead Redis delays only its own drops.
-    redis: Mutex<HashMap<String, Arc<OnceCell<ConnectionManager>>>>,
+    /// One reconnecting connection per Redis URL (and whether it is a cluster's),
+    /// kept across reconciles. The map's lock is never held across a connect: a dead
+    /// Redis delays only its own drops.
+    redis: Mutex<HashMap<RedisTarget, Arc<OnceCell<Connection>>>>,
     /// Consecutive failures per drop, for the backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -101,15 +102,19 @@ impl Context {
         }
     }
 
-    async fn redis(&self, url: &str) -> Result<ConnectionManager> {
+    /// The connection to `url` (a cluster's when `cluster`), shared by every drop
+    /// on it.
+    async fn redis(&self, url: &str, cluster: bool) -> Result<Connection> {
         let cell = self
             .redis
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .entry(url.to_string())
+            .entry((url.to_string(), cluster))
             .or_default()
             .clone();
-        cell.get_or_try_init(|| store::connect(url)).await.cloned()
+        cell.get_or_try_init(|| store::connect(url, cluster))
+            .await
+            .cloned()
     }
 
     /// `--redis-url`, else `spec.redis.url`, else the Secret key `spec.redis.secretRef`.
@@ -169,6 +174,9 @@ fn object_key(drop: &InventoryDrop) -> String {
         drop.name_any()
     )
 }
+
+/// A Redis URL and whether it names a cluster.
+type RedisTarget = (String, bool);
 
 /// One reconcile of one drop, wrapped in the finalizer: Apply makes Redis match,
 /// Cleanup removes the drop's keys before Kubernetes deletes the object.
@@ -263,7 +271,7 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
 async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconciled> {
     reconcile::validate(drop)?;
     let url = ctx.redis_url(drop).await?;
-    let mut conn = ctx.redis(&url).await?;
+    let mut conn = ctx.redis(&url, drop.spec.redis.cluster).await?;
     let ha = reconcile::verify_ha(drop, &url, &mut conn, &ctx.memorystore).await;
     let now = Timestamp::now();
     let previous = drop.status.as_ref();
@@ -334,7 +342,7 @@ async fn cleanup(drop: &InventoryDrop, ctx: &Context) -> Result<Action> {
     }
     let removed = async {
         let url = ctx.redis_url(drop).await?;
-        let mut conn = ctx.redis(&url).await?;
+        let mut conn = ctx.redis(&url, drop.spec.redis.cluster).await?;
         store::remove(&mut conn, &keys).await
     };
     let error = match removed.await {

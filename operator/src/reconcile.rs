@@ -2,10 +2,10 @@
 //! and seed, read the stock back, and judge the status. The controller and `apply`
 //! both run exactly this.
 
+use dropgate_api::Connection;
 use dropgate_api::{DropKeys, InventoryDrop, InventoryDropStatus, Mode};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use redis::aio::ConnectionManager;
 
 use crate::decide::{self, Observed};
 use crate::ha::{self, HaReport};
@@ -86,7 +86,7 @@ pub fn span(drop: &InventoryDrop) -> tracing::Span {
 /// ([`decide::kept_mode`]).
 pub async fn reconcile(
     drop: &InventoryDrop,
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     ha_report: HaReport,
     kept: Option<Mode>,
     previous: Option<&InventoryDropStatus>,
@@ -154,11 +154,16 @@ pub async fn reconcile(
 pub async fn verify_ha(
     drop: &InventoryDrop,
     url: &str,
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     memorystore: &Memorystore,
 ) -> HaReport {
-    match &drop.spec.redis.memorystore {
-        Some(instance) => memorystore.verify(instance, url).await,
-        None => ha::replication(conn).await,
+    match (&drop.spec.redis.memorystore, drop.spec.redis.cluster) {
+        (Some(instance), false) => memorystore.verify(instance, url).await,
+        (Some(_), true) => HaReport::unknown(
+            "MemorystoreClusterNotChecked",
+            "Memorystore for Redis Cluster is not checked through Google's API yet: drop spec.redis.memorystore to check the cluster's shards directly".into(),
+        ),
+        (None, false) => ha::replication(conn).await,
+        (None, true) => ha::cluster_shards(conn).await,
     }
 }

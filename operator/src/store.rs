@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use dropgate_api::Connection;
 use dropgate_api::{DropConfig, DropKeys, Mode};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
@@ -10,11 +11,16 @@ use crate::{Error, Result, redact_url};
 
 /// Connects to the drop's Redis. The manager reconnects by itself, so the controller
 /// keeps one per URL for the life of the process.
-pub async fn connect(url: &str) -> Result<ConnectionManager> {
+pub async fn connect(url: &str, cluster: bool) -> Result<Connection> {
     let unavailable = |source| Error::RedisUnavailable {
         url: redact_url(url),
         source,
     };
+    if cluster {
+        return Connection::cluster(url, Duration::from_secs(2), Duration::from_secs(5))
+            .await
+            .map_err(unavailable);
+    }
     let client = redis::Client::open(url).map_err(unavailable)?;
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(2)))
@@ -23,6 +29,7 @@ pub async fn connect(url: &str) -> Result<ConnectionManager> {
         .set_max_delay(Duration::from_millis(500));
     ConnectionManager::new_with_config(client, config)
         .await
+        .map(Connection::from)
         .map_err(unavailable)
 }
 
@@ -43,7 +50,7 @@ pub struct Seeded {
 /// `created_ms` is when the drop's object was created (None outside Kubernetes):
 /// it orders two sales of the same name (see `lua/seed.lua`).
 pub async fn seed(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     config: &DropConfig,
     created_ms: Option<i64>,
@@ -99,7 +106,7 @@ pub struct Stock {
     pub held: i64,
 }
 
-pub async fn stock(conn: &mut ConnectionManager, keys: &DropKeys) -> Result<Stock> {
+pub async fn stock(conn: &mut Connection, keys: &DropKeys) -> Result<Stock> {
     let (remaining, held): (Option<i64>, Option<i64>) = redis::pipe()
         .get(keys.remaining())
         .get(keys.held())
@@ -112,17 +119,14 @@ pub async fn stock(conn: &mut ConnectionManager, keys: &DropKeys) -> Result<Stoc
 }
 
 /// The config the sidecars currently read for this drop, if any.
-pub async fn published(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-) -> Result<Option<DropConfig>> {
+pub async fn published(conn: &mut Connection, keys: &DropKeys) -> Result<Option<DropConfig>> {
     let fields: std::collections::HashMap<String, String> = conn.hgetall(keys.config()).await?;
     Ok(DropConfig::from_fields(&fields)?)
 }
 
 /// Deletes every key of a drop. The config hash goes first, in its own command, so
 /// that sidecars see the drop as unknown before its stock disappears.
-pub async fn remove(conn: &mut ConnectionManager, keys: &DropKeys) -> Result<()> {
+pub async fn remove(conn: &mut Connection, keys: &DropKeys) -> Result<()> {
     let fixed = keys.fixed();
     let _: () = conn.del(&fixed[0]).await?;
     let _: () = conn.del(&fixed[1..]).await?;

@@ -172,7 +172,7 @@ async fn removing_a_drop_deletes_every_key() {
         .hset(keys().reservation("k"), "state", "active")
         .expect("marker");
     let _: () = conn.set("unrelated", 1).expect("other key");
-    let mut manager = store::connect(&redis.url()).await.expect("connects");
+    let mut manager = store::connect(&redis.url(), false).await.expect("connects");
     store::remove(&mut manager, &keys()).await.expect("removes");
     let left: Vec<String> = conn.keys("*").expect("KEYS");
     assert_eq!(left, vec!["unrelated".to_string()]);
@@ -216,7 +216,7 @@ async fn unreachable_redis_and_bad_manifests_are_clear_errors() {
 #[tokio::test]
 async fn a_stale_config_is_refused_and_changes_nothing() {
     let redis = RedisServer::start().expect("redis");
-    let mut conn = store::connect(&redis.url()).await.expect("connects");
+    let mut conn = store::connect(&redis.url(), false).await.expect("connects");
     let at_generation = |generation: i64, limit: i64| {
         let mut drop = dropgate_operator::apply::parse_manifest(&manifest(&format!(
             "  limitedQuantity: {limit}"
@@ -261,7 +261,7 @@ const CREATED: Option<i64> = Some(1_796_000_000_000);
 #[tokio::test]
 async fn writers_that_would_wipe_or_roll_back_a_sale_are_refused() {
     let redis = RedisServer::start().expect("redis");
-    let mut conn = store::connect(&redis.url()).await.expect("connects");
+    let mut conn = store::connect(&redis.url(), false).await.expect("connects");
     let config = |uid: Option<&str>, generation: i64, limit: i64| {
         let mut drop = dropgate_operator::apply::parse_manifest(&manifest(&format!(
             "  limitedQuantity: {limit}"

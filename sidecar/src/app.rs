@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use dropgate_api::Connection;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use crate::Error;
@@ -20,7 +21,7 @@ pub struct App {
     /// One multiplexed connection for every request. It reconnects by itself, so a
     /// Redis restart needs no sidecar restart; while Redis is down, commands fail
     /// within the timeouts below instead of queueing.
-    pub redis: ConnectionManager,
+    pub redis: Connection,
     pub ledger: Ledger,
     pub metrics: Metrics,
     /// Replica acknowledgements an admission waits for (`--wait-replicas`).
@@ -55,8 +56,19 @@ impl App {
             .set_response_timeout(Some(Duration::from_secs(2)))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(200));
-        // Lazy: the sidecar starts (and answers `unavailable`) while Redis is down.
-        let redis = ConnectionManager::new_lazy_with_config(client, config)?;
+        let redis = if settings.redis_cluster {
+            // The cluster's map of slots is read at start: a cluster that cannot be
+            // reached fails the start (Kubernetes restarts the sidecar).
+            Connection::cluster(
+                &settings.redis_url,
+                Duration::from_millis(500),
+                Duration::from_secs(2),
+            )
+            .await?
+        } else {
+            // Lazy: the sidecar starts (and answers `unavailable`) while Redis is down.
+            ConnectionManager::new_lazy_with_config(client, config)?.into()
+        };
         let ledger = Ledger::open(&settings.database_url).await?;
         let mut metrics = Metrics::new();
         metrics.register_ledger(ledger.commit_seconds());

@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
+use dropgate_api::Connection;
 use dropgate_api::{ConfigError, DropConfig, DropKeys};
 use redis::AsyncCommands;
-use redis::aio::ConnectionManager;
 
 use crate::throttle::Throttle;
 
@@ -99,7 +99,7 @@ impl Drops {
     /// no config is published for it.
     pub async fn get(
         &self,
-        conn: &mut ConnectionManager,
+        conn: &mut Connection,
         name: &str,
     ) -> Result<Option<Arc<Drop>>, LookupError> {
         if let Some(known) = self.read().get(name) {
@@ -111,7 +111,7 @@ impl Drops {
     /// Re-reads `name` from Redis. On a Redis error a known drop is kept as it was.
     pub async fn refresh(
         &self,
-        conn: &mut ConnectionManager,
+        conn: &mut Connection,
         name: &str,
     ) -> Result<Option<Arc<Drop>>, LookupError> {
         let keys = DropKeys::new(&self.namespace, name);

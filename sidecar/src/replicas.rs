@@ -9,8 +9,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use dropgate_api::Connection;
 use redis::RedisResult;
-use redis::aio::ConnectionManager;
 
 #[derive(Debug)]
 pub struct Replicas {
@@ -39,7 +39,7 @@ impl Replicas {
     /// Waits until `wanted` replicas acknowledged the writes this request made
     /// (call it after they completed), or the timeout passed. Returns whether they
     /// did; `true` at once when no replica is wanted.
-    pub async fn acknowledged(&self, conn: &mut ConnectionManager) -> RedisResult<bool> {
+    pub async fn acknowledged(&self, conn: &mut Connection) -> RedisResult<bool> {
         if self.wanted == 0 {
             return Ok(true);
         }

@@ -19,6 +19,9 @@ pub struct Settings {
     /// The Redis holding the drops (redis:// or rediss://, credentials in the URL).
     #[arg(long, env = "DROPGATE_REDIS_URL")]
     pub redis_url: String,
+    /// `--redis-url` names a node (or the discovery endpoint) of a Redis Cluster.
+    #[arg(long, env = "DROPGATE_REDIS_CLUSTER", default_value_t = false)]
+    pub redis_cluster: bool,
     /// The Kubernetes namespace whose drops this sidecar serves.
     #[arg(long, env = "DROPGATE_NAMESPACE", default_value = "default")]
     pub namespace: String,
@@ -64,6 +67,12 @@ impl Settings {
         }
         redis::Client::open(self.redis_url.as_str())
             .map_err(|e| format!("--redis-url is not a Redis URL: {e}"))?;
+        // WAIT covers the writes of the connection it is sent on; a cluster
+        // connection is one per node, and which node's WAIT a drop needs is not
+        // modelled yet.
+        if self.redis_cluster && self.wait_replicas > 0 {
+            return Err("--wait-replicas is not supported with --redis-cluster".into());
+        }
         if self.refresh_ms == 0 || self.sweep_ms == 0 {
             return Err("--refresh-ms and --sweep-ms must be positive".into());
         }

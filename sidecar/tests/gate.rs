@@ -414,11 +414,12 @@ async fn a_retry_waiting_on_a_pending_admission_backs_off() {
 async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(3)).await;
-    let mut conn = redis::Client::open(sidecar.redis.url())
+    let mut conn: dropgate_api::Connection = redis::Client::open(sidecar.redis.url())
         .expect("url")
         .get_connection_manager()
         .await
-        .expect("connect");
+        .expect("connect")
+        .into();
     let keys = dropgate_api::DropKeys::new(common::NS, "sale");
     let row = dropgate_sidecar::ledger::Recorded {
         key: "k-0".into(),

@@ -24,6 +24,22 @@ impl RedisServer {
         Self::start_with(&["--replicaof", "127.0.0.1", &port])
     }
 
+    /// Starts an empty node of a Redis Cluster (see [`RedisCluster`]).
+    pub fn start_cluster_node() -> std::io::Result<Self> {
+        Self::start_with(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "2000",
+            // A replica counts as in sync (CLUSTER SHARDS: `online`, not `loading`)
+            // once its replication offset moved; the primary's pings move it.
+            "--repl-ping-replica-period",
+            "1",
+        ])
+    }
+
     fn start_with(extra: &[&str]) -> std::io::Result<Self> {
         let binary =
             find_binary("redis-server", &["/usr/bin", "/usr/local/bin"]).ok_or_else(|| {
@@ -193,4 +209,147 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A real Redis Cluster on loopback ports: three primaries with one replica each,
+/// joined by `redis-cli --cluster create`, every process killed on drop.
+pub struct RedisCluster {
+    /// The six nodes, in the order `redis-cli` was given them: the first three
+    /// start as the primaries.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts the six nodes, makes them a cluster, and waits until every node says
+    /// `cluster_state:ok` and every replica is in sync.
+    pub fn start() -> std::io::Result<Self> {
+        let nodes = (0..6)
+            .map(|_| RedisServer::start_cluster_node())
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let cli = find_binary("redis-cli", &["/usr/bin", "/usr/local/bin"]).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "redis-cli not found: run scripts/setup (apt-get install redis-tools)",
+            )
+        })?;
+        let out = Command::new(cli)
+            .args(["--cluster", "create"])
+            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())))
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )));
+        }
+        let cluster = Self { nodes };
+        cluster.wait_until(Duration::from_secs(30), |cluster| cluster.healthy())?;
+        Ok(cluster)
+    }
+
+    /// A seed address for a cluster client.
+    pub fn url(&self) -> String {
+        self.nodes[0].url()
+    }
+
+    /// Waits until `ready` holds, or fails after `limit`.
+    pub fn wait_until(
+        &self,
+        limit: Duration,
+        ready: impl Fn(&Self) -> bool,
+    ) -> std::io::Result<()> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if ready(self) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(std::io::Error::other(format!(
+            "the Redis Cluster was not ready within {limit:?}"
+        )))
+    }
+
+    /// Every running node says `cluster_state:ok`, and every replica's link to its
+    /// primary is up with the first sync done and its offset moved (before that,
+    /// Redis 7.0's CLUSTER SHARDS calls it `loading`).
+    pub fn healthy(&self) -> bool {
+        self.nodes.iter().filter(|n| n.child.is_some()).all(|node| {
+            let Ok(mut conn) = node.connection() else {
+                return false;
+            };
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query(&mut conn)
+                .unwrap_or_default();
+            let replication: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut conn)
+                .unwrap_or_default();
+            let offset = replication
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("slave_repl_offset:"))
+                .and_then(|o| o.parse::<i64>().ok())
+                .unwrap_or(0);
+            info.contains("cluster_state:ok")
+                && sees_all_online(
+                    &mut conn,
+                    self.nodes.iter().filter(|n| n.child.is_some()).count(),
+                )
+                && (replication.contains("role:master")
+                    || replication.contains("master_link_status:up")
+                        && replication.contains("master_sync_in_progress:0")
+                        && offset > 0)
+        })
+    }
+
+    /// The node that serves `key` now, as a primary: the one that answers it
+    /// without a MOVED redirection.
+    pub fn primary_of(&self, key: &str) -> Option<&RedisServer> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .find(|node| {
+                let Ok(mut conn) = node.connection() else {
+                    return false;
+                };
+                let role: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query(&mut conn)
+                    .unwrap_or_default();
+                role.contains("role:master")
+                    && redis::cmd("EXISTS")
+                        .arg(key)
+                        .query::<i64>(&mut conn)
+                        .is_ok()
+            })
+    }
+}
+
+/// Whether `CLUSTER SHARDS` on this node reports `nodes` nodes, each `online`
+/// (Redis 7.0 shows a replica whose offset it has not yet heard move as `loading`).
+fn sees_all_online(conn: &mut redis::Connection, nodes: usize) -> bool {
+    fn strings(value: &redis::Value, out: &mut Vec<String>) {
+        match value {
+            redis::Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::SimpleString(s) => out.push(s.clone()),
+            redis::Value::Array(items) => items.iter().for_each(|v| strings(v, out)),
+            _ => {}
+        }
+    }
+    let Ok(shards) = redis::cmd("CLUSTER")
+        .arg("SHARDS")
+        .query::<redis::Value>(conn)
+    else {
+        return false;
+    };
+    let mut all = Vec::new();
+    strings(&shards, &mut all);
+    let health: Vec<&String> = all
+        .windows(2)
+        .filter(|w| w[0] == "health")
+        .map(|w| &w[1])
+        .collect();
+    health.len() == nodes && health.iter().all(|h| *h == "online")
 }

@@ -556,7 +556,7 @@ async fn compare_designs(
         spread_check(&conn, SPREAD_DROPS).await?,
     ));
     let raw_spread = measure(clients, per_client, |c, i| {
-        let (mut conn, spread) = (conn.clone(), &spread);
+        let (mut conn, spread) = (dropgate_api::Connection::from(conn.clone()), &spread);
         async move {
             let key = format!("r{c}-{i}");
             let reply = dropgate_sidecar::gate::reserve(
@@ -939,7 +939,7 @@ async fn script_reserves(
     want: Want,
 ) -> Result<(f64, Vec<Duration>), String> {
     measure(clients, per_client, |c, i| {
-        let (mut conn, keys) = (conn.clone(), keys.clone());
+        let (mut conn, keys) = (dropgate_api::Connection::from(conn.clone()), keys.clone());
         async move {
             let key = format!("{prefix}{c}-{i}");
             let reply = dropgate_sidecar::gate::reserve(

@@ -71,6 +71,13 @@ pub struct Settings {
         default_value = "url"
     )]
     pub redis_secret_key: String,
+    /// The sidecars' Redis is a Redis Cluster (`--redis-cluster` for each).
+    #[arg(
+        long = "sidecar-redis-cluster",
+        env = "DROPGATE_SIDECAR_REDIS_CLUSTER",
+        default_value_t = false
+    )]
+    pub redis_cluster: bool,
     /// A Secret holding a PostgreSQL ledger URL, for shops with several replicas;
     /// without it each pod keeps a SQLite ledger on an emptyDir.
     #[arg(
@@ -484,6 +491,11 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
                 value("DROPGATE_HEALTH_LISTEN", format!("0.0.0.0:{HEALTH_PORT}")),
             ]
             .into_iter()
+            .chain(
+                settings
+                    .redis_cluster
+                    .then(|| value("DROPGATE_REDIS_CLUSTER", "true".into())),
+            )
             .chain(settings.traces.env())
             .collect(),
         ),
@@ -735,6 +747,26 @@ mod tests {
             "app",
             "the app is untouched"
         );
+    }
+
+    #[test]
+    fn sidecars_speak_cluster_when_the_chart_says_their_redis_is_one() {
+        let labelled = pod(json!({"dropgate.io/inject": "true"}), json!({}));
+        let cluster_env = |settings: &Settings| match inject(&labelled, "shop", settings) {
+            Ok(Decision::Inject(mutation)) => mutation
+                .sidecar
+                .env
+                .into_iter()
+                .flatten()
+                .find(|e| e.name == "DROPGATE_REDIS_CLUSTER")
+                .and_then(|e| e.value),
+            other => panic!("not injected: {other:?}"),
+        };
+        assert_eq!(cluster_env(&settings()), None);
+        let on_cluster = Cli::try_parse_from(["test", "--sidecar-redis-cluster"])
+            .expect("valid settings")
+            .settings;
+        assert_eq!(cluster_env(&on_cluster).as_deref(), Some("true"));
     }
 
     #[test]

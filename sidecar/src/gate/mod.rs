@@ -10,8 +10,8 @@
 
 use std::sync::LazyLock;
 
+use dropgate_api::Connection;
 use dropgate_api::DropKeys;
-use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
 use tracing::Instrument;
 
@@ -57,7 +57,7 @@ use reply::{Call, Wire};
 /// stays in the drop's hash slot), as one client span.
 async fn run(
     script: &GateScript,
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
     args: &[&str],
@@ -113,7 +113,7 @@ pub fn reserve_sha() -> &'static str {
 /// (see [`open`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn reserve(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
     user: &str,
@@ -139,7 +139,7 @@ pub async fn reserve(
 /// on, and one another ledger was to record are left alone (and leave the pending
 /// set).
 pub async fn abandon(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
     ledger: &str,
@@ -158,7 +158,7 @@ pub struct PendingMarker {
 
 /// The pending admission of `key` as it stands, if the key holds one.
 pub async fn pending_marker(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
 ) -> RedisResult<Option<PendingMarker>> {
@@ -187,7 +187,7 @@ pub async fn pending_marker(
 
 /// Keys of pending admissions overdue at `now_ms`, at most `limit`.
 pub async fn overdue(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     now_ms: i64,
     limit: isize,
@@ -197,7 +197,7 @@ pub async fn overdue(
 
 /// Members of the sorted set `key` scored at or before `now_ms`, at most `limit`.
 async fn scored_until(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     key: &str,
     now_ms: i64,
     limit: isize,
@@ -213,45 +213,33 @@ async fn scored_until(
         .await
 }
 
-pub async fn confirm(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-    key: &str,
-) -> RedisResult<Reply> {
+pub async fn confirm(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Reply> {
     run(&CONFIRM, conn, keys, key, &[])
         .await?
         .reply(Call::Confirm)
 }
 
-pub async fn cancel(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-    key: &str,
-) -> RedisResult<Reply> {
+pub async fn cancel(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Reply> {
     run(&CANCEL, conn, keys, key, &[])
         .await?
         .reply(Call::Cancel)
 }
 
-pub async fn lookup(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-    key: &str,
-) -> RedisResult<Reply> {
+pub async fn lookup(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Reply> {
     run(&LOOKUP, conn, keys, key, &[])
         .await?
         .reply(Call::Lookup)
 }
 
 /// Expires the hold of `key` if its deadline has passed (the sweeper's step).
-pub async fn expire(conn: &mut ConnectionManager, keys: &DropKeys, key: &str) -> RedisResult<Step> {
+pub async fn expire(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Step> {
     run(&EXPIRE, conn, keys, key, &[]).await?.step()
 }
 
 /// Turns the pending admission `attempt` of `key` into an active reservation, or
 /// says how the marker stands when it is not that pending admission any more.
 pub async fn activate(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
     attempt: &str,
@@ -264,7 +252,7 @@ pub async fn activate(
 /// Takes back the pending admission `attempt` of `key` as if it never happened (a
 /// marker that moved on meanwhile is left alone).
 pub async fn undo(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
     attempt: &str,
@@ -276,7 +264,7 @@ pub async fn undo(
 /// `ledger_key` is where `row` was read: a row of another sale than the one Redis
 /// now holds (the drop was re-created while this ran) changes nothing.
 pub async fn replay(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     row: &Recorded,
     ledger_key: &str,
@@ -306,7 +294,7 @@ pub async fn replay(
 
 /// Opens the gate at `epoch` and raises the change counter to `seq_floor`.
 pub async fn open(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     epoch: i64,
     seq_floor: i64,
@@ -318,11 +306,7 @@ pub async fn open(
 }
 
 /// Closes the gate unless it was reopened after `epoch`.
-pub async fn close(
-    conn: &mut ConnectionManager,
-    keys: &DropKeys,
-    epoch: i64,
-) -> RedisResult<Closing> {
+pub async fn close(conn: &mut Connection, keys: &DropKeys, epoch: i64) -> RedisResult<Closing> {
     run(&CLOSE, conn, keys, "", &[&epoch.to_string(), ""])
         .await?
         .closing()
@@ -330,14 +314,14 @@ pub async fn close(
 
 /// Closes the gate for good: Redis lost a sale whose record is spread over per-pod
 /// ledgers, none of which can rebuild it.
-pub async fn condemn(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<()> {
+pub async fn condemn(conn: &mut Connection, keys: &DropKeys) -> RedisResult<()> {
     run(&CLOSE, conn, keys, "", &["0", "lost"])
         .await
         .map(|_| ())
 }
 
 /// What the drop has left in Redis; `None` before it was seeded.
-pub async fn remaining(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<Option<i64>> {
+pub async fn remaining(conn: &mut Connection, keys: &DropKeys) -> RedisResult<Option<i64>> {
     redis::cmd("GET")
         .arg(keys.remaining())
         .query_async(conn)
@@ -363,7 +347,7 @@ impl Gate {
 }
 
 /// The gate and the change counter, as Redis holds them now.
-pub async fn standing(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisResult<(Gate, i64)> {
+pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(Gate, i64)> {
     let (gate, seq): (Option<String>, Option<i64>) = redis::pipe()
         .get(keys.gate())
         .get(keys.seq())
@@ -387,7 +371,7 @@ pub async fn standing(conn: &mut ConnectionManager, keys: &DropKeys) -> RedisRes
 /// [`DropKeys::ledgers`]) and returns them all, in one atomic step: of two
 /// sidecars registering, the later one sees the earlier.
 pub async fn register(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     ledger: &str,
 ) -> RedisResult<Vec<String>> {
@@ -403,7 +387,7 @@ pub async fn register(
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.
 pub async fn due_holds(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &DropKeys,
     now_ms: i64,
     limit: isize,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use redis::aio::ConnectionManager;
+use dropgate_api::Connection;
 use serde_json::Value;
 use sqlx::{Any, AnyPool, Row, Transaction};
 
@@ -92,7 +92,7 @@ const PER_DROP: i64 = 64;
 pub async fn dispatch(
     pool: &AnyPool,
     postgres: bool,
-    redis: &mut ConnectionManager,
+    redis: &mut Connection,
     owner: &str,
     batch: i64,
 ) -> Result<usize, DispatchError> {

@@ -9,9 +9,9 @@
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
+use dropgate_api::Connection;
 use dropgate_api::LockKeys;
 use rand::Rng;
-use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
 use sqlx::AnyPool;
 use tracing::Instrument;
@@ -63,7 +63,7 @@ pub struct FenceLedger<'a> {
 /// exponential backoff and full jitter (a random pause up to the step), so that
 /// contenders spread out instead of retrying in lockstep. `Ok(None)`: still busy.
 pub async fn acquire(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     ledger: FenceLedger<'_>,
     keys: &LockKeys,
     ledger_name: &str,
@@ -101,7 +101,7 @@ pub async fn acquire(
 
 /// [`acquire`]'s attempts, counted in `attempts` (also when one fails).
 async fn take(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     ledger: FenceLedger<'_>,
     keys: &LockKeys,
     ledger_name: &str,
@@ -165,7 +165,7 @@ async fn take(
 
 /// Extends the lease of the holder of `token`; `None` when the lease was lost.
 pub async fn renew(
-    conn: &mut ConnectionManager,
+    conn: &mut Connection,
     keys: &LockKeys,
     token: &str,
     ttl_ms: i64,
@@ -183,11 +183,7 @@ pub async fn renew(
 }
 
 /// Releases the lock if `token` holds it; false when it does not.
-pub async fn release(
-    conn: &mut ConnectionManager,
-    keys: &LockKeys,
-    token: &str,
-) -> RedisResult<bool> {
+pub async fn release(conn: &mut Connection, keys: &LockKeys, token: &str) -> RedisResult<bool> {
     let span = lock_span("lock release");
     let released: RedisResult<i64> = RELEASE
         .key(keys.lock())

@@ -63,6 +63,7 @@ impl Peer {
             wait_replicas: 0,
             wait_timeout_ms: 100,
             trace_buyer_ids: false,
+            redis_cluster: false,
         };
         customize(&mut settings);
         let (stop, stopped) = oneshot::channel::<()>();

@@ -1,0 +1,238 @@
+//! Drops on a real Redis Cluster (three primaries with a replica each, on loopback
+//! ports): `dropgate-operator apply` seeds and checks them, one `dropgate-sidecar
+//! --redis-cluster` sells them, and every drop's script runs on its own shard.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use dropgate_api::DropKeys;
+use dropgate_e2e::processes::{SidecarProcess, binary};
+use dropgate_testkit::{DropSpec, HttpClient, RedisCluster, Reply};
+use futures::future::join_all;
+
+const LIMIT: usize = 100;
+const BUYERS: usize = 500;
+/// Enough drops that their hash tags land on all three shards.
+const DROPS: usize = 6;
+
+fn drop_name(i: usize) -> String {
+    format!("drop-{i}")
+}
+
+/// An InventoryDrop manifest for `shop/<name>` on the cluster, with `spec`'s lines.
+fn manifest(dir: &Path, name: &str, spec: &DropSpec) -> PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: shop}}\n\
+             spec:\n  redis: {{url: redis://unused:1, cluster: true, requireHighAvailability: true}}\n{}",
+            spec.yaml()
+        ),
+    )
+    .expect("manifest");
+    path
+}
+
+/// `dropgate-operator apply` against the cluster: its exit status and its output.
+fn apply(manifest: &Path, cluster: &RedisCluster) -> (bool, String) {
+    let out = Command::new(binary("dropgate-operator"))
+        .arg("apply")
+        .arg("-f")
+        .arg(manifest)
+        .args(["--redis-url", &cluster.url()])
+        .output()
+        .expect("run dropgate-operator");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+async fn reserve(http: &HttpClient, drop: &str, buyer: usize) -> Reply {
+    let body = format!(r#"{{"key":"k{buyer}","user":"u{buyer}","quantity":1}}"#);
+    http.post(&format!("/v1/drops/{drop}/reservations"), &body)
+        .await
+        .expect("reserve")
+}
+
+/// A drop's `remaining` and `held` as the cluster holds them.
+async fn stock(conn: &mut dropgate_api::Connection, drop: &str) -> (i64, i64) {
+    let keys = DropKeys::new("shop", drop);
+    let remaining: i64 = redis::cmd("GET")
+        .arg(keys.remaining())
+        .query_async(conn)
+        .await
+        .expect("GET remaining");
+    let held: i64 = redis::cmd("GET")
+        .arg(keys.held())
+        .query_async(conn)
+        .await
+        .expect("GET held");
+    (remaining, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
+    let cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    let spec = DropSpec::new(LIMIT as i64).permits(1000);
+    for i in 0..DROPS {
+        let (ready, out) = apply(&manifest(dir.path(), &drop_name(i), &spec), &cluster);
+        assert!(ready, "apply on the cluster: {out}");
+        assert!(out.contains("mode: gate"), "{out}");
+        assert!(
+            out.contains("ClusterReplicated"),
+            "the shards' HA check: {out}"
+        );
+    }
+    // The drops' slots are spread over every shard.
+    let shards: HashSet<u16> = (0..DROPS)
+        .map(|i| {
+            let config = DropKeys::new("shop", &drop_name(i)).config();
+            cluster
+                .primary_of(&config)
+                .expect("a primary serves it")
+                .port()
+        })
+        .collect();
+    assert_eq!(shards.len(), 3, "the drops sit on every shard: {shards:?}");
+
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start_with(&cluster.url(), "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("sidecar on the cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+
+    // Every drop's rush at once: 500 buyers for 100 units each.
+    let rush = join_all((0..DROPS).flat_map(|d| {
+        let http = http.clone();
+        (0..BUYERS).map(move |b| {
+            let http = http.clone();
+            async move { (d, b, reserve(&http, &drop_name(d), b).await) }
+        })
+    }))
+    .await;
+    let mut admitted: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (d, b, reply) in &rush {
+        match reply.status.as_u16() {
+            201 => admitted.entry(*d).or_default().push(*b),
+            409 => reply.assert_answer(409, "sold_out"),
+            503 => reply.assert_answer(503, "throttled"),
+            _ => panic!("drop {d} buyer {b}: {}", reply.text),
+        }
+    }
+    let mut conn = dropgate_api::Connection::cluster(
+        &cluster.url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    for d in 0..DROPS {
+        let sold = admitted.get(&d).map_or(0, Vec::len);
+        assert_eq!(sold, LIMIT, "drop {d} sold {sold} of {LIMIT}");
+        assert_eq!(stock(&mut conn, &drop_name(d)).await, (0, LIMIT as i64));
+    }
+
+    // Retries of admitted keys are the same reservation; cancels return units once.
+    for d in 0..DROPS {
+        let name = drop_name(d);
+        let buyers = &admitted[&d][..10];
+        for &b in buyers {
+            reserve(&http, &name, b)
+                .await
+                .assert_answer(200, "already_reserved");
+            for expected in ["cancelled", "already_cancelled"] {
+                http.post(&format!("/v1/drops/{name}/reservations/k{b}/cancel"), "")
+                    .await
+                    .expect("cancel")
+                    .assert_answer(200, expected);
+            }
+        }
+        assert_eq!(stock(&mut conn, &name).await, (10, LIMIT as i64 - 10));
+        let kept = admitted[&d][10];
+        for expected in ["confirmed", "already_confirmed"] {
+            http.post(
+                &format!("/v1/drops/{name}/reservations/k{kept}/confirm"),
+                "",
+            )
+            .await
+            .expect("confirm")
+            .assert_answer(200, expected);
+        }
+    }
+
+    // Locks live on the cluster too, each in its own slot.
+    for name in ["packing-slip", "refunds", "nightly-export"] {
+        let taken = http
+            .post(
+                &format!("/v1/locks/{name}"),
+                r#"{"owner":"worker-1","ttlMs":5000,"waitMs":0}"#,
+            )
+            .await
+            .expect("acquire");
+        taken.assert_answer(200, "acquired");
+        let token = taken.body["token"].as_str().unwrap_or_default().to_string();
+        let renew = format!(r#"{{"token":"{token}","ttlMs":5000}}"#);
+        http.post(&format!("/v1/locks/{name}/renew"), &renew)
+            .await
+            .expect("renew")
+            .assert_answer(200, "renewed");
+        http.request(
+            warp::http::Method::DELETE,
+            &format!("/v1/locks/{name}"),
+            Some(&format!(r#"{{"token":"{token}"}}"#)),
+        )
+        .await
+        .expect("release")
+        .assert_answer(200, "released");
+    }
+
+    // The kill switch of one drop sends it to the fallback path; the others keep
+    // the gate.
+    let switched = manifest(dir.path(), &drop_name(0), &spec.clone().kill_switch());
+    assert!(apply(&switched, &cluster).0);
+    let mut fallback = None;
+    for attempt in 0..100 {
+        let reply = reserve(&http, &drop_name(0), 10_000 + attempt).await;
+        if reply.headers.get("dropgate-path").is_some() {
+            fallback = Some(reply);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let fallback = fallback.expect("the kill switch reached the sidecar");
+    assert_eq!(fallback.body["path"], "fallback", "{}", fallback.text);
+    let other = reserve(&http, &drop_name(1), 10_000).await;
+    other.assert_answer(201, "admitted");
+    assert_eq!(other.body["path"], "gate", "{}", other.text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_without_a_replica_fails_the_ha_check() {
+    let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    // The last three nodes start as the replicas: kill one.
+    cluster.nodes[5].stop();
+    cluster
+        .wait_until(std::time::Duration::from_secs(30), |cluster| {
+            let mut conn = cluster.nodes[0].connection().expect("connect");
+            let shards: redis::Value = redis::cmd("CLUSTER")
+                .arg("SHARDS")
+                .query(&mut conn)
+                .expect("CLUSTER SHARDS");
+            dropgate_operator::ha::from_cluster_shards(&shards).reason
+                == "ClusterShardWithoutReplica"
+        })
+        .expect("the cluster sees the replica gone");
+    let (ready, out) = apply(&manifest(dir.path(), "sale", &DropSpec::new(10)), &cluster);
+    assert!(
+        !ready,
+        "a shard without a replica is not highly available: {out}"
+    );
+    assert!(out.contains("ClusterShardWithoutReplica"), "{out}");
+}
