@@ -236,3 +236,109 @@ async fn a_shard_without_a_replica_fails_the_ha_check() {
     );
     assert!(out.contains("ClusterShardWithoutReplica"), "{out}");
 }
+
+/// A buyer who retries the same key after a 503 (as `Retry-After` asks) until
+/// the answer is final: the answer, and how many 503s it took.
+async fn buy(http: &HttpClient, drop: &str, buyer: usize) -> (Reply, usize) {
+    let mut unavailable = 0;
+    loop {
+        let reply = reserve(http, drop, buyer).await;
+        if reply.status.as_u16() != 503 || unavailable >= 300 {
+            return (reply, unavailable);
+        }
+        unavailable += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard() {
+    let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    let spec = DropSpec::new(LIMIT as i64).permits(1000);
+    let mut primary = Vec::new();
+    for i in 0..DROPS {
+        let (ready, out) = apply(&manifest(dir.path(), &drop_name(i), &spec), &cluster);
+        assert!(ready, "{out}");
+        let config = DropKeys::new("shop", &drop_name(i)).config();
+        primary.push(cluster.primary_of(&config).expect("a primary").port());
+    }
+    // The shard of drop-0 fails over; the drops elsewhere must not notice.
+    let victim = primary[0];
+    let on_victim: Vec<usize> = (0..DROPS).filter(|&d| primary[d] == victim).collect();
+    let elsewhere: Vec<usize> = (0..DROPS).filter(|&d| primary[d] != victim).collect();
+    assert!(!elsewhere.is_empty(), "drops on other shards: {primary:?}");
+
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start_with(&cluster.url(), "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("sidecar on the cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+
+    let victim_index = cluster
+        .nodes
+        .iter()
+        .position(|n| n.port() == victim)
+        .expect("the victim is a node");
+    let rush = join_all((0..DROPS).flat_map(|d| {
+        let http = http.clone();
+        (0..BUYERS).map(move |b| {
+            let http = http.clone();
+            async move {
+                // Spread over the failover: a buyer every few milliseconds.
+                tokio::time::sleep(std::time::Duration::from_millis((b * 6) as u64)).await;
+                let (reply, retries) = buy(&http, &drop_name(d), b).await;
+                (d, b, reply, retries)
+            }
+        })
+    }));
+    let failover = async {
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        cluster.nodes[victim_index].stop();
+    };
+    let (answers, ()) = tokio::join!(rush, failover);
+
+    let mut sold: HashMap<usize, usize> = HashMap::new();
+    let mut paused: HashMap<usize, usize> = HashMap::new();
+    for (d, b, reply, retries) in &answers {
+        *paused.entry(*d).or_default() += retries;
+        match reply.status.as_u16() {
+            201 => *sold.entry(*d).or_default() += 1,
+            409 => reply.assert_answer(409, "sold_out"),
+            _ => panic!("drop {d} buyer {b} after {retries} retries: {}", reply.text),
+        }
+    }
+    for d in 0..DROPS {
+        let sold = sold.get(&d).copied().unwrap_or(0);
+        assert_eq!(
+            sold, LIMIT,
+            "drop {d} (primary {}) sold {sold} of {LIMIT}",
+            primary[d]
+        );
+    }
+    for d in &elsewhere {
+        assert_eq!(
+            paused.get(d).copied().unwrap_or(0),
+            0,
+            "drop {d} on another shard heard 503 during the failover of {victim}"
+        );
+    }
+    let mut conn = dropgate_api::Connection::cluster(
+        &cluster.url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    for d in 0..DROPS {
+        assert_eq!(
+            stock(&mut conn, &drop_name(d)).await,
+            (0, LIMIT as i64),
+            "drop {d}"
+        );
+    }
+    let waited: usize = on_victim.iter().map(|d| paused[d]).sum();
+    println!(
+        "failover of {victim}: drops {on_victim:?} answered 503 {waited} times meanwhile; drops {elsewhere:?} never"
+    );
+}

@@ -26,14 +26,9 @@ pub struct App {
     pub metrics: Metrics,
     /// Replica acknowledgements an admission waits for (`--wait-replicas`).
     pub replicas: Replicas,
-    /// Until when (ms since the epoch) Redis is taken as unreachable without asking
-    /// it: after a connection failure, every request would otherwise wait out a
-    /// reconnect attempt before its failure policy applied.
-    redis_down_until: AtomicI64,
-    /// When Redis last answered this sidecar (ms since the epoch): a Redis outage
-    /// hands a drop to the ledger only once this sidecar, too, has not reached Redis
-    /// for a while.
-    redis_reached_at: AtomicI64,
+    /// Whether the one Redis is reachable. On a cluster each drop has its own (its
+    /// shard's), so that one shard's failover pauses no drop on another.
+    breaker: Breaker,
     /// This process, in the ledger's record of which sidecars reach Redis.
     pub sidecar_id: String,
     /// How long no sidecar sharing the ledger may have reached Redis before a Redis
@@ -78,8 +73,7 @@ impl App {
             ledger,
             metrics,
             replicas: Replicas::new(settings.wait_replicas, settings.wait_timeout_ms),
-            redis_down_until: AtomicI64::new(0),
-            redis_reached_at: AtomicI64::new(0),
+            breaker: Breaker::default(),
             sidecar_id: format!("{:016x}", rand::random::<u64>()),
             quiet_ms: i64::try_from(settings.refresh_ms.saturating_mul(4))
                 .unwrap_or(i64::MAX)
@@ -88,9 +82,33 @@ impl App {
         })
     }
 
+    /// The breaker of the Redis that `drop` lives on; `None`: the sidecar's own
+    /// calls (on a cluster they reach some node, which says nothing of a shard).
+    pub fn breaker<'a>(&'a self, drop: Option<&'a crate::drops::Drop>) -> &'a Breaker {
+        match drop {
+            Some(drop) if self.redis.is_cluster() => &drop.breaker,
+            _ => &self.breaker,
+        }
+    }
+}
+
+/// Whether a Redis (or one shard of a cluster) is taken as reachable.
+#[derive(Debug, Default)]
+pub struct Breaker {
+    /// Until when (ms since the epoch) it is taken as unreachable without asking
+    /// it: after a connection failure, every request would otherwise wait out a
+    /// reconnect attempt before its failure policy applied.
+    down_until: AtomicI64,
+    /// When it last answered this sidecar (ms since the epoch): a Redis outage
+    /// hands a drop to the ledger only once this sidecar, too, has not reached Redis
+    /// for a while.
+    reached_at: AtomicI64,
+}
+
+impl Breaker {
     /// The error to act on while Redis is taken as unreachable, if it is.
-    pub fn redis_breaker(&self) -> Option<redis::RedisError> {
-        (now_ms() < self.redis_down_until.load(Ordering::Acquire)).then(|| {
+    pub fn tripped(&self) -> Option<redis::RedisError> {
+        (now_ms() < self.down_until.load(Ordering::Acquire)).then(|| {
             redis::RedisError::from((
                 redis::ErrorKind::Client,
                 "Redis is unreachable (a connection failed within the last second)",
@@ -99,25 +117,25 @@ impl App {
     }
 
     /// Notes a failed Redis call: a connection-level failure opens the breaker.
-    pub fn redis_failed(&self, error: &redis::RedisError) {
+    pub fn failed(&self, error: &redis::RedisError) {
         if error.is_io_error()
             || error.is_connection_refusal()
             || error.is_connection_dropped()
             || error.is_timeout()
         {
-            self.redis_down_until
+            self.down_until
                 .store(now_ms() + REDIS_BREAK_MS, Ordering::Release);
         }
     }
 
     /// Notes that Redis answered: requests go to it again.
-    pub fn redis_answered(&self) {
-        self.redis_down_until.store(0, Ordering::Release);
-        self.redis_reached_at.store(now_ms(), Ordering::Release);
+    pub fn answered(&self) {
+        self.down_until.store(0, Ordering::Release);
+        self.reached_at.store(now_ms(), Ordering::Release);
     }
 
     /// When Redis last answered (ms since the epoch; 0 never).
-    pub fn redis_reached_at(&self) -> i64 {
-        self.redis_reached_at.load(Ordering::Acquire)
+    pub fn reached_at(&self) -> i64 {
+        self.reached_at.load(Ordering::Acquire)
     }
 }

@@ -25,6 +25,9 @@ pub struct Drop {
     /// Held while this sidecar opens the gate or hands the drop to the ledger, so
     /// that concurrent requests wait for one hand-over instead of racing their own.
     pub handover: tokio::sync::Mutex<()>,
+    /// On a Redis Cluster, whether this drop's shard is reachable (see
+    /// [`App::breaker`](crate::app::App::breaker)).
+    pub breaker: crate::app::Breaker,
 }
 
 impl Drop {
@@ -36,6 +39,7 @@ impl Drop {
             throttle: Throttle::new(config.permits),
             config: RwLock::new(config),
             handover: tokio::sync::Mutex::new(()),
+            breaker: crate::app::Breaker::default(),
         }
     }
 

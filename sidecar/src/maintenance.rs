@@ -72,11 +72,11 @@ async fn refresh_configs(app: &App) {
                     crate::clock::local_ms(),
                 );
             }
-            app.redis_answered();
+            app.breaker(None).answered();
             true
         }
         Err(error) => {
-            app.redis_failed(&error);
+            app.breaker(None).failed(&error);
             false
         }
     };

@@ -70,7 +70,7 @@ pub(super) async fn on_gate(
             Ok(reply) => reply,
             Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
         };
-        app.redis_answered();
+        app.breaker(Some(drop)).answered();
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
             break reply;
         }
@@ -191,7 +191,7 @@ pub(super) async fn on_gate(
         Err(error) => {
             // Redis is in line again once the refresh replays the ledger's record
             // (pending -> active); until then the hold still counts in Redis.
-            app.redis_failed(&error);
+            app.breaker(Some(drop)).failed(&error);
             tracing::warn!(drop = %drop.name, %error, "activation failed after the ledger recorded the admission");
             replay_later(app, drop, &ledger_key, &request.key).await;
             // No replica wait: Redis just failed under this connection, and the

@@ -338,7 +338,7 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
         Reason::Outage => Some(now - app.quiet_ms),
     };
     if let Some(since) = quiet_since
-        && (app.redis_reached_at() > since
+        && (app.breaker(Some(drop)).reached_at() > since
             || current.as_ref().is_some_and(|a| a.changed_at_ms > since))
     {
         return Err(Refusal::Refused(format!(

@@ -201,7 +201,7 @@ fn choose(app: &App, drop: &Drop, config: &DropConfig) -> Choice {
     match config.mode {
         Mode::FailOpen => Choice::Fallback(Reason::Mode),
         Mode::Closed => Choice::Refused(closed(drop)),
-        Mode::Gate => match app.redis_breaker() {
+        Mode::Gate => match app.breaker(Some(drop)).tripped() {
             None => Choice::Gate,
             Some(unreachable) => after_redis_failure(app, drop, config, &unreachable),
         },
@@ -215,7 +215,7 @@ fn after_redis_failure(
     config: &DropConfig,
     error: &redis::RedisError,
 ) -> Choice {
-    app.redis_failed(error);
+    app.breaker(Some(drop)).failed(error);
     match config.failure_policy {
         FailurePolicy::Open => {
             // Per request, so debug: the breaker opening and the hand-over to the

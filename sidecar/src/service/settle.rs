@@ -76,7 +76,7 @@ pub(super) async fn on_gate(
         Ok(reply) => reply,
         Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
     };
-    app.redis_answered();
+    app.breaker(Some(drop)).answered();
     if reply.outcome == Outcome::Closed {
         return Turn::Reopen { suspect: false };
     }
