@@ -308,12 +308,11 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
             _ => panic!("drop {d} buyer {b} after {retries} retries: {}", reply.text),
         }
     }
-    for d in 0..DROPS {
+    for (d, port) in primary.iter().enumerate() {
         let sold = sold.get(&d).copied().unwrap_or(0);
         assert_eq!(
             sold, LIMIT,
-            "drop {d} (primary {}) sold {sold} of {LIMIT}",
-            primary[d]
+            "drop {d} (primary {port}) sold {sold} of {LIMIT}"
         );
     }
     for d in &elsewhere {
