@@ -341,3 +341,119 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
         "failover of {victim}: drops {on_victim:?} answered 503 {waited} times meanwhile; drops {elsewhere:?} never"
     );
 }
+
+/// On a cluster, Redis refuses a script whose keys (declared or not) are in more
+/// than one slot: every gate script, read and sweep a sidecar makes, and the
+/// operator's cleanup, run once against a drop on the cluster without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
+    use dropgate_sidecar::gate;
+    let cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    let (ready, out) = apply(&manifest(dir.path(), "sale", &DropSpec::new(10)), &cluster);
+    assert!(ready, "{out}");
+    let mut conn = dropgate_api::Connection::cluster(
+        &cluster.url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    let keys = DropKeys::new("shop", "sale");
+    let c = &mut conn;
+    let in_one_slot = |what: &str, error: redis::RedisError| -> ! {
+        panic!("{what} failed on the cluster: {error}")
+    };
+    let (_, seq) = gate::standing(c, &keys)
+        .await
+        .unwrap_or_else(|e| in_one_slot("standing", e));
+    gate::register(c, &keys, "ledger-a")
+        .await
+        .unwrap_or_else(|e| in_one_slot("register", e));
+    gate::open(c, &keys, 1, seq)
+        .await
+        .unwrap_or_else(|e| in_one_slot("open", e));
+    for key in ["k1", "k2", "k3", "k4", "k5"] {
+        gate::reserve(
+            c,
+            &keys,
+            key,
+            key,
+            1,
+            &format!("a-{key}"),
+            "ledger-a",
+            60_000,
+        )
+        .await
+        .unwrap_or_else(|e| in_one_slot("reserve", e));
+    }
+    gate::activate(c, &keys, "k1", "a-k1")
+        .await
+        .unwrap_or_else(|e| in_one_slot("activate", e));
+    gate::lookup(c, &keys, "k1")
+        .await
+        .unwrap_or_else(|e| in_one_slot("lookup", e));
+    gate::confirm(c, &keys, "k1")
+        .await
+        .unwrap_or_else(|e| in_one_slot("confirm", e));
+    gate::activate(c, &keys, "k2", "a-k2")
+        .await
+        .unwrap_or_else(|e| in_one_slot("activate", e));
+    gate::cancel(c, &keys, "k2")
+        .await
+        .unwrap_or_else(|e| in_one_slot("cancel", e));
+    gate::activate(c, &keys, "k3", "a-k3")
+        .await
+        .unwrap_or_else(|e| in_one_slot("activate", e));
+    gate::expire(c, &keys, "k3")
+        .await
+        .unwrap_or_else(|e| in_one_slot("expire", e));
+    gate::undo(c, &keys, "k4", "a-k4")
+        .await
+        .unwrap_or_else(|e| in_one_slot("undo", e));
+    gate::abandon(c, &keys, "k5", "ledger-a")
+        .await
+        .unwrap_or_else(|e| in_one_slot("abandon", e));
+    gate::pending_marker(c, &keys, "k5")
+        .await
+        .unwrap_or_else(|e| in_one_slot("pending_marker", e));
+    gate::overdue(c, &keys, i64::MAX, 10)
+        .await
+        .unwrap_or_else(|e| in_one_slot("overdue", e));
+    gate::due_holds(c, &keys, i64::MAX, 10)
+        .await
+        .unwrap_or_else(|e| in_one_slot("due_holds", e));
+    gate::remaining(c, &keys)
+        .await
+        .unwrap_or_else(|e| in_one_slot("remaining", e));
+    let sale: String = redis::cmd("HGET")
+        .arg(keys.config())
+        .arg("sale")
+        .query_async(c)
+        .await
+        .unwrap_or_else(|e| in_one_slot("HGET config", e));
+    let row = dropgate_sidecar::ledger::Recorded {
+        key: "k6".into(),
+        user: "k6".into(),
+        quantity: 1,
+        state: dropgate_sidecar::reservation::State::Active,
+        expires_at_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64)
+            + 60_000,
+        seq: 100,
+    };
+    let ledger_key = dropgate_api::keys::ledger_key("shop", "sale", &sale);
+    gate::replay(c, &keys, &row, &ledger_key)
+        .await
+        .unwrap_or_else(|e| in_one_slot("replay", e));
+    gate::close(c, &keys, 1)
+        .await
+        .unwrap_or_else(|e| in_one_slot("close", e));
+    gate::condemn(c, &keys)
+        .await
+        .unwrap_or_else(|e| in_one_slot("condemn", e));
+    dropgate_operator::store::remove(c, &keys)
+        .await
+        .unwrap_or_else(|e| panic!("the operator's cleanup failed on the cluster: {e}"));
+}
