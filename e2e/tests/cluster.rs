@@ -457,3 +457,85 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
         .await
         .unwrap_or_else(|e| panic!("the operator's cleanup failed on the cluster: {e}"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_live_drops_slot_moved_to_another_shard_mid_sale_sells_exactly_its_limit() {
+    let cluster = std::sync::Arc::new(RedisCluster::start().expect("a local Redis Cluster"));
+    let dir = tempfile::tempdir().expect("dir");
+    let spec = DropSpec::new(LIMIT as i64).permits(1000);
+    let (ready, out) = apply(&manifest(dir.path(), &drop_name(0), &spec), &cluster);
+    assert!(ready, "{out}");
+    let config = DropKeys::new("shop", &drop_name(0)).config();
+    let from = cluster.primary_of(&config).expect("a primary").port();
+    let to = cluster.nodes[..3]
+        .iter()
+        .map(|n| n.port())
+        .find(|&p| p != from)
+        .expect("another primary");
+
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start_with(&cluster.url(), "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("sidecar on the cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+    // The drop's first buyers, so that its slot holds reservations to move.
+    for b in 0..20 {
+        buy(&http, &drop_name(0), b)
+            .await
+            .0
+            .assert_answer(201, "admitted");
+    }
+
+    let rush = join_all((20..BUYERS).map(|b| {
+        let http = http.clone();
+        async move {
+            tokio::time::sleep(std::time::Duration::from_millis((b * 4) as u64)).await;
+            let (reply, retries) = buy(&http, &drop_name(0), b).await;
+            (b, reply, retries)
+        }
+    }));
+    let moving = cluster.clone();
+    let config_key = config.clone();
+    let migration = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        let moved = moving.move_slot_of(&config_key, to, std::time::Duration::from_millis(60));
+        (moved, started.elapsed())
+    });
+    let (answers, moved) = tokio::join!(rush, migration);
+    let (moved, took) = moved.expect("joined");
+    let moved = moved.expect("the slot moved");
+    assert_eq!(
+        cluster.primary_of(&config).map(|n| n.port()),
+        Some(to),
+        "the drop lives on its new shard"
+    );
+
+    let mut sold = 20;
+    let mut retried = 0;
+    for (b, reply, retries) in &answers {
+        retried += retries;
+        match reply.status.as_u16() {
+            201 => sold += 1,
+            409 => reply.assert_answer(409, "sold_out"),
+            _ => panic!("buyer {b} after {retries} retries: {}", reply.text),
+        }
+    }
+    assert_eq!(sold, LIMIT, "sold {sold} of {LIMIT}");
+    let mut conn = dropgate_api::Connection::cluster(
+        &cluster.url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    assert_eq!(stock(&mut conn, &drop_name(0)).await, (0, LIMIT as i64));
+    // The first buyers' reservations moved with the slot.
+    for b in 0..20 {
+        reserve(&http, &drop_name(0), b)
+            .await
+            .assert_answer(200, "already_reserved");
+    }
+    println!(
+        "slot moved from {from} to {to} mid-sale ({moved} keys one by one in {took:?}): {retried} answers were 503 and retried"
+    );
+}

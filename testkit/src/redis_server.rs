@@ -304,6 +304,98 @@ impl RedisCluster {
         })
     }
 
+    /// Moves the slot of `key` to the primary on `to_port` the way `redis-cli
+    /// --cluster reshard` does (IMPORTING / MIGRATING, MIGRATE key by key, then
+    /// SETSLOT NODE), pausing `pause` after each key so that clients meet the slot
+    /// half moved (ASK and TRYAGAIN). Returns how many keys moved.
+    pub fn move_slot_of(&self, key: &str, to_port: u16, pause: Duration) -> std::io::Result<usize> {
+        let fail = |what: &str, e: redis::RedisError| std::io::Error::other(format!("{what}: {e}"));
+        let source = self
+            .primary_of(key)
+            .ok_or_else(|| std::io::Error::other("no primary serves the key"))?;
+        let target = self
+            .nodes
+            .iter()
+            .find(|n| n.port() == to_port)
+            .ok_or_else(|| std::io::Error::other("no such node"))?;
+        let (mut from, mut to) = (
+            source.connection().map_err(|e| fail("connect", e))?,
+            target.connection().map_err(|e| fail("connect", e))?,
+        );
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut from)
+            .map_err(|e| fail("KEYSLOT", e))?;
+        let id = |conn: &mut redis::Connection| -> std::io::Result<String> {
+            redis::cmd("CLUSTER")
+                .arg("MYID")
+                .query(conn)
+                .map_err(|e| fail("MYID", e))
+        };
+        let (from_id, to_id) = (id(&mut from)?, id(&mut to)?);
+        redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("IMPORTING")
+            .arg(&from_id)
+            .exec(&mut to)
+            .map_err(|e| fail("SETSLOT IMPORTING", e))?;
+        redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("MIGRATING")
+            .arg(&to_id)
+            .exec(&mut from)
+            .map_err(|e| fail("SETSLOT MIGRATING", e))?;
+        let mut moved = 0;
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(1)
+                .query(&mut from)
+                .map_err(|e| fail("GETKEYSINSLOT", e))?;
+            let Some(moving) = keys.first() else {
+                break;
+            };
+            redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to_port)
+                .arg(moving)
+                .arg(0)
+                .arg(5000)
+                .exec(&mut from)
+                .map_err(|e| fail("MIGRATE", e))?;
+            moved += 1;
+            std::thread::sleep(pause);
+        }
+        // The target first, so that the slot is never without an owner; replicas
+        // learn it from their primaries.
+        for node in std::iter::once(target).chain(
+            self.nodes
+                .iter()
+                .filter(|n| n.child.is_some() && n.port() != to_port),
+        ) {
+            let mut conn = node.connection().map_err(|e| fail("connect", e))?;
+            let role: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut conn)
+                .map_err(|e| fail("INFO", e))?;
+            if !role.contains("role:master") {
+                continue;
+            }
+            redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg("NODE")
+                .arg(&to_id)
+                .exec(&mut conn)
+                .map_err(|e| fail("SETSLOT NODE", e))?;
+        }
+        Ok(moved)
+    }
+
     /// The node that serves `key` now, as a primary: the one that answers it
     /// without a MOVED redirection.
     pub fn primary_of(&self, key: &str) -> Option<&RedisServer> {
