@@ -145,7 +145,8 @@ pub struct MemorystoreInstance {
     /// The region, such as europe-west1.
     #[schemars(length(min = 1, max = 63))]
     pub location: String,
-    /// The instance ID.
+    /// The instance ID; with `cluster: true`, the Memorystore for Redis Cluster's
+    /// ID (checked as ACTIVE with a replica per shard).
     #[schemars(length(min = 1, max = 63))]
     pub instance: String,
 }

@@ -1,6 +1,7 @@
 //! High-availability verification through Google's Memorystore for Redis API.
 //!
-//! `GET {endpoint}/v1/projects/{p}/locations/{l}/instances/{i}` with a bearer token
+//! `GET {endpoint}/v1/projects/{p}/locations/{l}/instances/{i}` (Memorystore for
+//! Redis) or `.../clusters/{c}` (Memorystore for Redis Cluster) with a bearer token
 //! from the GCE/GKE metadata server. Both endpoints are settings, so tests point them
 //! at a local server. Every failure becomes a report with a clear reason, never a
 //! panic and never a pass.
@@ -68,14 +69,65 @@ struct Instance {
     port: Option<u16>,
 }
 
+/// A Memorystore for Redis Cluster, as the API describes it.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Cluster {
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    replica_count: Option<i64>,
+    #[serde(default)]
+    shard_count: Option<i64>,
+    /// Where clients discover the cluster: the address a drop's URL names.
+    #[serde(default)]
+    discovery_endpoints: Vec<Endpoint>,
+}
+
+#[derive(Deserialize)]
+struct Endpoint {
+    #[serde(default)]
+    address: Option<String>,
+    #[serde(default)]
+    port: Option<u16>,
+}
+
+/// What a drop names in `spec.redis.memorystore`: an instance, or (with
+/// `spec.redis.cluster`) a cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Instance,
+    Cluster,
+}
+
+impl Kind {
+    fn collection(self) -> &'static str {
+        match self {
+            Kind::Instance => "instances",
+            Kind::Cluster => "clusters",
+        }
+    }
+
+    fn word(self) -> &'static str {
+        match self {
+            Kind::Instance => "instance",
+            Kind::Cluster => "cluster",
+        }
+    }
+}
+
 /// How long a verified answer is reused: the API has quotas, and an instance's
 /// tier does not change from one reconcile to the next.
 pub const VERDICT_TTL: Duration = Duration::from_secs(60);
 
-/// A verdict when the instance does not serve the drop's Redis URL: a drop must not
-/// pass the check with somebody else's instance. The URL's host may be a name for
-/// the instance's IP address.
-async fn serves_elsewhere(name: &str, instance: &Instance, redis_url: &str) -> Option<HaReport> {
+/// A verdict when none of `endpoints` (the instance's host and port, a cluster's
+/// discovery endpoints) is the drop's Redis URL: a drop must not pass the check
+/// with somebody else's Redis. The URL's host may be a name for the address.
+async fn serves_elsewhere(
+    name: &str,
+    endpoints: &[(String, u16)],
+    redis_url: &str,
+) -> Option<HaReport> {
     let url = redis::parse_redis_url(redis_url)?;
     let host = url
         .host_str()?
@@ -83,39 +135,42 @@ async fn serves_elsewhere(name: &str, instance: &Instance, redis_url: &str) -> O
         .trim_end_matches(']')
         .to_string();
     let port = url.port().unwrap_or(6379);
-    let (Some(their_host), Some(their_port)) = (instance.host.as_deref(), instance.port) else {
+    if endpoints.is_empty() {
         return Some(HaReport::verdict(
             Tier::Unknown,
             false,
             "InstanceMismatch",
             format!(
-                "Memorystore instance {name} reports no host and port to compare with the drop's Redis {host}:{port}"
+                "Memorystore {name} reports no host and port to compare with the drop's Redis {host}:{port}"
             ),
         ));
-    };
-    let same_host = if host == their_host {
+    }
+    let theirs = |ip: &str| endpoints.iter().any(|(h, p)| h == ip && *p == port);
+    let same = if theirs(&host) {
         true
     } else {
         match tokio::net::lookup_host((host.as_str(), port)).await {
-            Ok(mut addrs) => addrs.any(|a| a.ip().to_string() == their_host),
+            Ok(mut addrs) => addrs.any(|a| theirs(&a.ip().to_string())),
             // A name that does not resolve now says nothing about the instance.
             Err(e) => {
                 return Some(HaReport::unknown(
                     "RedisHostUnresolved",
                     format!(
-                        "cannot resolve the drop's Redis host {host} to compare it with Memorystore instance {name}: {e}"
+                        "cannot resolve the drop's Redis host {host} to compare it with Memorystore {name}: {e}"
                     ),
                 ));
             }
         }
     };
-    (!(same_host && port == their_port)).then(|| {
+    (!same).then(|| {
+        let theirs: Vec<String> = endpoints.iter().map(|(h, p)| format!("{h}:{p}")).collect();
         HaReport::verdict(
             Tier::Unknown,
             false,
             "InstanceMismatch",
             format!(
-                "Memorystore instance {name} serves {their_host}:{their_port}, not the drop's Redis {host}:{port}"
+                "Memorystore {name} serves {}, not the drop's Redis {host}:{port}",
+                theirs.join(", ")
             ),
         )
     })
@@ -154,9 +209,29 @@ impl Memorystore {
     /// that fails is [`Verdict::Unknown`](crate::ha::Verdict::Unknown), never a pass
     /// and never a fail.
     pub async fn verify(&self, instance: &MemorystoreInstance, redis_url: &str) -> HaReport {
+        self.verify_named(Kind::Instance, instance, redis_url).await
+    }
+
+    /// Judges the Memorystore for Redis Cluster named by `cluster` (its `instance`
+    /// field is the cluster's ID) behind `redis_url`: ACTIVE, at least one replica
+    /// per shard, and one of its discovery endpoints the drop's URL pass. Cached
+    /// and failed as [`Memorystore::verify`] is.
+    pub async fn verify_cluster(&self, cluster: &MemorystoreInstance, redis_url: &str) -> HaReport {
+        self.verify_named(Kind::Cluster, cluster, redis_url).await
+    }
+
+    async fn verify_named(
+        &self,
+        kind: Kind,
+        instance: &MemorystoreInstance,
+        redis_url: &str,
+    ) -> HaReport {
         let name = format!(
-            "projects/{}/locations/{}/instances/{}",
-            instance.project, instance.location, instance.instance
+            "projects/{}/locations/{}/{}/{}",
+            instance.project,
+            instance.location,
+            kind.collection(),
+            instance.instance
         );
         let cache_key = format!("{name} {redis_url}");
         if let Some((report, at)) = self.verdicts.lock().await.get(&cache_key)
@@ -164,7 +239,7 @@ impl Memorystore {
         {
             return report.clone();
         }
-        let report = self.ask(&name, redis_url).await;
+        let report = self.ask(kind, &name, redis_url).await;
         if report.is_verified() {
             self.verdicts
                 .lock()
@@ -174,7 +249,7 @@ impl Memorystore {
         report
     }
 
-    async fn ask(&self, name: &str, redis_url: &str) -> HaReport {
+    async fn ask(&self, kind: Kind, name: &str, redis_url: &str) -> HaReport {
         let url = format!("{}/v1/{name}", self.endpoint);
         // A 401 is a token that expired or was rotated early: fetch a new one and
         // try once more.
@@ -221,8 +296,11 @@ impl Memorystore {
                 return HaReport::verdict(
                     Tier::Unknown,
                     false,
-                    "MemorystoreInstanceNotFound",
-                    format!("Memorystore instance {name} does not exist"),
+                    match kind {
+                        Kind::Instance => "MemorystoreInstanceNotFound",
+                        Kind::Cluster => "MemorystoreClusterNotFound",
+                    },
+                    format!("Memorystore {} {name} does not exist", kind.word()),
                 );
             }
             other => {
@@ -232,21 +310,45 @@ impl Memorystore {
                 );
             }
         }
-        let parsed: Instance = match serde_json::from_slice(&body) {
-            Ok(parsed) => parsed,
-            Err(e) => {
-                return HaReport::unknown(
-                    "MemorystoreBadResponse",
-                    format!(
-                        "Memorystore API answered for {name} with something that is not an instance: {e}"
-                    ),
-                );
-            }
+        let unreadable = |e: serde_json::Error| {
+            HaReport::unknown(
+                "MemorystoreBadResponse",
+                format!(
+                    "Memorystore API answered for {name} with something that is not {} {}: {e}",
+                    if kind == Kind::Instance { "an" } else { "a" },
+                    kind.word()
+                ),
+            )
         };
-        if let Some(mismatch) = serves_elsewhere(name, &parsed, redis_url).await {
-            return mismatch;
+        match kind {
+            Kind::Instance => {
+                let parsed: Instance = match serde_json::from_slice(&body) {
+                    Ok(parsed) => parsed,
+                    Err(e) => return unreadable(e),
+                };
+                let endpoints: Vec<(String, u16)> =
+                    parsed.host.clone().zip(parsed.port).into_iter().collect();
+                if let Some(mismatch) = serves_elsewhere(name, &endpoints, redis_url).await {
+                    return mismatch;
+                }
+                judge(name, parsed.tier.as_deref(), parsed.state.as_deref())
+            }
+            Kind::Cluster => {
+                let parsed: Cluster = match serde_json::from_slice(&body) {
+                    Ok(parsed) => parsed,
+                    Err(e) => return unreadable(e),
+                };
+                let endpoints: Vec<(String, u16)> = parsed
+                    .discovery_endpoints
+                    .iter()
+                    .filter_map(|e| e.address.clone().zip(e.port))
+                    .collect();
+                if let Some(mismatch) = serves_elsewhere(name, &endpoints, redis_url).await {
+                    return mismatch;
+                }
+                judge_cluster(name, &parsed)
+            }
         }
-        judge(name, parsed.tier.as_deref(), parsed.state.as_deref())
     }
 
     async fn token(&self) -> Result<String, String> {
@@ -335,6 +437,43 @@ impl Memorystore {
         }
         answered
     }
+}
+
+/// ACTIVE with a replica per shard passes; the rest say what is missing. A cluster
+/// being updated or scaled is not counted on: it is a verdict, like an instance that
+/// is not READY.
+fn judge_cluster(name: &str, cluster: &Cluster) -> HaReport {
+    let state = cluster.state.as_deref().unwrap_or("STATE_UNSPECIFIED");
+    let replicas = cluster.replica_count.unwrap_or(0);
+    let shards = cluster
+        .shard_count
+        .map_or_else(|| "its".to_string(), |n| n.to_string());
+    if state != "ACTIVE" {
+        return HaReport::verdict(
+            Tier::Unknown,
+            false,
+            "ClusterNotActive",
+            format!("Memorystore cluster {name} is {state}, not ACTIVE"),
+        );
+    }
+    if replicas < 1 {
+        return HaReport::verdict(
+            Tier::Standalone,
+            false,
+            "ClusterShardWithoutReplica",
+            format!(
+                "Memorystore cluster {name} has no replica per shard (replicaCount {replicas}): a failover loses the drop"
+            ),
+        );
+    }
+    HaReport::verdict(
+        Tier::Replicated,
+        true,
+        "ClusterReplicated",
+        format!(
+            "Memorystore cluster {name} is ACTIVE with {replicas} replica(s) for each of {shards} shards"
+        ),
+    )
 }
 
 /// STANDARD_HA and READY pass; the rest say what is missing.

@@ -159,10 +159,7 @@ pub async fn verify_ha(
 ) -> HaReport {
     match (&drop.spec.redis.memorystore, drop.spec.redis.cluster) {
         (Some(instance), false) => memorystore.verify(instance, url).await,
-        (Some(_), true) => HaReport::unknown(
-            "MemorystoreClusterNotChecked",
-            "Memorystore for Redis Cluster is not checked through Google's API yet: drop spec.redis.memorystore to check the cluster's shards directly".into(),
-        ),
+        (Some(cluster), true) => memorystore.verify_cluster(cluster, url).await,
         (None, false) => ha::replication(conn).await,
         (None, true) => ha::cluster_shards(conn).await,
     }

@@ -92,7 +92,33 @@ async fn fake_google() -> (SocketAddr, Calls) {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(warp::serve(metadata.or(instance)).incoming(listener).run());
+    let cluster = warp::path!("v1" / "projects" / String / "locations" / String / "clusters" / String)
+        .and(warp::header::optional::<String>("authorization"))
+        .map(|_project: String, _location: String, name: String, auth: Option<String>| {
+            if !auth.unwrap_or_default().starts_with("Bearer ya29.token-") {
+                return warp::reply::with_status("unauthenticated".to_string(), StatusCode::UNAUTHORIZED);
+            }
+            let cluster = |state: &str, replicas: u32, address: &str| {
+                format!(
+                    r#"{{"name":"projects/p/locations/l/clusters/{name}","state":"{state}","shardCount":3,"replicaCount":{replicas},"discoveryEndpoints":[{{"address":"{address}","port":6379,"pscConfig":{{"network":"projects/p/global/networks/default"}}}}]}}"#
+                )
+            };
+            let (status, body) = match name.as_str() {
+                "active" => (StatusCode::OK, cluster("ACTIVE", 1, "127.0.0.1")),
+                "no-replicas" => (StatusCode::OK, cluster("ACTIVE", 0, "127.0.0.1")),
+                "scaling" => (StatusCode::OK, cluster("UPDATING", 1, "127.0.0.1")),
+                "elsewhere" => (StatusCode::OK, cluster("ACTIVE", 1, "10.9.9.9")),
+                "garbage" => (StatusCode::OK, r#"{"state": 7}"#.to_string()),
+                "broken" => (StatusCode::INTERNAL_SERVER_ERROR, "oops".to_string()),
+                _ => (StatusCode::NOT_FOUND, r#"{"error":{"code":404}}"#.to_string()),
+            };
+            warp::reply::with_status(body, status)
+        });
+    tokio::spawn(
+        warp::serve(metadata.or(instance).or(cluster))
+            .incoming(listener)
+            .run(),
+    );
     (addr, calls)
 }
 
@@ -178,6 +204,79 @@ async fn every_answer_of_the_api_is_judged() {
         assert_eq!(report.verdict, verdict, "{name}: {report:?}");
         assert_eq!(report.reason, reason, "{name}: {report:?}");
         assert!(report.message.contains(word), "{name}: {}", report.message);
+    }
+}
+
+#[tokio::test]
+async fn every_answer_about_a_cluster_is_judged() {
+    let (addr, _) = fake_google().await;
+    let base = format!("http://{addr}");
+    let client = Memorystore::new(&base, &base, Duration::from_millis(500));
+    use Verdict::{HighlyAvailable as Ha, NotHighlyAvailable as NotHa, Unknown};
+    // (cluster, tier, verdict, reason, a word of the message).
+    let table = [
+        (
+            "active",
+            Tier::Replicated,
+            Ha,
+            "ClusterReplicated",
+            "3 shards",
+        ),
+        (
+            "no-replicas",
+            Tier::Standalone,
+            NotHa,
+            "ClusterShardWithoutReplica",
+            "replicaCount 0",
+        ),
+        (
+            "scaling",
+            Tier::Unknown,
+            NotHa,
+            "ClusterNotActive",
+            "UPDATING",
+        ),
+        (
+            "elsewhere",
+            Tier::Unknown,
+            NotHa,
+            "InstanceMismatch",
+            "10.9.9.9:6379",
+        ),
+        (
+            "missing",
+            Tier::Unknown,
+            NotHa,
+            "MemorystoreClusterNotFound",
+            "does not exist",
+        ),
+        (
+            "garbage",
+            Tier::Unknown,
+            Unknown,
+            "MemorystoreBadResponse",
+            "not a cluster",
+        ),
+        ("broken", Tier::Unknown, Unknown, "MemorystoreError", "500"),
+    ];
+    for (name, tier, verdict, reason, word) in table {
+        let report = client.verify_cluster(&instance(name), REDIS).await;
+        assert_eq!(
+            (report.tier, report.verdict, report.reason),
+            (tier, verdict, reason),
+            "cluster {name}: {}",
+            report.message
+        );
+        assert!(
+            report.message.contains(word),
+            "cluster {name}: {}",
+            report.message
+        );
+        assert!(
+            report.message.contains("/clusters/"),
+            "names the cluster: {}",
+            report.message
+        );
     }
 }
 
