@@ -539,3 +539,174 @@ async fn a_live_drops_slot_moved_to_another_shard_mid_sale_sells_exactly_its_lim
         "slot moved from {from} to {to} mid-sale ({moved} keys one by one in {took:?}): {retried} answers were 503 and retried"
     );
 }
+
+/// Waits until every running node of the cluster says `cluster_state:ok`.
+fn settled(cluster: &RedisCluster) -> bool {
+    cluster.nodes.iter().all(|node| {
+        node.connection().is_err()
+            || node.connection().is_ok_and(|mut conn| {
+                redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query::<String>(&mut conn)
+                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+            })
+    })
+}
+
+/// The lossy failover of one shard: its replica is frozen while buyers are
+/// admitted on its primary (acknowledged, recorded in the ledger, never
+/// replicated), the primary dies, and the stale replica takes over. Every
+/// acknowledged reservation is still held afterwards, each drop sells exactly its
+/// limit, and the drops on the other shards never pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() {
+    let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    let spec = DropSpec::new(LIMIT as i64).permits(1000);
+    let mut primary = Vec::new();
+    for i in 0..DROPS {
+        let (ready, out) = apply(&manifest(dir.path(), &drop_name(i), &spec), &cluster);
+        assert!(ready, "{out}");
+        let config = DropKeys::new("shop", &drop_name(i)).config();
+        primary.push(cluster.primary_of(&config).expect("a primary").port());
+    }
+    let victim = primary[0];
+    let on_victim: Vec<usize> = (0..DROPS).filter(|&d| primary[d] == victim).collect();
+    let elsewhere: Vec<usize> = (0..DROPS).filter(|&d| primary[d] != victim).collect();
+    let victim_index = cluster
+        .nodes
+        .iter()
+        .position(|n| n.port() == victim)
+        .expect("the victim is a node");
+    let stale = cluster.replica_of(victim).expect("the victim's replica");
+
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start_with(&cluster.url(), "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("sidecar on the cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+    let admit = |range: std::ops::Range<usize>, drops: Vec<usize>| {
+        let http = http.clone();
+        async move {
+            join_all(drops.iter().flat_map(|&d| {
+                let http = http.clone();
+                range.clone().map(move |b| {
+                    let http = http.clone();
+                    async move { (d, b, buy(&http, &drop_name(d), b).await) }
+                })
+            }))
+            .await
+        }
+    };
+    for (d, b, (reply, _)) in admit(0..20, (0..DROPS).collect()).await {
+        reply.assert_answer_because(201, "admitted", &format!("drop {d} buyer {b}"));
+    }
+
+    // Acknowledged on the primary, never replicated: the replica is frozen and its
+    // link cut (what it had not read yet is gone with the link).
+    cluster.nodes[stale].pause().expect("SIGSTOP the replica");
+    {
+        let mut conn = cluster.nodes[victim_index].connection().expect("connect");
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("replica")
+            .exec(&mut conn)
+            .expect("cut the replication link");
+    }
+    for (d, b, (reply, _)) in admit(20..40, on_victim.clone()).await {
+        reply.assert_answer_because(201, "admitted", &format!("drop {d} buyer {b}"));
+    }
+    cluster.nodes[victim_index].stop();
+    cluster.nodes[stale].resume().expect("SIGCONT the replica");
+    {
+        let mut conn = cluster.nodes[stale].connection().expect("connect");
+        redis::cmd("CLUSTER")
+            .arg("FAILOVER")
+            .arg("TAKEOVER")
+            .exec(&mut conn)
+            .expect("the stale replica takes over");
+    }
+    cluster
+        .wait_until(std::time::Duration::from_secs(30), settled)
+        .expect("the cluster settles on the new primary");
+    // What the new primary lost (read at once: the sidecar rebuilds soon after).
+    let mut fresh = dropgate_api::Connection::cluster(
+        &cluster.nodes[stale].url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    let mut lost = 0;
+    for &d in &on_victim {
+        for b in 20..40 {
+            let marker = DropKeys::new("shop", &drop_name(d)).reservation(&format!("k{b}"));
+            let exists: i64 = redis::cmd("EXISTS")
+                .arg(marker)
+                .query_async(&mut fresh)
+                .await
+                .expect("EXISTS");
+            lost += usize::from(exists == 0);
+        }
+    }
+    println!(
+        "the new primary of drops {on_victim:?} had lost {lost} of {} acknowledged reservations",
+        on_victim.len() * 20
+    );
+
+    // Every acknowledged reservation is still held: its retry answers that it is
+    // (or, when Redis lost it and the ledger's rebuild has not run yet, admits the
+    // same key again, which the ledger records as the reservation it already has).
+    // Half of the lost ones retry; the other half never do, and only the ledger's
+    // rebuild can give their units back to them rather than to new buyers.
+    for (d, b, (reply, _)) in admit(0..30, on_victim.clone()).await {
+        let held = matches!(
+            (reply.status.as_u16(), reply.outcome()),
+            (200, "already_reserved") | (201, "admitted")
+        ) && reply.body["state"] == "active";
+        assert!(held, "drop {d} buyer {b}: {}", reply.text);
+    }
+    // The rest of the buyers: each drop sells exactly its limit.
+    let rest = admit(40..BUYERS, (0..DROPS).collect()).await;
+    let mut sold: HashMap<usize, usize> = HashMap::new();
+    let mut paused: HashMap<usize, usize> = HashMap::new();
+    for (d, b, (reply, retries)) in &rest {
+        *paused.entry(*d).or_default() += retries;
+        match reply.status.as_u16() {
+            201 => *sold.entry(*d).or_default() += 1,
+            409 => reply.assert_answer(409, "sold_out"),
+            _ => panic!("drop {d} buyer {b} after {retries} retries: {}", reply.text),
+        }
+    }
+    for d in 0..DROPS {
+        let before = if on_victim.contains(&d) { 40 } else { 20 };
+        let sold = before + sold.get(&d).copied().unwrap_or(0);
+        assert_eq!(sold, LIMIT, "drop {d} sold {sold} of {LIMIT}");
+    }
+    for d in &elsewhere {
+        assert_eq!(paused.get(d).copied().unwrap_or(0), 0, "drop {d} paused");
+    }
+    let mut conn = dropgate_api::Connection::cluster(
+        &cluster.nodes[stale].url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    for d in 0..DROPS {
+        assert_eq!(
+            stock(&mut conn, &drop_name(d)).await,
+            (0, LIMIT as i64),
+            "drop {d}"
+        );
+    }
+    for &d in &on_victim {
+        for b in 30..40 {
+            http.get(&format!("/v1/drops/{}/reservations/k{b}", drop_name(d)))
+                .await
+                .expect("look-up")
+                .assert_answer_because(200, "found", &format!("drop {d} buyer {b}, never retried"));
+        }
+    }
+}

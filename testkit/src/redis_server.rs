@@ -396,6 +396,20 @@ impl RedisCluster {
         Ok(moved)
     }
 
+    /// The index in [`RedisCluster::nodes`] of the replica of the primary on
+    /// `port`.
+    pub fn replica_of(&self, port: u16) -> Option<usize> {
+        self.nodes.iter().position(|node| {
+            node.child.is_some()
+                && node.connection().is_ok_and(|mut conn| {
+                    redis::cmd("INFO")
+                        .arg("replication")
+                        .query::<String>(&mut conn)
+                        .is_ok_and(|info| info.contains(&format!("master_port:{port}\r\n")))
+                })
+        })
+    }
+
     /// The node that serves `key` now, as a primary: the one that answers it
     /// without a MOVED redirection.
     pub fn primary_of(&self, key: &str) -> Option<&RedisServer> {
