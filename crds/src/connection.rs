@@ -4,12 +4,14 @@
 //! cluster, the client finds that node, follows MOVED and ASK, and keeps one
 //! connection per node however many drops live there.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use tokio::sync::OnceCell;
 
 /// A connection to the Redis a drop lives on; cheap to clone (clones share it).
 #[derive(Clone)]
@@ -18,13 +20,32 @@ pub enum Connection {
     Single(ConnectionManager),
     /// A Redis Cluster, found from one seed address (a discovery endpoint works).
     Cluster(ClusterConnection),
+    /// A Redis Cluster connected on first use: until it is reached, every call
+    /// fails as an unreachable Redis does (so a sidecar starts, and answers by its
+    /// failure policy, while the cluster is down).
+    LazyCluster(Arc<LazyCluster>),
+}
+
+/// A cluster client and, once a call reached the cluster, its connection.
+pub struct LazyCluster {
+    client: ClusterClient,
+    connected: OnceCell<ClusterConnection>,
+}
+
+impl LazyCluster {
+    async fn connection(&self) -> RedisResult<ClusterConnection> {
+        self.connected
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await
+            .cloned()
+    }
 }
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Connection::Single(_) => "Connection::Single",
-            Connection::Cluster(_) => "Connection::Cluster",
+            Connection::Cluster(_) | Connection::LazyCluster(_) => "Connection::Cluster",
         })
     }
 }
@@ -34,17 +55,50 @@ impl Connection {
     /// call fails within `response` and a node's connection is tried for at most
     /// `connect`.
     pub async fn cluster(url: &str, connect: Duration, response: Duration) -> RedisResult<Self> {
-        let client = ClusterClient::builder(vec![url])
-            .connection_timeout(connect)
-            .response_timeout(response)
-            .retries(2)
-            .build()?;
+        let client = cluster_client(url, connect, response)?;
         Ok(Connection::Cluster(client.get_async_connection().await?))
     }
 
-    pub fn is_cluster(&self) -> bool {
-        matches!(self, Connection::Cluster(_))
+    /// [`Connection::cluster`], connected on the first call instead of now: only
+    /// a URL that is not one fails here.
+    pub fn cluster_lazy(url: &str, connect: Duration, response: Duration) -> RedisResult<Self> {
+        Ok(Connection::LazyCluster(Arc::new(LazyCluster {
+            client: cluster_client(url, connect, response)?,
+            connected: OnceCell::new(),
+        })))
     }
+
+    /// Runs `cmd` on the primary serving `key`'s slot (on one Redis, on it): for
+    /// a command without keys about one drop, such as a SCAN of its reservations,
+    /// which a cluster client would otherwise send to any node.
+    pub async fn on_slot_of(&mut self, key: &str, cmd: Cmd) -> RedisResult<Value> {
+        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+        let route = || {
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_slot(
+                Slot::for_key(key),
+                SlotAddr::Master,
+            )))
+        };
+        match self {
+            Connection::Single(conn) => cmd.query_async(conn).await,
+            Connection::Cluster(conn) => conn.route_command(cmd, route()).await,
+            Connection::LazyCluster(lazy) => {
+                lazy.connection().await?.route_command(cmd, route()).await
+            }
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Connection::Cluster(_) | Connection::LazyCluster(_))
+    }
+}
+
+fn cluster_client(url: &str, connect: Duration, response: Duration) -> RedisResult<ClusterClient> {
+    ClusterClient::builder(vec![url])
+        .connection_timeout(connect)
+        .response_timeout(response)
+        .retries(2)
+        .build()
 }
 
 impl From<ConnectionManager> for Connection {
@@ -58,6 +112,10 @@ impl ConnectionLike for Connection {
         match self {
             Connection::Single(conn) => conn.req_packed_command(cmd),
             Connection::Cluster(conn) => conn.req_packed_command(cmd),
+            Connection::LazyCluster(lazy) => Box::pin(async move {
+                let mut conn = lazy.connection().await?;
+                conn.req_packed_command(cmd).await
+            }),
         }
     }
 
@@ -70,6 +128,10 @@ impl ConnectionLike for Connection {
         match self {
             Connection::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
             Connection::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+            Connection::LazyCluster(lazy) => Box::pin(async move {
+                let mut conn = lazy.connection().await?;
+                conn.req_packed_commands(pipeline, offset, count).await
+            }),
         }
     }
 
@@ -77,6 +139,7 @@ impl ConnectionLike for Connection {
         match self {
             Connection::Single(conn) => conn.get_db(),
             Connection::Cluster(conn) => conn.get_db(),
+            Connection::LazyCluster(_) => 0,
         }
     }
 }

@@ -121,7 +121,7 @@ pub struct RedisSpec {
     /// The URL names a node (or the discovery endpoint) of a Redis Cluster: the
     /// drop lives in its hash tag's slot, and highly available means every shard's
     /// primary has an online replica. The sidecars need `--redis-cluster` too.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default)]
     pub cluster: bool,
 }
 

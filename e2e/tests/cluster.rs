@@ -11,6 +11,10 @@ use dropgate_e2e::processes::{SidecarProcess, binary};
 use dropgate_testkit::{DropSpec, HttpClient, RedisCluster, Reply};
 use futures::future::join_all;
 
+/// One cluster at a time: each test runs six redis-servers and a sidecar, and two
+/// at once on a 2-core machine starve the failovers' timing.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const LIMIT: usize = 100;
 const BUYERS: usize = 500;
 /// Enough drops that their hash tags land on all three shards.
@@ -77,6 +81,7 @@ async fn stock(conn: &mut dropgate_api::Connection, drop: &str) -> (i64, i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start().expect("a local Redis Cluster");
     let dir = tempfile::tempdir().expect("dir");
     let spec = DropSpec::new(LIMIT as i64).permits(1000);
@@ -214,19 +219,30 @@ async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_without_a_replica_fails_the_ha_check() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
     let dir = tempfile::tempdir().expect("dir");
-    // The last three nodes start as the replicas: kill one.
-    cluster.nodes[5].stop();
+    let replica = cluster
+        .replica_of(cluster.nodes[0].port())
+        .expect("the first primary's replica");
+    cluster.nodes[replica].stop();
+    // Every running node marks it failed (CLUSTER NODES' `fail` flag) after the
+    // node timeout; the operator may ask any of them.
     cluster
         .wait_until(std::time::Duration::from_secs(30), |cluster| {
-            let mut conn = cluster.nodes[0].connection().expect("connect");
-            let shards: redis::Value = redis::cmd("CLUSTER")
-                .arg("SHARDS")
-                .query(&mut conn)
-                .expect("CLUSTER SHARDS");
-            dropgate_operator::ha::from_cluster_shards(&shards).reason
-                == "ClusterShardWithoutReplica"
+            cluster.nodes.iter().enumerate().all(|(i, node)| {
+                i == replica
+                    || node.connection().is_ok_and(|mut conn| {
+                        redis::cmd("CLUSTER")
+                            .arg("NODES")
+                            .query::<String>(&mut conn)
+                            .is_ok_and(|nodes| {
+                                nodes.lines().any(|l| {
+                                    l.contains("slave,fail ") || l.contains("replica,fail ")
+                                })
+                            })
+                    })
+            })
         })
         .expect("the cluster sees the replica gone");
     let (ready, out) = apply(&manifest(dir.path(), "sale", &DropSpec::new(10)), &cluster);
@@ -253,6 +269,7 @@ async fn buy(http: &HttpClient, drop: &str, buyer: usize) -> (Reply, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
     let dir = tempfile::tempdir().expect("dir");
     let spec = DropSpec::new(LIMIT as i64).permits(1000);
@@ -293,7 +310,8 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
         })
     }));
     let failover = async {
-        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        // Early in the rush: most of the units are sold after the promotion.
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
         cluster.nodes[victim_index].stop();
     };
     let (answers, ()) = tokio::join!(rush, failover);
@@ -303,7 +321,11 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
     for (d, b, reply, retries) in &answers {
         *paused.entry(*d).or_default() += retries;
         match reply.status.as_u16() {
-            201 => *sold.entry(*d).or_default() += 1,
+            201 => {
+                // Sold through the gate, never the fallback path.
+                assert_eq!(reply.body["path"], "gate", "drop {d}: {}", reply.text);
+                *sold.entry(*d).or_default() += 1
+            }
             409 => reply.assert_answer(409, "sold_out"),
             _ => panic!("drop {d} buyer {b} after {retries} retries: {}", reply.text),
         }
@@ -337,6 +359,10 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
         );
     }
     let waited: usize = on_victim.iter().map(|d| paused[d]).sum();
+    assert!(
+        waited > 0,
+        "the failover happened mid-sale: its drops waited for it"
+    );
     println!(
         "failover of {victim}: drops {on_victim:?} answered 503 {waited} times meanwhile; drops {elsewhere:?} never"
     );
@@ -347,6 +373,7 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
 /// operator's cleanup, run once against a drop on the cluster without an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     use dropgate_sidecar::gate;
     let cluster = RedisCluster::start().expect("a local Redis Cluster");
     let dir = tempfile::tempdir().expect("dir");
@@ -456,10 +483,20 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
     dropgate_operator::store::remove(c, &keys)
         .await
         .unwrap_or_else(|e| panic!("the operator's cleanup failed on the cluster: {e}"));
+    let mut left = redis::cmd("KEYS");
+    left.arg("dropgate:{shop/sale}*");
+    let left: Vec<String> = redis::from_redis_value(
+        c.on_slot_of(&keys.config(), left)
+            .await
+            .unwrap_or_else(|e| in_one_slot("KEYS", e)),
+    )
+    .expect("a list of keys");
+    assert!(left.is_empty(), "the cleanup left keys behind: {left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_live_drops_slot_moved_to_another_shard_mid_sale_sells_exactly_its_limit() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let cluster = std::sync::Arc::new(RedisCluster::start().expect("a local Redis Cluster"));
     let dir = tempfile::tempdir().expect("dir");
     let spec = DropSpec::new(LIMIT as i64).permits(1000);
@@ -560,6 +597,7 @@ fn settled(cluster: &RedisCluster) -> bool {
 /// limit, and the drops on the other shards never pause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
     let dir = tempfile::tempdir().expect("dir");
     let spec = DropSpec::new(LIMIT as i64).permits(1000);
@@ -617,6 +655,15 @@ async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() 
     for (d, b, (reply, _)) in admit(20..40, on_victim.clone()).await {
         reply.assert_answer_because(201, "admitted", &format!("drop {d} buyer {b}"));
     }
+    // The sidecar is frozen through the failover, so that what the new primary
+    // lost can be read before the sidecar rebuilds it.
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &sidecar.pid().to_string()])
+            .status()
+            .expect("kill")
+    };
+    signal("-STOP");
     cluster.nodes[victim_index].stop();
     cluster.nodes[stale].resume().expect("SIGCONT the replica");
     {
@@ -650,10 +697,12 @@ async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() 
             lost += usize::from(exists == 0);
         }
     }
-    println!(
-        "the new primary of drops {on_victim:?} had lost {lost} of {} acknowledged reservations",
-        on_victim.len() * 20
+    assert_eq!(
+        lost,
+        on_victim.len() * 20,
+        "the failover lost the unreplicated reservations"
     );
+    signal("-CONT");
 
     // Every acknowledged reservation is still held: its retry answers that it is
     // (or, when Redis lost it and the ledger's rebuild has not run yet, admits the
@@ -674,7 +723,11 @@ async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() 
     for (d, b, (reply, retries)) in &rest {
         *paused.entry(*d).or_default() += retries;
         match reply.status.as_u16() {
-            201 => *sold.entry(*d).or_default() += 1,
+            201 => {
+                // Sold through the gate, never the fallback path.
+                assert_eq!(reply.body["path"], "gate", "drop {d}: {}", reply.text);
+                *sold.entry(*d).or_default() += 1
+            }
             409 => reply.assert_answer(409, "sold_out"),
             _ => panic!("drop {d} buyer {b} after {retries} retries: {}", reply.text),
         }
@@ -701,12 +754,41 @@ async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() 
             "drop {d}"
         );
     }
+    // The never-retried reservations are back in Redis (a look-up would answer
+    // from the ledger even without the rebuild).
     for &d in &on_victim {
         for b in 30..40 {
-            http.get(&format!("/v1/drops/{}/reservations/k{b}", drop_name(d)))
+            let marker = DropKeys::new("shop", &drop_name(d)).reservation(&format!("k{b}"));
+            let state: Option<String> = redis::cmd("HGET")
+                .arg(&marker)
+                .arg("state")
+                .query_async(&mut conn)
                 .await
-                .expect("look-up")
-                .assert_answer_because(200, "found", &format!("drop {d} buyer {b}, never retried"));
+                .expect("HGET");
+            assert_eq!(
+                state.as_deref(),
+                Some("active"),
+                "drop {d} buyer {b}, never retried"
+            );
         }
     }
+}
+
+/// A sidecar whose cluster cannot be reached starts all the same (its pod must not
+/// wait on Redis) and answers 503 until the cluster answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_starts_while_its_cluster_is_unreachable() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let nowhere = format!(
+        "redis://127.0.0.1:{}",
+        dropgate_testkit::free_port().expect("a free port")
+    );
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start_with(&nowhere, "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("the sidecar starts without its cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+    let reply = reserve(&http, "sale", 1).await;
+    assert_eq!(reply.status.as_u16(), 503, "{}", reply.text);
 }

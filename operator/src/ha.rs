@@ -208,15 +208,38 @@ pub fn from_cluster_shards(reply: &redis::Value) -> HaReport {
 /// Reads Redis's `maxmemory-policy`: anything but `noeviction` may evict a drop's
 /// keys under memory pressure, and an evicted stock key loses the sale's count.
 /// `None` when the server does not say (managed Redis often refuses CONFIG).
+/// On a cluster every primary answers; any one that evicts is reported.
 pub async fn eviction_policy(conn: &mut Connection) -> Option<String> {
-    let info: String = redis::cmd("INFO")
+    let reply: redis::Value = redis::cmd("INFO")
         .arg("memory")
         .query_async(conn)
         .await
         .ok()?;
-    info.lines()
-        .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
-        .map(str::to_string)
+    let policy = |info: &str| {
+        info.lines()
+            .find_map(|line| line.trim().strip_prefix("maxmemory_policy:"))
+            .map(str::to_string)
+    };
+    let text = |value: &redis::Value| match value {
+        redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        redis::Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    };
+    match &reply {
+        redis::Value::Map(nodes) => {
+            let policies: Vec<String> = nodes
+                .iter()
+                .filter_map(|(_, info)| policy(&text(info)?))
+                .collect();
+            policies
+                .iter()
+                .find(|p| p.as_str() != "noeviction")
+                .or(policies.first())
+                .cloned()
+        }
+        single => policy(&text(single)?),
+    }
 }
 
 /// Judges an `INFO replication` reply: a master with at least one replica in state

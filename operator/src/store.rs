@@ -133,14 +133,16 @@ pub async fn remove(conn: &mut Connection, keys: &DropKeys) -> Result<()> {
     let pattern = keys.reservation_pattern();
     let mut cursor: u64 = 0;
     loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
             .arg("MATCH")
             .arg(&pattern)
             .arg("COUNT")
-            .arg(500)
-            .query_async(conn)
-            .await?;
+            .arg(500);
+        // On a cluster the drop's reservations are all on the node of its slot.
+        let (next, batch): (u64, Vec<String>) =
+            redis::from_redis_value(conn.on_slot_of(&fixed[0], scan).await?)
+                .map_err(redis::RedisError::from)?;
         if !batch.is_empty() {
             let _: () = conn.del(batch).await?;
         }

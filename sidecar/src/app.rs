@@ -52,14 +52,13 @@ impl App {
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(200));
         let redis = if settings.redis_cluster {
-            // The cluster's map of slots is read at start: a cluster that cannot be
-            // reached fails the start (Kubernetes restarts the sidecar).
-            Connection::cluster(
+            // Lazy too: the cluster's map of slots is read on the first call, so a
+            // native sidecar never holds its pod's start on a cluster outage.
+            Connection::cluster_lazy(
                 &settings.redis_url,
                 Duration::from_millis(500),
                 Duration::from_secs(2),
-            )
-            .await?
+            )?
         } else {
             // Lazy: the sidecar starts (and answers `unavailable`) while Redis is down.
             ConnectionManager::new_lazy_with_config(client, config)?.into()

@@ -82,11 +82,28 @@ async fn refresh_configs(app: &App) {
     };
     let drops = app.drops.all();
     for drop in &drops {
-        if let Err(error) = app.drops.refresh(&mut conn, &drop.name).await {
-            tracing::debug!(drop = %drop.name, %error, "config refresh failed");
+        // On a cluster, a drop whose shard just failed waits for the next round:
+        // its calls would only wait out timeouts that delay every other drop.
+        if app.redis.is_cluster() && app.breaker(Some(drop)).tripped().is_some() {
             continue;
         }
-        if !reached {
+        // On a cluster this read reached the drop's own shard: its breaker learns
+        // from it (on one Redis, TIME above already said).
+        if let Err(error) = app.drops.refresh(&mut conn, &drop.name).await {
+            tracing::debug!(drop = %drop.name, %error, "config refresh failed");
+            if let (true, crate::drops::LookupError::Unavailable(unreachable)) =
+                (app.redis.is_cluster(), &error)
+            {
+                app.breaker(Some(drop)).failed(unreachable);
+            }
+            continue;
+        }
+        if app.redis.is_cluster() {
+            app.breaker(Some(drop)).answered();
+        }
+        // On a cluster TIME went to some node; this drop's shard answered the
+        // refresh just now, which is what its checks need.
+        if !reached && !app.redis.is_cluster() {
             continue;
         }
         let checked = match drop.config().mode {

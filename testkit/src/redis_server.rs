@@ -114,9 +114,14 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    /// A blocking connection for the test's own reads and writes.
+    /// A blocking connection for the test's own reads and writes; a server that
+    /// does not answer (a paused one) fails it within 5 s instead of hanging the test.
     pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
-        redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))
+        let conn =
+            redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))?;
+        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+        conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+        Ok(conn)
     }
 
     /// Kills the server (as a crash would); [`RedisServer::restart`] brings it back on
@@ -248,9 +253,13 @@ impl RedisCluster {
         Ok(cluster)
     }
 
-    /// A seed address for a cluster client.
+    /// A seed address for a cluster client: a node that is running.
     pub fn url(&self) -> String {
-        self.nodes[0].url()
+        self.nodes
+            .iter()
+            .find(|n| n.child.is_some())
+            .unwrap_or(&self.nodes[0])
+            .url()
     }
 
     /// Waits until `ready` holds, or fails after `limit`.

@@ -584,7 +584,27 @@ async fn compare_designs(
         "pending markers, as admitted".into(),
     ));
 
-    // 8. What tracing costs: a fresh sidecar of this build without and with every
+    // 8. The same spread over a three-shard Redis Cluster (three primaries and their
+    //    replicas, on this same machine): the raw script through a cluster client,
+    //    and a sidecar with --redis-cluster.
+    let (cluster_raw, cluster_sidecar, cluster_check) = on_a_cluster(
+        clients,
+        per_client,
+        if cli.quick { 30 } else { SPREAD_DROPS },
+    )
+    .await?;
+    rows.push(row(
+        "gate script raw, drops, 3 shards",
+        cluster_raw,
+        "pending markers, as admitted".into(),
+    ));
+    rows.push(row(
+        "sidecar reserve, drops, 3 shards",
+        cluster_sidecar,
+        cluster_check,
+    ));
+
+    // 9. What tracing costs: a fresh sidecar of this build without and with every
     //    request's spans exported over OTLP (to a sink in this process that reads
     //    and drops them), each on drops and a ledger of its own, and, when given,
     //    an earlier build the same way.
@@ -649,6 +669,115 @@ async fn compare_designs(
         sidecar_sold_out
     );
     Ok(())
+}
+
+/// The spread case on a local three-shard Redis Cluster: the raw script's row, the
+/// sidecar's row, and the sidecar's drops checked afterwards.
+async fn on_a_cluster(
+    clients: usize,
+    per_client: usize,
+    drops: usize,
+) -> Result<((f64, Vec<Duration>), (f64, Vec<Duration>), String), String> {
+    let cluster = dropgate_testkit::RedisCluster::start().map_err(|e| e.to_string())?;
+    let spread = publish_spread(&cluster.url(), true, drops).await?;
+    let conn = dropgate_api::Connection::cluster(
+        &cluster.url(),
+        Duration::from_secs(2),
+        Duration::from_secs(5),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let raw = measure(clients, per_client, |c, i| {
+        let (mut conn, spread) = (conn.clone(), &spread);
+        async move {
+            let key = format!("r{c}-{i}");
+            let reply = dropgate_sidecar::gate::reserve(
+                &mut conn,
+                &spread[(c * per_client + i) % spread.len()],
+                &key,
+                &key,
+                1,
+                "bench",
+                "bench",
+                60_000,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            match reply.outcome {
+                Outcome::Admitted(_) => Ok(()),
+                other => Err(format!("the gate script answered {other:?}")),
+            }
+        }
+    })
+    .await?;
+    // The sidecar sells drops of their own (the raw rows' pending markers would
+    // stand in its way): the same names in another namespace.
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let memorystore = dropgate_operator::memorystore::Memorystore::default();
+    for i in 0..drops {
+        let manifest = format!(
+            "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: spread-{i}, namespace: sold}}\n\
+             spec:\n  sku: S{i}\n  limitedQuantity: 1000000\n  redis: {{url: redis://unused:1, cluster: true}}\n  throttle: {{permits: 1000000}}\n"
+        );
+        dropgate_operator::apply::apply(&manifest, Some(&cluster.url()), &memorystore)
+            .await
+            .map_err(|e| format!("spread-{i}: {e}"))?;
+    }
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar =
+        SidecarProcess::start_with(&cluster.url(), "sold", &ledger, &["--redis-cluster"]).await?;
+    let http = HttpClient::new(sidecar.base.clone());
+    for chunk in (0..drops).collect::<Vec<_>>().chunks(clients) {
+        join_all(chunk.iter().map(|drop| {
+            let http = http.clone();
+            async move {
+                http.get(&format!("/v1/drops/spread-{drop}/reservations/warm-up"))
+                    .await
+            }
+        }))
+        .await;
+    }
+    let served = measure(clients, per_client, |c, i| {
+        let http = http.clone();
+        let drop = (c * per_client + i) % drops;
+        async move {
+            let body = format!(r#"{{"key":"s{c}-{i}","user":"s{c}-{i}","quantity":1}}"#);
+            let reply = http
+                .post(&format!("/v1/drops/spread-{drop}/reservations"), &body)
+                .await
+                .map_err(|e| e.to_string())?;
+            if reply.status == 201 {
+                Ok(())
+            } else {
+                Err(format!("reserve answered {}", reply.text))
+            }
+        }
+    })
+    .await?;
+    let mut conn = conn;
+    for i in 0..drops {
+        let keys = dropgate_api::DropKeys::new("sold", &format!("spread-{i}"));
+        let (remaining, held): (Option<i64>, Option<i64>) = (
+            redis::cmd("GET")
+                .arg(keys.remaining())
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| e.to_string())?,
+            redis::cmd("GET")
+                .arg(keys.held())
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| e.to_string())?,
+        );
+        if remaining.unwrap_or(0) + held.unwrap_or(0) != 1_000_000 {
+            return Err(format!("cluster drop spread-{i} does not add up"));
+        }
+    }
+    Ok((
+        raw,
+        served,
+        format!("remaining + held = limit on all {drops} drops"),
+    ))
 }
 
 /// A sidecar from `binary` with `env`, on a ledger and drops of its own (`drop`,
@@ -760,14 +889,23 @@ async fn spread_drops(
     redis: &RedisServer,
     count: usize,
 ) -> Result<Vec<dropgate_api::DropKeys>, String> {
+    publish_spread(&redis.url(), false, count).await
+}
+
+/// Publishes `count` drops `spread-N` on the Redis (or the cluster) at `url`.
+async fn publish_spread(
+    url: &str,
+    cluster: bool,
+    count: usize,
+) -> Result<Vec<dropgate_api::DropKeys>, String> {
     let memorystore = dropgate_operator::memorystore::Memorystore::default();
     let mut keys = Vec::with_capacity(count);
     for i in 0..count {
         let manifest = format!(
             "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: spread-{i}, namespace: shop}}\n\
-             spec:\n  sku: S{i}\n  limitedQuantity: 1000000\n  redis: {{url: redis://unused:1}}\n  throttle: {{permits: 1000000}}\n"
+             spec:\n  sku: S{i}\n  limitedQuantity: 1000000\n  redis: {{url: redis://unused:1, cluster: {cluster}}}\n  throttle: {{permits: 1000000}}\n"
         );
-        dropgate_operator::apply::apply(&manifest, Some(&redis.url()), &memorystore)
+        dropgate_operator::apply::apply(&manifest, Some(url), &memorystore)
             .await
             .map_err(|e| format!("spread-{i}: {e}"))?;
         keys.push(dropgate_api::DropKeys::new("shop", &format!("spread-{i}")));
