@@ -687,6 +687,13 @@ async fn on_a_cluster(
     )
     .await
     .map_err(|e| e.to_string())?;
+    // The raw script sells only through an open gate (a sidecar opens it before
+    // selling; here the bench does, at the first epoch).
+    for keys in &spread {
+        dropgate_sidecar::gate::open(&mut conn.clone(), keys, 1, 0)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
     let raw = measure(clients, per_client, |c, i| {
         let (mut conn, spread) = (conn.clone(), &spread);
         async move {
