@@ -10,8 +10,8 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
-use tokio::sync::OnceCell;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
+use tokio::sync::Mutex;
 
 /// A connection to the Redis a drop lives on; cheap to clone (clones share it).
 #[derive(Clone)]
@@ -19,25 +19,52 @@ pub enum Connection {
     /// One Redis primary: a multiplexed connection that reconnects by itself.
     Single(ConnectionManager),
     /// A Redis Cluster, found from one seed address (a discovery endpoint works).
-    Cluster(ClusterConnection),
-    /// A Redis Cluster connected on first use: until it is reached, every call
-    /// fails as an unreachable Redis does (so a sidecar starts, and answers by its
-    /// failure policy, while the cluster is down).
-    LazyCluster(Arc<LazyCluster>),
+    Cluster(Arc<ClusterLink>),
 }
 
-/// A cluster client and, once a call reached the cluster, its connection.
-pub struct LazyCluster {
+/// A cluster client and its connection, made on first use and made again after a
+/// call outlived its deadline: redis-rs's cluster connection can stop answering
+/// altogether after a node dies mid-refresh (seen in CI: every call, the HTTP
+/// requests waiting on them included, hung for minutes), and a fresh connection
+/// reads the slots anew.
+pub struct ClusterLink {
     client: ClusterClient,
-    connected: OnceCell<ClusterConnection>,
+    connected: Mutex<Option<ClusterConnection>>,
+    /// The longest one call may take: the client's own retries included.
+    deadline: Duration,
 }
 
-impl LazyCluster {
+impl ClusterLink {
     async fn connection(&self) -> RedisResult<ClusterConnection> {
-        self.connected
-            .get_or_try_init(|| self.client.get_async_connection())
-            .await
-            .cloned()
+        let mut connected = self.connected.lock().await;
+        if let Some(conn) = connected.as_ref() {
+            return Ok(conn.clone());
+        }
+        let conn = self.client.get_async_connection().await?;
+        *connected = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Runs `call` on the connection within the deadline; past it the connection
+    /// is dropped (the next call makes a new one) and the call fails as a timeout.
+    async fn within_deadline<T>(
+        &self,
+        call: impl AsyncFnOnce(ClusterConnection) -> RedisResult<T>,
+    ) -> RedisResult<T> {
+        let conn = self.connection().await?;
+        match tokio::time::timeout(self.deadline, call(conn)).await {
+            Ok(answered) => answered,
+            Err(_) => {
+                *self.connected.lock().await = None;
+                Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the Redis Cluster did not answer within {:?}",
+                        self.deadline
+                    ),
+                )))
+            }
+        }
     }
 }
 
@@ -45,26 +72,36 @@ impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Connection::Single(_) => "Connection::Single",
-            Connection::Cluster(_) | Connection::LazyCluster(_) => "Connection::Cluster",
+            Connection::Cluster(_) => "Connection::Cluster",
         })
     }
 }
 
 impl Connection {
-    /// Connects to the cluster that `url` (any of its nodes) belongs to: every
-    /// call fails within `response` and a node's connection is tried for at most
-    /// `connect`.
+    /// Connects to the cluster that `url` (any of its nodes) belongs to: a node's
+    /// connection is tried for at most `connect`, a reply waited for at most
+    /// `response` (a call, with the client's retries, at most three times that).
     pub async fn cluster(url: &str, connect: Duration, response: Duration) -> RedisResult<Self> {
-        let client = cluster_client(url, connect, response)?;
-        Ok(Connection::Cluster(client.get_async_connection().await?))
+        let connection = Self::cluster_lazy(url, connect, response)?;
+        if let Connection::Cluster(link) = &connection {
+            link.connection().await?;
+        }
+        Ok(connection)
     }
 
     /// [`Connection::cluster`], connected on the first call instead of now: only
-    /// a URL that is not one fails here.
+    /// a URL that is not one fails here, and until the cluster is reached every
+    /// call fails as an unreachable Redis does.
     pub fn cluster_lazy(url: &str, connect: Duration, response: Duration) -> RedisResult<Self> {
-        Ok(Connection::LazyCluster(Arc::new(LazyCluster {
-            client: cluster_client(url, connect, response)?,
-            connected: OnceCell::new(),
+        let client = ClusterClient::builder(vec![url])
+            .connection_timeout(connect)
+            .response_timeout(response)
+            .retries(2)
+            .build()?;
+        Ok(Connection::Cluster(Arc::new(ClusterLink {
+            client,
+            connected: Mutex::new(None),
+            deadline: response * 3 + connect,
         })))
     }
 
@@ -73,32 +110,21 @@ impl Connection {
     /// which a cluster client would otherwise send to any node.
     pub async fn on_slot_of(&mut self, key: &str, cmd: Cmd) -> RedisResult<Value> {
         use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
-        let route = || {
-            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_slot(
-                Slot::for_key(key),
-                SlotAddr::Master,
-            )))
-        };
         match self {
             Connection::Single(conn) => cmd.query_async(conn).await,
-            Connection::Cluster(conn) => conn.route_command(cmd, route()).await,
-            Connection::LazyCluster(lazy) => {
-                lazy.connection().await?.route_command(cmd, route()).await
+            Connection::Cluster(link) => {
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                    Route::with_slot(Slot::for_key(key), SlotAddr::Master),
+                ));
+                link.within_deadline(async move |mut conn| conn.route_command(cmd, route).await)
+                    .await
             }
         }
     }
 
     pub fn is_cluster(&self) -> bool {
-        matches!(self, Connection::Cluster(_) | Connection::LazyCluster(_))
+        matches!(self, Connection::Cluster(_))
     }
-}
-
-fn cluster_client(url: &str, connect: Duration, response: Duration) -> RedisResult<ClusterClient> {
-    ClusterClient::builder(vec![url])
-        .connection_timeout(connect)
-        .response_timeout(response)
-        .retries(2)
-        .build()
 }
 
 impl From<ConnectionManager> for Connection {
@@ -111,10 +137,9 @@ impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Connection::Single(conn) => conn.req_packed_command(cmd),
-            Connection::Cluster(conn) => conn.req_packed_command(cmd),
-            Connection::LazyCluster(lazy) => Box::pin(async move {
-                let mut conn = lazy.connection().await?;
-                conn.req_packed_command(cmd).await
+            Connection::Cluster(link) => Box::pin(async move {
+                link.within_deadline(async |mut conn| conn.req_packed_command(cmd).await)
+                    .await
             }),
         }
     }
@@ -127,10 +152,11 @@ impl ConnectionLike for Connection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Connection::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
-            Connection::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
-            Connection::LazyCluster(lazy) => Box::pin(async move {
-                let mut conn = lazy.connection().await?;
-                conn.req_packed_commands(pipeline, offset, count).await
+            Connection::Cluster(link) => Box::pin(async move {
+                link.within_deadline(async |mut conn| {
+                    conn.req_packed_commands(pipeline, offset, count).await
+                })
+                .await
             }),
         }
     }
@@ -138,8 +164,7 @@ impl ConnectionLike for Connection {
     fn get_db(&self) -> i64 {
         match self {
             Connection::Single(conn) => conn.get_db(),
-            Connection::Cluster(conn) => conn.get_db(),
-            Connection::LazyCluster(_) => 0,
+            Connection::Cluster(_) => 0,
         }
     }
 }
