@@ -18,6 +18,22 @@ async fn reserve(http: &HttpClient, i: usize) -> Option<Reply> {
     http.post("/v1/drops/sale/reservations", &body).await.ok()
 }
 
+/// Whether a reserve's answer means the buyer holds a unit now: 201, or 200
+/// `already_reserved` of a live reservation. A retry of an admission that was taken
+/// back (its sidecar died before the ledger had it) hears its key's record,
+/// `already_reserved` in state expired: it holds nothing, and its unit went back to
+/// stock for someone else.
+fn holds(reply: &Option<Reply>) -> bool {
+    reply.as_ref().is_some_and(|r| {
+        r.status == 201
+            || (r.outcome() == "already_reserved"
+                && matches!(
+                    r.body.get("state").and_then(|s| s.as_str()),
+                    Some("active" | "confirmed")
+                ))
+    })
+}
+
 /// The integer at one of drop `shop/sale`'s keys (`DropKeys::held`, say).
 fn get(redis: &RedisServer, key: fn(&DropKeys) -> String) -> i64 {
     let mut conn = redis.connection().expect("connect");
@@ -92,10 +108,7 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
         .await;
         admitted = retries
             .iter()
-            .filter(|(_, r)| {
-                r.as_ref()
-                    .is_some_and(|r| r.status == 201 || r.outcome() == "already_reserved")
-            })
+            .filter(|(_, r)| holds(r))
             .map(|(i, _)| *i)
             .collect();
         let unresolved = retries
@@ -111,7 +124,8 @@ async fn a_sidecar_killed_mid_sale_loses_nothing_acknowledged_and_oversells_noth
                 r.as_ref().map(|r| r.text.clone())
             );
         }
-        if unresolved == 0 {
+        // Units taken back during this round go to the next round's buyers.
+        if unresolved == 0 && get(&redis, DropKeys::remaining) == 0 {
             let mut tally = std::collections::HashMap::new();
             for (_, r) in &retries {
                 if let Some(r) = r {
@@ -214,18 +228,7 @@ async fn a_sidecar_killed_mid_admission_leaves_no_unit_frozen() {
         .await;
         holders = retries
             .iter()
-            .filter(|(_, r)| {
-                // A retry of an admission that was taken back hears its key's
-                // record (`already_reserved`, expired): it holds nothing.
-                r.as_ref().is_some_and(|r| {
-                    r.status == 201
-                        || (r.outcome() == "already_reserved"
-                            && matches!(
-                                r.body.get("state").and_then(|s| s.as_str()),
-                                Some("active" | "confirmed")
-                            ))
-                })
-            })
+            .filter(|(_, r)| holds(r))
             .map(|(i, _)| *i)
             .collect();
         let waiting: Vec<String> = retries
