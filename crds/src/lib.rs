@@ -12,6 +12,7 @@
 //!   field names, encoding and decoding.
 //! - [`connection`]: one Redis or a Redis Cluster, as both binaries talk to it.
 
+mod cluster;
 pub mod config;
 pub mod connection;
 pub mod drop;

@@ -105,6 +105,28 @@ async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
         })
         .collect();
     assert_eq!(shards.len(), 3, "the drops sit on every shard: {shards:?}");
+    // Every primary is asked for its eviction policy: one that evicts, on a shard
+    // other than the drop's, is still reported.
+    let config = DropKeys::new("shop", &drop_name(0)).config();
+    let own = cluster.primary_of(&config).expect("a primary").port();
+    let evicting = shards
+        .iter()
+        .find(|&&port| port != own)
+        .and_then(|&port| cluster.nodes.iter().find(|n| n.port() == port))
+        .expect("another shard's primary");
+    let set_policy = |policy: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg(policy)
+            .query::<()>(&mut evicting.connection().expect("connect"))
+            .expect("CONFIG SET");
+    };
+    set_policy("allkeys-lru");
+    let (ready, out) = apply(&manifest(dir.path(), &drop_name(0), &spec), &cluster);
+    assert!(ready, "{out}");
+    assert!(out.contains("maxmemory-policy is allkeys-lru"), "{out}");
+    set_policy("noeviction");
 
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar = SidecarProcess::start_with(&cluster.url(), "shop", &ledger, &["--redis-cluster"])
@@ -267,10 +289,6 @@ async fn buy(http: &HttpClient, drop: &str, buyer: usize) -> (Reply, usize) {
     }
 }
 
-// Not in the default run yet: under load (CI, 2 cores) the sidecar can stop
-// answering after a node dies, and the test hangs (issue 12, open). Run with
-// `cargo test -p dropgate-e2e --test cluster -- --ignored`.
-#[ignore = "can hang under load after a node dies (issue 12, open)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard() {
     let _turn = ONE_AT_A_TIME.lock().await;
@@ -599,10 +617,6 @@ fn settled(cluster: &RedisCluster) -> bool {
 /// replicated), the primary dies, and the stale replica takes over. Every
 /// acknowledged reservation is still held afterwards, each drop sells exactly its
 /// limit, and the drops on the other shards never pause.
-// Not in the default run yet: under load (CI, 2 cores) the sidecar can stop
-// answering after a node dies, and the test hangs (issue 12, open). Run with
-// `cargo test -p dropgate-e2e --test cluster -- --ignored`.
-#[ignore = "can hang under load after a node dies (issue 12, open)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() {
     let _turn = ONE_AT_A_TIME.lock().await;
