@@ -11,14 +11,20 @@
 //! nodes go on meanwhile.
 //!
 //! What it follows: MOVED (the slot's new primary, remembered until the next map),
-//! ASK (once, on a connection of its own, after ASKING), TRYAGAIN and CLUSTERDOWN
-//! (again after a pause). A node it cannot connect to is asked again, with the map
-//! re-read, until the call's deadline. A request that failed after it was sent is
-//! never sent again: whether it ran is unknown, and the caller decides.
+//! ASK (the one request, right behind ASKING), TRYAGAIN and CLUSTERDOWN (again after
+//! a pause). A node it cannot connect to is asked again, with the map re-read,
+//! until the call's budget is spent. A request that failed after it was sent (the
+//! connection broke, the reply was late) is never sent again: whether it ran is
+//! unknown, and the caller decides.
+//!
+//! Routing: a script goes to its first key's slot, MGET is split by slot, SCRIPT and
+//! INFO go to every primary, commands without keys (TIME, PING, CLUSTER ...) to any
+//! node, and any other command to the slot of its first argument with a hash tag
+//! (every key dropgate writes has one), or of its first argument.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, LockResult, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -27,7 +33,7 @@ use redis::{
     RedisError, RedisResult, ServerErrorKind, Value,
 };
 
-/// How many MOVED / ASK redirections one call follows before it gives up.
+/// How many MOVED / ASK redirections one request follows before it gives up.
 const MAX_REDIRECTS: usize = 5;
 /// The first pause before asking again after TRYAGAIN, CLUSTERDOWN or a node that
 /// could not be reached; each further one doubles, up to [`MAX_PAUSE`].
@@ -37,18 +43,18 @@ const MAX_PAUSE: Duration = Duration::from_millis(200);
 const MIN_REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// A Redis Cluster, known from one seed address (a discovery endpoint works).
-pub struct ClusterLink {
+pub struct ClusterClient {
     /// The address the client was given, with the credentials and TLS settings
     /// every node shares.
     seed: ConnectionInfo,
     seed_node: Node,
     config: AsyncConnectionConfig,
     /// The longest one call may take, its redirections and pauses included.
-    deadline: Duration,
+    budget: Duration,
     slots: RwLock<SlotMap>,
-    nodes: Mutex<HashMap<Node, Arc<tokio::sync::Mutex<NodeLink>>>>,
-    /// Held while the map is read, so that one read runs at a time.
-    refresh: tokio::sync::Mutex<Option<Instant>>,
+    connections: Mutex<HashMap<Node, Arc<tokio::sync::Mutex<NodeConnection>>>>,
+    /// When the map was last read; held while it is read, so one read runs at a time.
+    last_refresh: tokio::sync::Mutex<Option<Instant>>,
     refresh_queued: AtomicBool,
 }
 
@@ -65,10 +71,10 @@ impl std::fmt::Display for Node {
     }
 }
 
-/// One node's connection; `generation` counts the connections made, so that an
-/// error on one that was replaced since does not drop its successor.
+/// One node's shared connection; `generation` counts the connections made, so
+/// that an error on one that was replaced since does not drop its successor.
 #[derive(Default)]
-struct NodeLink {
+struct NodeConnection {
     generation: u64,
     conn: Option<MultiplexedConnection>,
 }
@@ -91,6 +97,31 @@ struct SlotRange {
     primary: Node,
 }
 
+/// Where a request goes.
+#[derive(Debug, PartialEq)]
+enum Target {
+    /// The primary serving this slot.
+    Slot(u16),
+    /// MGET: each key's slot, the answers put back in order.
+    EachKeysSlot,
+    /// Every primary (loading a script, reading INFO).
+    EveryPrimary,
+    /// Any node that answers (TIME, PING, CLUSTER ...).
+    AnyNode,
+}
+
+/// A command or a pipeline, as `ConnectionLike` hands them over: a transaction
+/// (MULTI ... EXEC) is a pipeline whose replies before `offset` are skipped.
+#[derive(Clone, Copy)]
+pub(crate) enum Request<'a> {
+    Cmd(&'a Cmd),
+    Pipeline {
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    },
+}
+
 /// A request that failed before it was sent (nothing ran: it may be sent again)
 /// or after (it may have run).
 enum Failed {
@@ -106,57 +137,98 @@ impl Failed {
     }
 }
 
-/// Where a request goes.
-#[derive(Debug, PartialEq)]
-enum Target {
-    /// The primary serving this slot.
-    Slot(u16),
-    /// Every primary (loading a script, reading INFO).
-    EveryPrimary,
-    /// Any node that answers (TIME, PING, CLUSTER ...).
-    AnyNode,
-}
-
-/// A command or a pipeline, as `ConnectionLike` hands them over.
-#[derive(Clone, Copy)]
-pub(crate) enum Request<'a> {
-    Cmd(&'a Cmd),
-    Pipeline {
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    },
-}
-
 impl Request<'_> {
-    /// Sends it on `conn`. The cluster's refusals (MOVED, ASK, TRYAGAIN,
-    /// CLUSTERDOWN) come back as errors, also from inside a pipeline or a
-    /// transaction (where EXEC only says EXECABORT): they are where the client
-    /// decides to send it again.
-    async fn send(self, conn: &mut MultiplexedConnection) -> RedisResult<Value> {
-        match self {
-            Request::Cmd(cmd) => match conn.req_packed_command(cmd).await? {
-                Value::ServerError(error) if cluster_refusal(&error) => Err(error.into()),
-                answered => Ok(answered),
-            },
-            Request::Pipeline {
-                pipeline,
-                offset,
-                count,
-            } => {
-                // Every reply, the skipped ones too: a transaction's queued commands
-                // are the ones that say MOVED.
-                let mut replies = conn
-                    .req_packed_commands(pipeline, 0, offset + count)
-                    .await?;
-                if let Some(error) = replies.iter().find_map(|reply| match reply {
-                    Value::ServerError(error) if cluster_refusal(error) => Some(error.clone()),
-                    _ => None,
-                }) {
-                    return Err(error.into());
-                }
-                Ok(Value::Array(replies.split_off(offset.min(replies.len()))))
+    fn is_plain_pipeline(self) -> bool {
+        matches!(self, Request::Pipeline { offset: 0, .. })
+    }
+
+    /// Sends it on `conn`, right behind ASKING if `asking` (in one write, so that
+    /// no other request on the shared connection comes between). The replies come
+    /// back as Redis gave them, refusals included: a command's reply, or every
+    /// reply of a pipeline (a transaction's queued ones too, which are where MOVED
+    /// shows: EXEC only says EXECABORT).
+    async fn send(self, conn: &mut MultiplexedConnection, asking: bool) -> RedisResult<Value> {
+        match (self, asking) {
+            (Request::Cmd(cmd), false) => conn.req_packed_command(cmd).await,
+            (Request::Cmd(cmd), true) => {
+                let mut both = redis::pipe();
+                both.cmd("ASKING").add_command(cmd.clone());
+                let mut replies = conn.req_packed_commands(&both, 0, 2).await?;
+                Ok(replies.pop().unwrap_or(Value::Nil))
             }
+            (
+                Request::Pipeline {
+                    pipeline,
+                    offset,
+                    count,
+                },
+                false,
+            ) => Ok(Value::Array(
+                conn.req_packed_commands(pipeline, 0, offset + count)
+                    .await?,
+            )),
+            (Request::Pipeline { pipeline, .. }, true) if self.is_plain_pipeline() => {
+                // ASKING holds for the next command only.
+                let mut asked = redis::pipe();
+                for cmd in pipeline.cmd_iter() {
+                    asked.cmd("ASKING").add_command(cmd.clone());
+                }
+                let replies = conn.req_packed_commands(&asked, 0, asked.len()).await?;
+                Ok(Value::Array(
+                    replies.into_iter().skip(1).step_by(2).collect(),
+                ))
+            }
+            (
+                Request::Pipeline {
+                    pipeline,
+                    offset,
+                    count,
+                },
+                true,
+            ) => {
+                // Within MULTI, ASKING holds until EXEC.
+                let mut asked = redis::pipe();
+                asked.cmd("ASKING").cmd("MULTI");
+                for cmd in pipeline.cmd_iter() {
+                    asked.add_command(cmd.clone());
+                }
+                asked.cmd("EXEC");
+                let mut replies = conn
+                    .req_packed_commands(&asked, 0, offset + count + 1)
+                    .await?;
+                replies.remove(0);
+                Ok(Value::Array(replies))
+            }
+        }
+    }
+
+    /// The refusal that sends the whole request elsewhere or again, if any: the
+    /// command's, a transaction's (nothing in it ran), or a plain pipeline's when
+    /// every command in it was refused (its slot moved).
+    fn refusal(self, answered: &Value) -> Option<RedisError> {
+        let refused = |reply: &Value| match reply {
+            Value::ServerError(error) if cluster_refusal(error) => Some(error.clone()),
+            _ => None,
+        };
+        match (self, answered) {
+            (Request::Cmd(_), reply) => refused(reply),
+            (Request::Pipeline { .. }, Value::Array(replies)) if self.is_plain_pipeline() => {
+                let all: Option<Vec<_>> = replies.iter().map(refused).collect();
+                all.and_then(|mut all| all.pop())
+            }
+            (Request::Pipeline { .. }, Value::Array(replies)) => replies.iter().find_map(refused),
+            _ => None,
+        }
+        .map(RedisError::from)
+    }
+
+    /// The answer the caller asked for: a pipeline's replies from `offset` on.
+    fn answer(self, answered: Value) -> Value {
+        match (self, answered) {
+            (Request::Pipeline { offset, .. }, Value::Array(mut replies)) => {
+                Value::Array(replies.split_off(offset.min(replies.len())))
+            }
+            (_, answered) => answered,
         }
     }
 
@@ -173,7 +245,7 @@ impl Request<'_> {
     }
 }
 
-impl ClusterLink {
+impl ClusterClient {
     /// A client of the cluster `seed` belongs to; nothing is connected yet.
     pub(crate) fn new(
         seed: ConnectionInfo,
@@ -192,16 +264,22 @@ impl ClusterLink {
                 )));
             }
         };
-        Ok(ClusterLink {
+        if seed.redis_settings().db() != 0 {
+            return Err(RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "a Redis Cluster has database 0 only: drop the database from the URL",
+            )));
+        }
+        Ok(ClusterClient {
             seed,
             seed_node,
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(connect))
                 .set_response_timeout(Some(response)),
-            deadline: response * 3 + connect,
+            budget: response * 3 + connect,
             slots: RwLock::new(SlotMap::default()),
-            nodes: Mutex::new(HashMap::new()),
-            refresh: tokio::sync::Mutex::new(None),
+            connections: Mutex::new(HashMap::new()),
+            last_refresh: tokio::sync::Mutex::new(None),
             refresh_queued: AtomicBool::new(false),
         })
     }
@@ -211,7 +289,7 @@ impl ClusterLink {
         self.refresh(true).await
     }
 
-    /// Runs `request` where its keys live, within the deadline.
+    /// Runs `request` where its keys live, within the budget.
     pub(crate) async fn run(self: &Arc<Self>, request: Request<'_>) -> RedisResult<Value> {
         self.run_on(request.target(), request).await
     }
@@ -226,27 +304,54 @@ impl ClusterLink {
     }
 
     async fn run_on(self: &Arc<Self>, target: Target, request: Request<'_>) -> RedisResult<Value> {
-        let give_up = Instant::now() + self.deadline;
+        let give_up = Instant::now() + self.budget;
         let call = async {
-            match target {
-                Target::Slot(slot) => self.on_slot(slot, request, give_up).await,
-                Target::EveryPrimary => self.on_every_primary(request).await,
-                Target::AnyNode => self.on_any_node(request).await,
+            match (target, request) {
+                (Target::Slot(slot), _) => self.on_slot(slot, request, give_up).await,
+                (Target::EachKeysSlot, Request::Cmd(cmd)) => self.split_by_slot(cmd, give_up).await,
+                (Target::EveryPrimary, _) => self.on_every_primary(request).await,
+                (Target::AnyNode | Target::EachKeysSlot, _) => self.on_any_node(request).await,
             }
         };
         match tokio::time::timeout_at(give_up.into(), call).await {
             Ok(answered) => answered,
             Err(_) => Err(RedisError::from(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                format!(
-                    "the Redis Cluster did not answer within {:?}",
-                    self.deadline
-                ),
+                format!("the Redis Cluster did not answer within {:?}", self.budget),
             ))),
         }
     }
 
+    /// Sends `request` to the primary of `slot` until it is answered, following
+    /// redirections; a plain pipeline's commands that were refused one by one (a
+    /// slot mid-migration answers ASK for the keys that left) are then sent again
+    /// each on its own.
     async fn on_slot(
+        self: &Arc<Self>,
+        slot: u16,
+        request: Request<'_>,
+        give_up: Instant,
+    ) -> RedisResult<Value> {
+        let answered = self.whole_on_slot(slot, request, give_up).await?;
+        let Request::Pipeline { pipeline, .. } = request else {
+            return Ok(answered);
+        };
+        let Value::Array(mut replies) = answered else {
+            return Ok(answered);
+        };
+        if request.is_plain_pipeline() {
+            for (reply, cmd) in replies.iter_mut().zip(pipeline.cmd_iter()) {
+                if matches!(reply, Value::ServerError(error) if cluster_refusal(error)) {
+                    *reply = Box::pin(self.whole_on_slot(slot, Request::Cmd(cmd), give_up)).await?;
+                }
+            }
+        }
+        Ok(Value::Array(replies))
+    }
+
+    /// Sends `request` as a whole to the primary of `slot` until it is answered
+    /// without a refusal, within `give_up`.
+    async fn whole_on_slot(
         self: &Arc<Self>,
         slot: u16,
         request: Request<'_>,
@@ -256,33 +361,37 @@ impl ClusterLink {
         let mut redirects = 0;
         let mut asking: Option<Node> = None;
         loop {
-            let answered = match asking.take() {
-                Some(node) => self.send_asking(&node, request).await,
-                None => {
-                    let node = self.primary_of(slot).await?;
-                    self.on_node(&node, request).await
-                }
+            let (node, asked) = match asking.take() {
+                Some(node) => (Ok(node), true),
+                None => (self.primary_of(slot).await, false),
+            };
+            let answered = match &node {
+                Ok(node) => self.on_node(node, request, asked).await,
+                Err(error) => Err(Failed::NotSent(error.clone())),
             };
             let (error, sent) = match answered {
-                Ok(value) => return Ok(value),
+                Ok(answered) => match request.refusal(&answered) {
+                    None => return Ok(request.answer(answered)),
+                    Some(refusal) => (refusal, true),
+                },
                 Err(Failed::NotSent(error)) => (error, false),
                 Err(Failed::Sent(error)) => (error, true),
             };
-            match redirect(&error) {
-                Some((kind, node)) if redirects < MAX_REDIRECTS => {
-                    redirects += 1;
-                    if kind == ServerErrorKind::Moved {
-                        self.moved(slot, node);
-                        self.refresh_soon();
-                    } else {
-                        asking = Some(node);
-                    }
-                    continue;
+            if let (Some((kind, moved_slot, to)), Ok(from)) = (redirect(&error), &node)
+                && redirects < MAX_REDIRECTS
+            {
+                redirects += 1;
+                let to = to.unwrap_or_else(|| from.clone());
+                if kind == ServerErrorKind::Moved {
+                    self.remember_moved(moved_slot, to);
+                    self.refresh_soon();
+                } else {
+                    asking = Some(to);
                 }
-                _ => {}
+                continue;
             }
-            // Nothing ran: a node not reached (a replica may be taking over, the map
-            // is being read anew), or a refusal that says so.
+            // Nothing ran: a node not reached (a replica may be taking over; the map
+            // is being read anew), or a refusal that says to ask again.
             let again = !sent
                 || matches!(
                     error.kind(),
@@ -296,20 +405,83 @@ impl ClusterLink {
         }
     }
 
-    /// Every primary that answers runs it; the first answer is returned (for INFO,
-    /// a map from node to answer, as redis-rs's cluster client gives it). Fails only
-    /// if none answered: a node that is down has no drop to serve anyway.
+    /// MGET over keys in several slots: one MGET per slot, at once, the answers put
+    /// back in the keys' order.
+    async fn split_by_slot(self: &Arc<Self>, cmd: &Cmd, give_up: Instant) -> RedisResult<Value> {
+        let keys: Vec<&[u8]> = simple_args(cmd).skip(1).collect();
+        let mut by_slot: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (at, key) in keys.iter().enumerate() {
+            let slot = slot(key);
+            match by_slot.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, positions)) => positions.push(at),
+                None => by_slot.push((slot, vec![at])),
+            }
+        }
+        let parts: Vec<Cmd> = by_slot
+            .iter()
+            .map(|(_, positions)| {
+                let mut part = redis::cmd("MGET");
+                for &at in positions {
+                    part.arg(keys[at]);
+                }
+                part
+            })
+            .collect();
+        let answers = futures::future::join_all(
+            by_slot
+                .iter()
+                .zip(&parts)
+                .map(|((slot, _), part)| self.on_slot(*slot, Request::Cmd(part), give_up)),
+        )
+        .await;
+        let mut values = vec![Value::Nil; keys.len()];
+        for ((_, positions), answer) in by_slot.iter().zip(answers) {
+            match answer? {
+                Value::Array(found) if found.len() == positions.len() => {
+                    for (&at, value) in positions.iter().zip(found) {
+                        values[at] = value;
+                    }
+                }
+                Value::ServerError(error) => return Err(error.into()),
+                other => {
+                    return Err(RedisError::from((
+                        ErrorKind::UnexpectedReturnType,
+                        "MGET answered something else than one value per key",
+                        format!("{other:?}"),
+                    )));
+                }
+            }
+        }
+        Ok(Value::Array(values))
+    }
+
+    /// Every primary that answers runs it (at once); the first answer is returned,
+    /// or for INFO a map from node to answer (as redis-rs's cluster client gives
+    /// it). A primary that cannot be reached is left out, with a warning: it has no
+    /// slot to serve until a replica takes over, and that one loads a script on the
+    /// first NOSCRIPT. Fails only if none answered.
     async fn on_every_primary(self: &Arc<Self>, request: Request<'_>) -> RedisResult<Value> {
         let primaries = self.primaries().await?;
-        let is_info = matches!(request, Request::Cmd(cmd) if name(cmd).as_deref() == Some("INFO"));
+        let answers = futures::future::join_all(
+            primaries
+                .iter()
+                .map(|node| self.on_node(node, request, false)),
+        )
+        .await;
+        let is_info =
+            matches!(request, Request::Cmd(cmd) if command_name(cmd).as_deref() == Some("INFO"));
         let mut last_error = None;
         let mut answered = Vec::new();
-        for node in &primaries {
-            match self.on_node(node, request).await {
+        for (node, answer) in primaries.iter().zip(answers) {
+            match answer {
                 Ok(value) => {
                     answered.push((Value::BulkString(node.to_string().into_bytes()), value))
                 }
-                Err(failed) => last_error = Some(failed.into_error()),
+                Err(failed) => {
+                    let error = failed.into_error();
+                    tracing::warn!(%node, %error, "a Redis Cluster primary did not answer");
+                    last_error = Some(error);
+                }
             }
         }
         if answered.is_empty() {
@@ -321,18 +493,18 @@ impl ClusterLink {
         Ok(answered.swap_remove(0).1)
     }
 
+    /// The first node that can be reached answers; one that answered with an
+    /// error, or broke off after the request was sent, is not asked again.
     async fn on_any_node(self: &Arc<Self>, request: Request<'_>) -> RedisResult<Value> {
-        let mut nodes = self.slots_read().nodes.clone();
-        if nodes.is_empty() {
-            self.refresh(true).await?;
-            nodes = self.slots_read().nodes.clone();
+        let mut nodes = self.known_nodes().await?;
+        if !nodes.contains(&self.seed_node) {
+            nodes.push(self.seed_node.clone());
         }
         let mut last_error = None;
         for node in &nodes {
-            match self.on_node(node, request).await {
-                Ok(value) => return Ok(value),
+            match self.on_node(node, request, false).await {
+                Ok(value) => return Ok(request.answer(value)),
                 Err(Failed::NotSent(error)) => last_error = Some(error),
-                Err(Failed::Sent(error)) if lost_connection(&error) => last_error = Some(error),
                 Err(Failed::Sent(error)) => return Err(error),
             }
         }
@@ -342,36 +514,25 @@ impl ClusterLink {
     /// Sends `request` to `node` on its shared connection. A connection that broke
     /// or timed out is dropped (the next request connects anew) and the map read
     /// anew: the node may have died, a replica may be taking over.
-    async fn on_node(self: &Arc<Self>, node: &Node, request: Request<'_>) -> Result<Value, Failed> {
+    async fn on_node(
+        self: &Arc<Self>,
+        node: &Node,
+        request: Request<'_>,
+        asking: bool,
+    ) -> Result<Value, Failed> {
         let (generation, mut conn) = match self.node_connection(node).await {
-            Ok(linked) => linked,
+            Ok(shared) => shared,
             Err(error) => {
                 self.refresh_soon();
                 return Err(Failed::NotSent(error));
             }
         };
-        let answered = request.send(&mut conn).await;
+        let answered = request.send(&mut conn, asking).await;
         if answered.as_ref().is_err_and(lost_connection) {
             self.forget(node, generation).await;
             self.refresh_soon();
         }
         answered.map_err(Failed::Sent)
-    }
-
-    /// ASK: this one request goes to `node`, right after ASKING, on a connection of
-    /// its own (ASKING holds for the next command on its connection only, and a
-    /// shared connection interleaves other requests). Only while a slot migrates.
-    async fn send_asking(&self, node: &Node, request: Request<'_>) -> Result<Value, Failed> {
-        let mut conn = async {
-            let mut conn = redis::Client::open(at(&self.seed, node))?
-                .get_multiplexed_async_connection_with_config(&self.config)
-                .await?;
-            redis::cmd("ASKING").query_async::<()>(&mut conn).await?;
-            Ok(conn)
-        }
-        .await
-        .map_err(Failed::NotSent)?;
-        request.send(&mut conn).await.map_err(Failed::Sent)
     }
 
     async fn primary_of(&self, slot: u16) -> RedisResult<Node> {
@@ -395,54 +556,47 @@ impl ClusterLink {
         Ok(self.slots_read().primaries())
     }
 
-    fn moved(&self, slot: u16, node: Node) {
-        self.slots
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .moved
-            .insert(slot, node);
+    async fn known_nodes(&self) -> RedisResult<Vec<Node>> {
+        if self.slots_read().nodes.is_empty() {
+            self.refresh(true).await?;
+        }
+        Ok(self.slots_read().nodes.clone())
+    }
+
+    fn remember_moved(&self, slot: u16, node: Node) {
+        unpoisoned(self.slots.write()).moved.insert(slot, node);
     }
 
     fn slots_read(&self) -> std::sync::RwLockReadGuard<'_, SlotMap> {
-        // Nothing panics while holding it; a poisoned lock still holds a valid map.
-        self.slots
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        unpoisoned(self.slots.read())
+    }
+
+    fn shared(&self, node: &Node) -> Arc<tokio::sync::Mutex<NodeConnection>> {
+        let mut connections = unpoisoned(self.connections.lock());
+        Arc::clone(connections.entry(node.clone()).or_default())
     }
 
     async fn node_connection(&self, node: &Node) -> RedisResult<(u64, MultiplexedConnection)> {
-        let link = {
-            let mut nodes = self
-                .nodes
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            Arc::clone(nodes.entry(node.clone()).or_default())
-        };
-        // Only this node's callers wait while it is connected to.
-        let mut link = link.lock().await;
-        if let Some(conn) = &link.conn {
-            return Ok((link.generation, conn.clone()));
+        let shared = self.shared(node);
+        // Only this node's callers wait while it is connected to, at most the
+        // connection timeout.
+        let mut shared = shared.lock().await;
+        if let Some(conn) = &shared.conn {
+            return Ok((shared.generation, conn.clone()));
         }
-        let conn = redis::Client::open(at(&self.seed, node))?
+        let conn = redis::Client::open(settings_for(&self.seed, node))?
             .get_multiplexed_async_connection_with_config(&self.config)
             .await?;
-        link.generation += 1;
-        link.conn = Some(conn.clone());
-        Ok((link.generation, conn))
+        shared.generation += 1;
+        shared.conn = Some(conn.clone());
+        Ok((shared.generation, conn))
     }
 
     async fn forget(&self, node: &Node, generation: u64) {
-        let link = self
-            .nodes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(node)
-            .cloned();
-        if let Some(link) = link {
-            let mut link = link.lock().await;
-            if link.generation == generation {
-                link.conn = None;
-            }
+        let shared = self.shared(node);
+        let mut shared = shared.lock().await;
+        if shared.generation == generation {
+            shared.conn = None;
         }
     }
 
@@ -451,27 +605,30 @@ impl ClusterLink {
         if self.refresh_queued.swap(true, Ordering::AcqRel) {
             return;
         }
-        let link = Arc::clone(self);
+        let client = Arc::clone(self);
         tokio::spawn(async move {
-            let read = link.refresh(false).await;
-            link.refresh_queued.store(false, Ordering::Release);
+            let read = client.refresh(false).await;
+            client.refresh_queued.store(false, Ordering::Release);
             if let Err(error) = read {
                 tracing::debug!(%error, "the Redis Cluster's slot map could not be read");
             }
         });
     }
 
-    /// Reads `CLUSTER SLOTS` from the first node that answers: the nodes of the
-    /// last map (primaries first), then the seed. Unless `now`, not again within
+    /// Reads `CLUSTER SLOTS` from the first node that answers: the seed (a
+    /// discovery endpoint follows the cluster wherever its nodes went), then the
+    /// nodes of the last map, primaries first. Unless `force`, not again within
     /// [`MIN_REFRESH_INTERVAL`] of the last read.
-    async fn refresh(&self, now: bool) -> RedisResult<()> {
-        let mut last = self.refresh.lock().await;
-        if !now && last.is_some_and(|at| at.elapsed() < MIN_REFRESH_INTERVAL) {
+    async fn refresh(&self, force: bool) -> RedisResult<()> {
+        let mut last_refresh = self.last_refresh.lock().await;
+        if !force && last_refresh.is_some_and(|at| at.elapsed() < MIN_REFRESH_INTERVAL) {
             return Ok(());
         }
-        let mut candidates = self.slots_read().nodes.clone();
-        if !candidates.contains(&self.seed_node) {
-            candidates.push(self.seed_node.clone());
+        let mut candidates = vec![self.seed_node.clone()];
+        for node in &self.slots_read().nodes {
+            if !candidates.contains(node) {
+                candidates.push(node.clone());
+            }
         }
         let mut last_error = None;
         for node in &candidates {
@@ -489,11 +646,8 @@ impl ClusterLink {
             match read.await {
                 Ok(reply) => match SlotMap::parse(&reply, node) {
                     Some(map) => {
-                        *self
-                            .slots
-                            .write()
-                            .unwrap_or_else(|poisoned| poisoned.into_inner()) = map;
-                        *last = Some(Instant::now());
+                        *unpoisoned(self.slots.write()) = map;
+                        *last_refresh = Some(Instant::now());
                         return Ok(());
                     }
                     None => {
@@ -513,8 +667,8 @@ impl ClusterLink {
 
 impl SlotMap {
     /// A `CLUSTER SLOTS` reply, asked of `asked`: each range is `[start, end,
-    /// [host, port, id, ...], ...]`, its primary first. `None` unless it is one with
-    /// at least one range.
+    /// [host, port, id, ...], ...]`, its primary first. `None` unless every range
+    /// reads, with a primary, and there is at least one.
     fn parse(reply: &Value, asked: &Node) -> Option<SlotMap> {
         let Value::Array(entries) = reply else {
             return None;
@@ -532,9 +686,9 @@ impl SlotMap {
             let (Ok(start), Ok(end)) = (u16::try_from(*start), u16::try_from(*end)) else {
                 return None;
             };
-            let mut nodes = parts.iter().skip(2).filter_map(|node| node_of(node, asked));
-            let primary = nodes.next()?;
-            replicas.extend(nodes);
+            let primary = node_of(parts.get(2)?, asked)?;
+            // A replica whose address is unknown is only not asked for the map.
+            replicas.extend(parts.iter().skip(3).filter_map(|node| node_of(node, asked)));
             if !map.nodes.contains(&primary) {
                 map.nodes.push(primary.clone());
             }
@@ -598,20 +752,27 @@ fn node_of(value: &Value, asked: &Node) -> Option<Node> {
     Some(Node { host, port })
 }
 
-/// Where a command goes: the slot of its first key for a command about keys.
+fn simple_args(cmd: &Cmd) -> impl Iterator<Item = &[u8]> {
+    cmd.args_iter().filter_map(|arg| match arg {
+        Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    })
+}
+
+fn command_name(cmd: &Cmd) -> Option<String> {
+    simple_args(cmd)
+        .next()
+        .map(|name| String::from_utf8_lossy(name).to_ascii_uppercase())
+}
+
+/// Where a command goes (see the module's comment).
 fn target(cmd: &Cmd) -> Target {
-    let args: Vec<&[u8]> = cmd
-        .args_iter()
-        .filter_map(|arg| match arg {
-            Arg::Simple(bytes) => Some(bytes),
-            _ => None,
-        })
-        .collect();
-    let Some(name) = args.first().map(|name| name.to_ascii_uppercase()) else {
+    let args: Vec<&[u8]> = simple_args(cmd).collect();
+    let Some(name) = command_name(cmd) else {
         return Target::AnyNode;
     };
-    match name.as_slice() {
-        b"EVALSHA" | b"EVAL" | b"EVALSHA_RO" | b"EVAL_RO" | b"FCALL" | b"FCALL_RO" => {
+    match name.as_str() {
+        "EVALSHA" | "EVAL" | "EVALSHA_RO" | "EVAL_RO" | "FCALL" | "FCALL_RO" => {
             let keys = args
                 .get(2)
                 .and_then(|n| std::str::from_utf8(n).ok())
@@ -622,38 +783,35 @@ fn target(cmd: &Cmd) -> Target {
                 _ => Target::AnyNode,
             }
         }
-        b"SCRIPT" | b"INFO" => Target::EveryPrimary,
-        b"TIME" | b"PING" | b"ECHO" | b"CLUSTER" | b"SCAN" | b"CONFIG" | b"CLIENT" | b"HELLO"
-        | b"DBSIZE" | b"COMMAND" | b"WAIT" | b"MULTI" | b"EXEC" | b"DISCARD" | b"ASKING" => {
+        "MGET" => Target::EachKeysSlot,
+        "SCRIPT" | "INFO" => Target::EveryPrimary,
+        "TIME" | "PING" | "ECHO" | "CLUSTER" | "SCAN" | "CONFIG" | "CLIENT" | "HELLO"
+        | "DBSIZE" | "COMMAND" | "WAIT" | "MULTI" | "EXEC" | "DISCARD" | "ASKING" => {
             Target::AnyNode
         }
-        _ => match args.get(1) {
+        _ => match args[1..]
+            .iter()
+            .find(|arg| hash_tag(arg).is_some())
+            .or(args.get(1))
+        {
             Some(key) => Target::Slot(slot(key)),
             None => Target::AnyNode,
         },
     }
 }
 
-fn name(cmd: &Cmd) -> Option<String> {
-    match cmd.args_iter().next()? {
-        Arg::Simple(bytes) => Some(String::from_utf8_lossy(bytes).to_ascii_uppercase()),
-        _ => None,
-    }
+/// What is between the first `{` and the next `}`, if that is not empty.
+fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+    let open = key.iter().position(|&b| b == b'{')?;
+    let rest = &key[open + 1..];
+    let close = rest.iter().position(|&b| b == b'}')?;
+    (close > 0).then(|| &rest[..close])
 }
 
 /// The hash slot of `key` (CRC16-XMODEM of its hash tag, or of the key without
 /// one, modulo 16384), as the Redis Cluster specification defines it.
 pub(crate) fn slot(key: &[u8]) -> u16 {
-    let tagged = key
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            let close = rest.iter().position(|&b| b == b'}')?;
-            (close > 0).then(|| &rest[..close])
-        })
-        .unwrap_or(key);
-    crc16_xmodem(tagged) % 16384
+    crc16_xmodem(hash_tag(key).unwrap_or(key)) % 16384
 }
 
 fn crc16_xmodem(bytes: &[u8]) -> u16 {
@@ -672,7 +830,7 @@ fn crc16_xmodem(bytes: &[u8]) -> u16 {
 }
 
 /// `seed`'s settings (credentials, TLS) at `node`'s address.
-fn at(seed: &ConnectionInfo, node: &Node) -> ConnectionInfo {
+fn settings_for(seed: &ConnectionInfo, node: &Node) -> ConnectionInfo {
     let (host, port) = (node.host.clone(), node.port);
     let addr = match seed.addr().clone() {
         ConnectionAddr::TcpTls {
@@ -690,20 +848,21 @@ fn at(seed: &ConnectionInfo, node: &Node) -> ConnectionInfo {
     seed.clone().set_addr(addr)
 }
 
-fn redirect(error: &RedisError) -> Option<(ServerErrorKind, Node)> {
+/// MOVED or ASK: its kind, the slot it names and the node to go to (`None`: the
+/// node that answered, which did not know its own address).
+fn redirect(error: &RedisError) -> Option<(ServerErrorKind, u16, Option<Node>)> {
     let kind = match error.kind() {
         ErrorKind::Server(kind @ (ServerErrorKind::Moved | ServerErrorKind::Ask)) => kind,
         _ => return None,
     };
-    let (addr, _) = error.redirect_node()?;
+    let (addr, slot) = error.redirect_node()?;
     let (host, port) = addr.rsplit_once(':')?;
-    Some((
-        kind,
-        Node {
-            host: host.to_string(),
-            port: port.parse().ok()?,
-        },
-    ))
+    let port = port.parse().ok()?;
+    let to = (!host.is_empty() && host != "?").then(|| Node {
+        host: host.to_string(),
+        port,
+    });
+    Some((kind, slot, to))
 }
 
 fn cluster_refusal(error: &redis::ServerError) -> bool {
@@ -729,6 +888,12 @@ fn no_node(why: &'static str) -> RedisError {
         "the Redis Cluster is not reachable",
         why.to_string(),
     ))
+}
+
+/// A lock's content whatever panicked while it was held: nothing here panics while
+/// holding one, and each write leaves a whole value.
+fn unpoisoned<T>(locked: LockResult<T>) -> T {
+    locked.unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]
@@ -804,6 +969,19 @@ mod tests {
         shards.arg("shards");
         assert_eq!(target(&shards), Target::AnyNode);
 
+        let mut mget = redis::cmd("MGET");
+        mget.arg(key).arg("dropgate:{shop/other}:remaining");
+        assert_eq!(target(&mget), Target::EachKeysSlot);
+        // Another command's key is its first argument with a hash tag.
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP")
+            .arg("g")
+            .arg("c")
+            .arg("STREAMS")
+            .arg(key)
+            .arg(">");
+        assert_eq!(target(&read), Target::Slot(slot(key.as_bytes())));
+
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("PING")
@@ -853,6 +1031,14 @@ mod tests {
         assert_eq!(map.primary(100), Some(&node("10.0.0.4", 7003)));
         assert_eq!(map.primary(101), Some(&node("10.0.0.1", 7000)));
 
+        // A range without a readable primary makes no map (a replica is no primary).
+        let headless = Value::Array(vec![range(
+            0,
+            16383,
+            vec![Value::Nil, listed("10.0.0.4", 7003)],
+        )]);
+        assert_eq!(SlotMap::parse(&headless, &asked), None);
+
         // A gap in the map is a slot nobody serves.
         let partial = Value::Array(vec![range(0, 99, vec![listed("10.0.0.1", 7000)])]);
         let partial = SlotMap::parse(&partial, &asked).expect("a map");
@@ -881,19 +1067,41 @@ mod tests {
         };
         for error in [moved, from_wire] {
             assert_eq!(
-                redirect(&error).map(|(_, node)| node),
-                Some(node("127.0.0.1", 6381)),
+                redirect(&error),
+                Some((ServerErrorKind::Moved, 3999, Some(node("127.0.0.1", 6381)))),
                 "{error:?}"
             );
         }
-        let ask = redis::parse_redis_value(b"-ASK 3999 10.0.0.3:7002\r\n");
-        let Ok(Value::ServerError(ask)) = ask else {
-            panic!("{ask:?}")
+        let reply = |wire: &[u8]| match redis::parse_redis_value(wire) {
+            Ok(Value::ServerError(error)) => RedisError::from(error),
+            other => panic!("{other:?}"),
         };
         assert_eq!(
-            redirect(&RedisError::from(ask)),
-            Some((ServerErrorKind::Ask, node("10.0.0.3", 7002)))
+            redirect(&reply(b"-ASK 12 10.0.0.3:7002\r\n")),
+            Some((ServerErrorKind::Ask, 12, Some(node("10.0.0.3", 7002))))
         );
+        // A node that does not know its own address: the one that answered.
+        assert_eq!(
+            redirect(&reply(b"-MOVED 12 :7002\r\n")),
+            Some((ServerErrorKind::Moved, 12, None))
+        );
+        assert_eq!(redirect(&reply(b"-TRYAGAIN keys moving\r\n")), None);
+    }
+
+    #[test]
+    fn a_cluster_url_is_tcp_on_database_0() {
+        let client = |url: &str| {
+            ClusterClient::new(
+                redis::IntoConnectionInfo::into_connection_info(url).expect("a URL"),
+                Duration::from_secs(1),
+                Duration::from_secs(1),
+            )
+        };
+        assert!(client("redis://10.0.0.1:7000").is_ok());
+        assert!(client("redis://10.0.0.1:7000/0").is_ok());
+        let error = client("redis://10.0.0.1:7000/2").err().expect("refused");
+        assert!(error.to_string().contains("database 0"), "{error}");
+        assert!(client("redis+unix:///tmp/redis.sock").is_err());
     }
 
     #[test]
@@ -902,7 +1110,7 @@ mod tests {
             "rediss://:secret@discovery.example:6379",
         )
         .expect("a URL");
-        let other = at(&seed, &node("10.0.0.7", 6380));
+        let other = settings_for(&seed, &node("10.0.0.7", 6380));
         assert!(matches!(
             other.addr(),
             ConnectionAddr::TcpTls { host, port: 6380, .. } if host == "10.0.0.7"
@@ -911,7 +1119,7 @@ mod tests {
         let plain = redis::IntoConnectionInfo::into_connection_info("redis://10.0.0.1:7000")
             .expect("a URL");
         assert!(matches!(
-            at(&plain, &node("10.0.0.2", 7001)).addr(),
+            settings_for(&plain, &node("10.0.0.2", 7001)).addr(),
             ConnectionAddr::Tcp(host, 7001) if host == "10.0.0.2"
         ));
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
-use crate::cluster::{ClusterLink, Request};
+use crate::cluster::{ClusterClient, Request};
 
 /// A connection to the Redis a drop lives on; cheap to clone (clones share it).
 #[derive(Clone)]
@@ -19,7 +19,7 @@ pub enum Connection {
     Single(ConnectionManager),
     /// A Redis Cluster, found from one seed address (a discovery endpoint works):
     /// one multiplexed connection per node it needs.
-    Cluster(Arc<ClusterLink>),
+    Cluster(Arc<ClusterClient>),
 }
 
 impl std::fmt::Debug for Connection {
@@ -34,11 +34,12 @@ impl std::fmt::Debug for Connection {
 impl Connection {
     /// Connects to the cluster that `url` (any of its nodes) belongs to: a node's
     /// connection is tried for at most `connect`, a reply waited for at most
-    /// `response` (a call, with the client's retries, at most three times that).
+    /// `response`, and a call, its redirections and pauses included, takes at most
+    /// 3 x `response` + `connect`.
     pub async fn cluster(url: &str, connect: Duration, response: Duration) -> RedisResult<Self> {
         let connection = Self::cluster_lazy(url, connect, response)?;
-        if let Connection::Cluster(link) = &connection {
-            link.connect().await?;
+        if let Connection::Cluster(client) = &connection {
+            client.connect().await?;
         }
         Ok(connection)
     }
@@ -47,7 +48,7 @@ impl Connection {
     /// a URL that is not one fails here, and until the cluster is reached every
     /// call fails as an unreachable Redis does.
     pub fn cluster_lazy(url: &str, connect: Duration, response: Duration) -> RedisResult<Self> {
-        let link = ClusterLink::new(url.into_connection_info()?, connect, response)?;
+        let link = ClusterClient::new(url.into_connection_info()?, connect, response)?;
         Ok(Connection::Cluster(Arc::new(link)))
     }
 
@@ -97,9 +98,14 @@ impl ConnectionLike for Connection {
                     offset,
                     count,
                 };
+                // A pipeline's answer is always its replies.
                 match link.run(request).await? {
                     Value::Array(replies) => Ok(replies),
-                    other => Ok(vec![other]),
+                    other => Err(redis::RedisError::from((
+                        redis::ErrorKind::UnexpectedReturnType,
+                        "a pipeline was answered with something else than its replies",
+                        format!("{other:?}"),
+                    ))),
                 }
             }),
         }

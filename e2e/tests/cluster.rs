@@ -63,6 +63,31 @@ async fn reserve(http: &HttpClient, drop: &str, buyer: usize) -> Reply {
         .expect("reserve")
 }
 
+/// Waits until the sidecar's `/metrics` says every drop has `remaining` left.
+async fn remaining_on_metrics(http: &HttpClient, remaining: usize) {
+    let expected: Vec<String> = (0..DROPS)
+        .map(|d| {
+            format!(
+                "dropgate_sidecar_remaining{{drop=\"{}\"}} {remaining}",
+                drop_name(d)
+            )
+        })
+        .collect();
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = http.get("/metrics").await.expect("/metrics").text;
+        if expected.iter().all(|line| text.lines().any(|l| l == line)) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let seen: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("dropgate_sidecar_remaining"))
+        .collect();
+    panic!("/metrics never said {expected:?}; it says {seen:?}");
+}
+
 /// A drop's `remaining` and `held` as the cluster holds them.
 async fn stock(conn: &mut dropgate_api::Connection, drop: &str) -> (i64, i64) {
     let keys = DropKeys::new("shop", drop);
@@ -133,7 +158,6 @@ async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
         .await
         .expect("sidecar on the cluster");
     let http = HttpClient::new(sidecar.base.clone());
-
     // Every drop's rush at once: 500 buyers for 100 units each.
     let rush = join_all((0..DROPS).flat_map(|d| {
         let http = http.clone();
@@ -192,6 +216,9 @@ async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
             .assert_answer(200, expected);
         }
     }
+
+    // `/metrics` reads every drop's count at once (one MGET, split by slot).
+    remaining_on_metrics(&http, 10).await;
 
     // Locks live on the cluster too, each in its own slot.
     for name in ["packing-slip", "refunds", "nightly-export"] {
@@ -813,4 +840,79 @@ async fn a_sidecar_starts_while_its_cluster_is_unreachable() {
     let http = HttpClient::new(sidecar.base.clone());
     let reply = reserve(&http, "sale", 1).await;
     assert_eq!(reply.status.as_u16(), 503, "{}", reply.text);
+}
+
+/// The client in the middle of a slot's move: a key that has left answers ASK, one
+/// that has not is still served where it was, and commands, plain pipelines,
+/// single-key transactions and MGET over both see every value; once the slot has
+/// moved, MOVED sends them all to the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_client_follows_a_slot_half_moved_and_then_moved() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let mut conn = dropgate_api::Connection::cluster(
+        &cluster.url(),
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection");
+    let (left, stayed, elsewhere) = ("left:{moving}", "stayed:{moving}", "other:{elsewhere}");
+    for key in [left, stayed, elsewhere] {
+        redis::cmd("SET")
+            .arg(key)
+            .arg(key.to_uppercase())
+            .exec_async(&mut conn)
+            .await
+            .expect("SET");
+    }
+    let from = cluster.primary_of(left).expect("a primary").port();
+    let to = cluster
+        .nodes
+        .iter()
+        .map(|n| n.port())
+        .find(|&port| port != from && cluster.replica_of(port).is_some())
+        .expect("another primary");
+    let moving = cluster.begin_slot_move(left, to).expect("slot move begun");
+    cluster.migrate_key(&moving, left).expect("MIGRATE");
+
+    let values = async |conn: &mut dropgate_api::Connection| {
+        let get = |key: &str| redis::cmd("GET").arg(key).to_owned();
+        let one: (String, String) = (
+            get(left).query_async(conn).await.expect("GET left"),
+            get(stayed).query_async(conn).await.expect("GET stayed"),
+        );
+        let plain: (String, String) = redis::pipe()
+            .get(left)
+            .get(stayed)
+            .query_async(conn)
+            .await
+            .expect("pipeline");
+        let (in_transaction,): (String,) = redis::pipe()
+            .atomic()
+            .get(left)
+            .query_async(conn)
+            .await
+            .expect("transaction");
+        // (Two keys of a slot half moved would be TRYAGAIN until it has moved.)
+        let mget: Vec<String> = redis::cmd("MGET")
+            .arg(left)
+            .arg(elsewhere)
+            .query_async(conn)
+            .await
+            .expect("MGET");
+        (one, plain, in_transaction, mget)
+    };
+    let expected = (
+        ("LEFT:{MOVING}".to_string(), "STAYED:{MOVING}".to_string()),
+        ("LEFT:{MOVING}".to_string(), "STAYED:{MOVING}".to_string()),
+        "LEFT:{MOVING}".to_string(),
+        vec!["LEFT:{MOVING}".to_string(), "OTHER:{ELSEWHERE}".to_string()],
+    );
+    assert_eq!(values(&mut conn).await, expected, "half moved");
+    cluster
+        .finish_slot_move(&moving, std::time::Duration::ZERO)
+        .expect("slot moved");
+    assert_eq!(values(&mut conn).await, expected, "moved");
+    assert_eq!(cluster.primary_of(stayed).map(|n| n.port()), Some(to));
 }

@@ -318,29 +318,31 @@ impl RedisCluster {
     /// SETSLOT NODE), pausing `pause` after each key so that clients meet the slot
     /// half moved (ASK and TRYAGAIN). Returns how many keys moved.
     pub fn move_slot_of(&self, key: &str, to_port: u16, pause: Duration) -> std::io::Result<usize> {
-        let fail = |what: &str, e: redis::RedisError| std::io::Error::other(format!("{what}: {e}"));
+        let moving = self.begin_slot_move(key, to_port)?;
+        self.finish_slot_move(&moving, pause)
+    }
+
+    /// Starts moving the slot of `key` to the primary on `to_port`: the target
+    /// imports it, the source migrates it; no key has moved yet.
+    pub fn begin_slot_move(&self, key: &str, to_port: u16) -> std::io::Result<SlotMove> {
         let source = self
             .primary_of(key)
             .ok_or_else(|| std::io::Error::other("no primary serves the key"))?;
-        let target = self
-            .nodes
-            .iter()
-            .find(|n| n.port() == to_port)
-            .ok_or_else(|| std::io::Error::other("no such node"))?;
+        let target = self.node_on(to_port)?;
         let (mut from, mut to) = (
-            source.connection().map_err(|e| fail("connect", e))?,
-            target.connection().map_err(|e| fail("connect", e))?,
+            source.connection().map_err(|e| failed("connect", e))?,
+            target.connection().map_err(|e| failed("connect", e))?,
         );
         let slot: i64 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")
             .arg(key)
             .query(&mut from)
-            .map_err(|e| fail("KEYSLOT", e))?;
+            .map_err(|e| failed("KEYSLOT", e))?;
         let id = |conn: &mut redis::Connection| -> std::io::Result<String> {
             redis::cmd("CLUSTER")
                 .arg("MYID")
                 .query(conn)
-                .map_err(|e| fail("MYID", e))
+                .map_err(|e| failed("MYID", e))
         };
         let (from_id, to_id) = (id(&mut from)?, id(&mut to)?);
         redis::cmd("CLUSTER")
@@ -349,60 +351,92 @@ impl RedisCluster {
             .arg("IMPORTING")
             .arg(&from_id)
             .exec(&mut to)
-            .map_err(|e| fail("SETSLOT IMPORTING", e))?;
+            .map_err(|e| failed("SETSLOT IMPORTING", e))?;
         redis::cmd("CLUSTER")
             .arg("SETSLOT")
             .arg(slot)
             .arg("MIGRATING")
             .arg(&to_id)
             .exec(&mut from)
-            .map_err(|e| fail("SETSLOT MIGRATING", e))?;
+            .map_err(|e| failed("SETSLOT MIGRATING", e))?;
+        Ok(SlotMove {
+            slot,
+            from_port: source.port(),
+            to_port,
+            to_id,
+        })
+    }
+
+    /// Moves one key of a slot being moved.
+    pub fn migrate_key(&self, moving: &SlotMove, key: &str) -> std::io::Result<()> {
+        let mut from = self
+            .node_on(moving.from_port)?
+            .connection()
+            .map_err(|e| failed("connect", e))?;
+        redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(moving.to_port)
+            .arg(key)
+            .arg(0)
+            .arg(5000)
+            .exec(&mut from)
+            .map_err(|e| failed("MIGRATE", e))
+    }
+
+    /// Moves the slot's remaining keys one by one, `pause` apart, then gives the
+    /// slot to the target. Returns how many keys moved.
+    pub fn finish_slot_move(&self, moving: &SlotMove, pause: Duration) -> std::io::Result<usize> {
+        let mut from = self
+            .node_on(moving.from_port)?
+            .connection()
+            .map_err(|e| failed("connect", e))?;
         let mut moved = 0;
         loop {
             let keys: Vec<String> = redis::cmd("CLUSTER")
                 .arg("GETKEYSINSLOT")
-                .arg(slot)
+                .arg(moving.slot)
                 .arg(1)
                 .query(&mut from)
-                .map_err(|e| fail("GETKEYSINSLOT", e))?;
-            let Some(moving) = keys.first() else {
+                .map_err(|e| failed("GETKEYSINSLOT", e))?;
+            let Some(key) = keys.first() else {
                 break;
             };
-            redis::cmd("MIGRATE")
-                .arg("127.0.0.1")
-                .arg(to_port)
-                .arg(moving)
-                .arg(0)
-                .arg(5000)
-                .exec(&mut from)
-                .map_err(|e| fail("MIGRATE", e))?;
+            self.migrate_key(moving, key)?;
             moved += 1;
             std::thread::sleep(pause);
         }
         // The target first, so that the slot is never without an owner; replicas
         // learn it from their primaries.
+        let target = self.node_on(moving.to_port)?;
         for node in std::iter::once(target).chain(
             self.nodes
                 .iter()
-                .filter(|n| n.child.is_some() && n.port() != to_port),
+                .filter(|n| n.child.is_some() && n.port() != moving.to_port),
         ) {
-            let mut conn = node.connection().map_err(|e| fail("connect", e))?;
+            let mut conn = node.connection().map_err(|e| failed("connect", e))?;
             let role: String = redis::cmd("INFO")
                 .arg("replication")
                 .query(&mut conn)
-                .map_err(|e| fail("INFO", e))?;
+                .map_err(|e| failed("INFO", e))?;
             if !role.contains("role:master") {
                 continue;
             }
             redis::cmd("CLUSTER")
                 .arg("SETSLOT")
-                .arg(slot)
+                .arg(moving.slot)
                 .arg("NODE")
-                .arg(&to_id)
+                .arg(&moving.to_id)
                 .exec(&mut conn)
-                .map_err(|e| fail("SETSLOT NODE", e))?;
+                .map_err(|e| failed("SETSLOT NODE", e))?;
         }
         Ok(moved)
+    }
+
+    fn node_on(&self, port: u16) -> std::io::Result<&RedisServer> {
+        self.nodes
+            .iter()
+            .find(|n| n.port() == port)
+            .ok_or_else(|| std::io::Error::other(format!("no node on port {port}")))
     }
 
     /// The index in [`RedisCluster::nodes`] of the replica of the primary on
@@ -467,4 +501,17 @@ fn sees_all_online(conn: &mut redis::Connection, nodes: usize) -> bool {
         .map(|w| &w[1])
         .collect();
     health.len() == nodes && health.iter().all(|h| *h == "online")
+}
+
+/// A slot being moved from one primary to another (see
+/// [`RedisCluster::begin_slot_move`]).
+pub struct SlotMove {
+    slot: i64,
+    from_port: u16,
+    to_port: u16,
+    to_id: String,
+}
+
+fn failed(what: &str, e: redis::RedisError) -> std::io::Error {
+    std::io::Error::other(format!("{what}: {e}"))
 }
