@@ -88,6 +88,18 @@ async fn remaining_on_metrics(http: &HttpClient, remaining: usize) {
     panic!("/metrics never said {expected:?}; it says {seen:?}");
 }
 
+/// The test's own connection to the cluster `seed` is a node of, through
+/// dropgate's cluster client.
+async fn connect(seed: &str) -> dropgate_api::Connection {
+    dropgate_api::Connection::cluster(
+        seed,
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .expect("a cluster connection")
+}
+
 /// A drop's `remaining` and `held` as the cluster holds them.
 async fn stock(conn: &mut dropgate_api::Connection, drop: &str) -> (i64, i64) {
     let keys = DropKeys::new("shop", drop);
@@ -176,13 +188,7 @@ async fn a_sale_spread_over_three_shards_sells_each_drop_exactly_once() {
             _ => panic!("drop {d} buyer {b}: {}", reply.text),
         }
     }
-    let mut conn = dropgate_api::Connection::cluster(
-        &cluster.url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut conn = connect(&cluster.url()).await;
     for d in 0..DROPS {
         let sold = admitted.get(&d).map_or(0, Vec::len);
         assert_eq!(sold, LIMIT, "drop {d} sold {sold} of {LIMIT}");
@@ -393,13 +399,7 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
             "drop {d} on another shard heard 503 during the failover of {victim}"
         );
     }
-    let mut conn = dropgate_api::Connection::cluster(
-        &cluster.url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut conn = connect(&cluster.url()).await;
     for d in 0..DROPS {
         assert_eq!(
             stock(&mut conn, &drop_name(d)).await,
@@ -428,13 +428,7 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
     let dir = tempfile::tempdir().expect("dir");
     let (ready, out) = apply(&manifest(dir.path(), "sale", &DropSpec::new(10)), &cluster);
     assert!(ready, "{out}");
-    let mut conn = dropgate_api::Connection::cluster(
-        &cluster.url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut conn = connect(&cluster.url()).await;
     let keys = DropKeys::new("shop", "sale");
     let c = &mut conn;
     let in_one_slot = |what: &str, error: redis::RedisError| -> ! {
@@ -607,13 +601,7 @@ async fn a_live_drops_slot_moved_to_another_shard_mid_sale_sells_exactly_its_lim
         }
     }
     assert_eq!(sold, LIMIT, "sold {sold} of {LIMIT}");
-    let mut conn = dropgate_api::Connection::cluster(
-        &cluster.url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut conn = connect(&cluster.url()).await;
     assert_eq!(stock(&mut conn, &drop_name(0)).await, (0, LIMIT as i64));
     // The first buyers' reservations moved with the slot.
     for b in 0..20 {
@@ -727,13 +715,7 @@ async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() 
         .wait_until(std::time::Duration::from_secs(30), settled)
         .expect("the cluster settles on the new primary");
     // What the new primary lost (read at once: the sidecar rebuilds soon after).
-    let mut fresh = dropgate_api::Connection::cluster(
-        &cluster.nodes[stale].url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut fresh = connect(&cluster.nodes[stale].url()).await;
     let mut lost = 0;
     for &d in &on_victim {
         for b in 20..40 {
@@ -789,13 +771,7 @@ async fn a_failover_that_loses_acknowledged_writes_is_rebuilt_from_the_ledger() 
     for d in &elsewhere {
         assert_eq!(paused.get(d).copied().unwrap_or(0), 0, "drop {d} paused");
     }
-    let mut conn = dropgate_api::Connection::cluster(
-        &cluster.nodes[stale].url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut conn = connect(&cluster.nodes[stale].url()).await;
     for d in 0..DROPS {
         assert_eq!(
             stock(&mut conn, &drop_name(d)).await,
@@ -850,13 +826,7 @@ async fn a_sidecar_starts_while_its_cluster_is_unreachable() {
 async fn the_client_follows_a_slot_half_moved_and_then_moved() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start().expect("a local Redis Cluster");
-    let mut conn = dropgate_api::Connection::cluster(
-        &cluster.url(),
-        std::time::Duration::from_secs(2),
-        std::time::Duration::from_secs(5),
-    )
-    .await
-    .expect("a cluster connection");
+    let mut conn = connect(&cluster.url()).await;
     let (left, stayed, elsewhere) = ("left:{moving}", "stayed:{moving}", "other:{elsewhere}");
     for key in [left, stayed, elsewhere] {
         redis::cmd("SET")
