@@ -17,8 +17,10 @@
 //! connection broke, the reply was late) is never sent again: whether it ran is
 //! unknown, and the caller decides.
 //!
-//! Routing: a script goes to its first key's slot, MGET is split by slot, SCRIPT and
-//! INFO go to every primary, commands without keys (TIME, PING, CLUSTER ...) to any
+//! Routing: a script goes to its first key's slot, MGET is split by slot, SCRIPT
+//! goes to every node (replicas too: Redis does not replicate SCRIPT LOAD, and a
+//! promoted replica must have the gate's scripts), INFO to every primary, commands
+//! without keys (TIME, PING, CLUSTER ...) to any
 //! node, and any other command to the slot of its first argument with a hash tag
 //! (every key dropgate writes has one), or of its first argument.
 
@@ -56,7 +58,13 @@ pub struct ClusterClient {
     /// When the map was last read; held while it is read, so one read runs at a time.
     last_refresh: tokio::sync::Mutex<Option<Instant>>,
     refresh_queued: AtomicBool,
+    /// Nodes that could not be reached or broke off lately, and when: asked last
+    /// by calls that may go to any node.
+    troubled: Mutex<HashMap<Node, Instant>>,
 }
+
+/// How long a node that could not be reached is asked last.
+const TROUBLE_MEMORY: Duration = Duration::from_secs(5);
 
 /// A node's address.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -87,7 +95,9 @@ struct SlotMap {
     ranges: Vec<SlotRange>,
     /// Every node listed, primaries first: where the next map is asked for.
     nodes: Vec<Node>,
-    moved: HashMap<u16, Node>,
+    /// The slot's primary per MOVED, and when MOVED said so: an override learned
+    /// while a map was being read outlives that map.
+    moved: HashMap<u16, (Node, Instant)>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -104,8 +114,11 @@ enum Target {
     Slot(u16),
     /// MGET: each key's slot, the answers put back in order.
     EachKeysSlot,
-    /// Every primary (loading a script, reading INFO).
+    /// Every primary (reading INFO).
     EveryPrimary,
+    /// Every node, replicas too (loading a script: Redis does not replicate SCRIPT
+    /// LOAD, and a replica promoted by a failover must have the gate's scripts).
+    EveryNode,
     /// Any node that answers (TIME, PING, CLUSTER ...).
     AnyNode,
 }
@@ -281,11 +294,12 @@ impl ClusterClient {
             connections: Mutex::new(HashMap::new()),
             last_refresh: tokio::sync::Mutex::new(None),
             refresh_queued: AtomicBool::new(false),
+            troubled: Mutex::new(HashMap::new()),
         })
     }
 
     /// Reads the slot map now (the first use, or a check that the cluster answers).
-    pub(crate) async fn connect(&self) -> RedisResult<()> {
+    pub(crate) async fn connect(self: &Arc<Self>) -> RedisResult<()> {
         self.refresh(true).await
     }
 
@@ -309,7 +323,14 @@ impl ClusterClient {
             match (target, request) {
                 (Target::Slot(slot), _) => self.on_slot(slot, request, give_up).await,
                 (Target::EachKeysSlot, Request::Cmd(cmd)) => self.split_by_slot(cmd, give_up).await,
-                (Target::EveryPrimary, _) => self.on_every_primary(request).await,
+                (Target::EveryPrimary, _) => {
+                    let primaries = self.primaries().await?;
+                    self.on_each(&primaries, request).await
+                }
+                (Target::EveryNode, _) => {
+                    let nodes = self.known_nodes().await?;
+                    self.on_each(&nodes, request).await
+                }
                 (Target::AnyNode | Target::EachKeysSlot, _) => self.on_any_node(request).await,
             }
         };
@@ -455,37 +476,33 @@ impl ClusterClient {
         Ok(Value::Array(values))
     }
 
-    /// Every primary that answers runs it (at once); the first answer is returned,
-    /// or for INFO a map from node to answer (as redis-rs's cluster client gives
-    /// it). A primary that cannot be reached is left out, with a warning: it has no
-    /// slot to serve until a replica takes over, and that one loads a script on the
-    /// first NOSCRIPT. Fails only if none answered.
-    async fn on_every_primary(self: &Arc<Self>, request: Request<'_>) -> RedisResult<Value> {
-        let primaries = self.primaries().await?;
-        let answers = futures::future::join_all(
-            primaries
-                .iter()
-                .map(|node| self.on_node(node, request, false)),
-        )
-        .await;
+    /// Each of `nodes` that answers runs it (at once); the first answer is
+    /// returned, or for INFO a map from node to answer (as redis-rs's cluster client
+    /// gives it). A node that cannot be reached is left out, with a warning: a
+    /// primary has no slot to serve until a replica takes over (which loads a script
+    /// on its first NOSCRIPT). Fails only if none answered.
+    async fn on_each(self: &Arc<Self>, nodes: &[Node], request: Request<'_>) -> RedisResult<Value> {
+        let answers =
+            futures::future::join_all(nodes.iter().map(|node| self.on_node(node, request, false)))
+                .await;
         let is_info =
             matches!(request, Request::Cmd(cmd) if command_name(cmd).as_deref() == Some("INFO"));
         let mut last_error = None;
         let mut answered = Vec::new();
-        for (node, answer) in primaries.iter().zip(answers) {
+        for (node, answer) in nodes.iter().zip(answers) {
             match answer {
                 Ok(value) => {
                     answered.push((Value::BulkString(node.to_string().into_bytes()), value))
                 }
                 Err(failed) => {
                     let error = failed.into_error();
-                    tracing::warn!(%node, %error, "a Redis Cluster primary did not answer");
+                    tracing::warn!(%node, %error, "a Redis Cluster node did not answer");
                     last_error = Some(error);
                 }
             }
         }
         if answered.is_empty() {
-            return Err(last_error.unwrap_or_else(|| no_node("no primary is known")));
+            return Err(last_error.unwrap_or_else(|| no_node("no node is known")));
         }
         if is_info {
             return Ok(Value::Map(answered));
@@ -501,7 +518,7 @@ impl ClusterClient {
             nodes.push(self.seed_node.clone());
         }
         let mut last_error = None;
-        for node in &nodes {
+        for node in &self.troubled_last(nodes) {
             match self.on_node(node, request, false).await {
                 Ok(value) => return Ok(request.answer(value)),
                 Err(Failed::NotSent(error)) => last_error = Some(error),
@@ -523,19 +540,51 @@ impl ClusterClient {
         let (generation, mut conn) = match self.node_connection(node).await {
             Ok(shared) => shared,
             Err(error) => {
+                self.trouble(node, true);
                 self.refresh_soon();
                 return Err(Failed::NotSent(error));
             }
         };
         let answered = request.send(&mut conn, asking).await;
-        if answered.as_ref().is_err_and(lost_connection) {
-            self.forget(node, generation).await;
-            self.refresh_soon();
+        match &answered {
+            Err(error) if lost_connection(error) => {
+                self.trouble(node, true);
+                self.forget(node, generation).await;
+                self.refresh_soon();
+            }
+            // A script missing where the map says the slot is: the map may be behind
+            // a failover (the new primary never loaded it).
+            Ok(Value::ServerError(error)) if error.kind() == Some(ServerErrorKind::NoScript) => {
+                self.trouble(node, false);
+                self.refresh_soon();
+            }
+            _ => self.trouble(node, false),
         }
         answered.map_err(Failed::Sent)
     }
 
-    async fn primary_of(&self, slot: u16) -> RedisResult<Node> {
+    /// Notes that `node` could not be reached or broke off (`true`), or answered.
+    fn trouble(&self, node: &Node, troubled: bool) {
+        let mut troubled_nodes = unpoisoned(self.troubled.lock());
+        if troubled {
+            troubled_nodes.insert(node.clone(), Instant::now());
+        } else if !troubled_nodes.is_empty() {
+            troubled_nodes.remove(node);
+        }
+    }
+
+    /// `nodes`, the ones in trouble lately moved to the end.
+    fn troubled_last(&self, mut nodes: Vec<Node>) -> Vec<Node> {
+        let troubled = unpoisoned(self.troubled.lock());
+        nodes.sort_by_key(|node| {
+            troubled
+                .get(node)
+                .is_some_and(|at| at.elapsed() < TROUBLE_MEMORY)
+        });
+        nodes
+    }
+
+    async fn primary_of(self: &Arc<Self>, slot: u16) -> RedisResult<Node> {
         if let Some(node) = self.slots_read().primary(slot) {
             return Ok(node.clone());
         }
@@ -549,22 +598,32 @@ impl ClusterClient {
         })
     }
 
-    async fn primaries(&self) -> RedisResult<Vec<Node>> {
+    async fn primaries(self: &Arc<Self>) -> RedisResult<Vec<Node>> {
         if self.slots_read().ranges.is_empty() {
             self.refresh(true).await?;
         }
         Ok(self.slots_read().primaries())
     }
 
-    async fn known_nodes(&self) -> RedisResult<Vec<Node>> {
+    /// Every node of the map, and the nodes MOVED named since.
+    async fn known_nodes(self: &Arc<Self>) -> RedisResult<Vec<Node>> {
         if self.slots_read().nodes.is_empty() {
             self.refresh(true).await?;
         }
-        Ok(self.slots_read().nodes.clone())
+        let slots = self.slots_read();
+        let mut nodes = slots.nodes.clone();
+        for (node, _) in slots.moved.values() {
+            if !nodes.contains(node) {
+                nodes.push(node.clone());
+            }
+        }
+        Ok(nodes)
     }
 
     fn remember_moved(&self, slot: u16, node: Node) {
-        unpoisoned(self.slots.write()).moved.insert(slot, node);
+        unpoisoned(self.slots.write())
+            .moved
+            .insert(slot, (node, Instant::now()));
     }
 
     fn slots_read(&self) -> std::sync::RwLockReadGuard<'_, SlotMap> {
@@ -576,7 +635,10 @@ impl ClusterClient {
         Arc::clone(connections.entry(node.clone()).or_default())
     }
 
-    async fn node_connection(&self, node: &Node) -> RedisResult<(u64, MultiplexedConnection)> {
+    async fn node_connection(
+        self: &Arc<Self>,
+        node: &Node,
+    ) -> RedisResult<(u64, MultiplexedConnection)> {
         let shared = self.shared(node);
         // Only this node's callers wait while it is connected to, at most the
         // connection timeout.
@@ -619,11 +681,16 @@ impl ClusterClient {
     /// discovery endpoint follows the cluster wherever its nodes went), then the
     /// nodes of the last map, primaries first. Unless `force`, not again within
     /// [`MIN_REFRESH_INTERVAL`] of the last read.
-    async fn refresh(&self, force: bool) -> RedisResult<()> {
+    async fn refresh(self: &Arc<Self>, force: bool) -> RedisResult<()> {
         let mut last_refresh = self.last_refresh.lock().await;
-        if !force && last_refresh.is_some_and(|at| at.elapsed() < MIN_REFRESH_INTERVAL) {
-            return Ok(());
+        if let Some(at) = *last_refresh
+            && !force
+        {
+            // Deferred, never skipped: what asked for it (a MOVED, a NOSCRIPT) may
+            // be newer than the last read.
+            tokio::time::sleep(MIN_REFRESH_INTERVAL.saturating_sub(at.elapsed())).await;
         }
+        let began = Instant::now();
         let mut candidates = vec![self.seed_node.clone()];
         for node in &self.slots_read().nodes {
             if !candidates.contains(node) {
@@ -645,8 +712,11 @@ impl ClusterClient {
             };
             match read.await {
                 Ok(reply) => match SlotMap::parse(&reply, node) {
-                    Some(map) => {
-                        *unpoisoned(self.slots.write()) = map;
+                    Some(mut map) => {
+                        let mut slots = unpoisoned(self.slots.write());
+                        map.moved = std::mem::take(&mut slots.moved);
+                        map.moved.retain(|_, (_, learned)| *learned > began);
+                        *slots = map;
                         *last_refresh = Some(Instant::now());
                         return Ok(());
                     }
@@ -708,7 +778,7 @@ impl SlotMap {
     }
 
     fn primary(&self, slot: u16) -> Option<&Node> {
-        if let Some(node) = self.moved.get(&slot) {
+        if let Some((node, _)) = self.moved.get(&slot) {
             return Some(node);
         }
         let at = self.ranges.partition_point(|range| range.end < slot);
@@ -718,11 +788,13 @@ impl SlotMap {
             .map(|range| &range.primary)
     }
 
+    /// The primaries of the map and the ones MOVED named since.
     fn primaries(&self) -> Vec<Node> {
         let mut primaries: Vec<Node> = Vec::new();
-        for range in &self.ranges {
-            if !primaries.contains(&range.primary) {
-                primaries.push(range.primary.clone());
+        let moved = self.moved.values().map(|(node, _)| node);
+        for node in self.ranges.iter().map(|range| &range.primary).chain(moved) {
+            if !primaries.contains(node) {
+                primaries.push(node.clone());
             }
         }
         primaries
@@ -784,7 +856,8 @@ fn target(cmd: &Cmd) -> Target {
             }
         }
         "MGET" => Target::EachKeysSlot,
-        "SCRIPT" | "INFO" => Target::EveryPrimary,
+        "SCRIPT" => Target::EveryNode,
+        "INFO" => Target::EveryPrimary,
         "TIME" | "PING" | "ECHO" | "CLUSTER" | "SCAN" | "CONFIG" | "CLIENT" | "HELLO"
         | "DBSIZE" | "COMMAND" | "WAIT" | "MULTI" | "EXEC" | "DISCARD" | "ASKING" => {
             Target::AnyNode
@@ -963,7 +1036,8 @@ mod tests {
         assert_eq!(target(&keyless), Target::AnyNode);
         let mut load = redis::cmd("SCRIPT");
         load.arg("LOAD").arg("return 1");
-        assert_eq!(target(&load), Target::EveryPrimary);
+        assert_eq!(target(&load), Target::EveryNode);
+        assert_eq!(target(&redis::cmd("INFO")), Target::EveryPrimary);
         assert_eq!(target(&redis::cmd("TIME")), Target::AnyNode);
         let mut shards = redis::cmd("cluster");
         shards.arg("shards");
@@ -1027,9 +1101,11 @@ mod tests {
         assert_eq!(map.nodes.len(), 6);
         assert!(map.primaries().iter().all(|p| map.nodes[..3].contains(p)));
         // MOVED overrides the map for that slot only.
-        map.moved.insert(100, node("10.0.0.4", 7003));
+        map.moved
+            .insert(100, (node("10.0.0.4", 7003), Instant::now()));
         assert_eq!(map.primary(100), Some(&node("10.0.0.4", 7003)));
         assert_eq!(map.primary(101), Some(&node("10.0.0.1", 7000)));
+        assert!(map.primaries().contains(&node("10.0.0.4", 7003)));
 
         // A range without a readable primary makes no map (a replica is no primary).
         let headless = Value::Array(vec![range(

@@ -886,3 +886,73 @@ async fn the_client_follows_a_slot_half_moved_and_then_moved() {
     assert_eq!(values(&mut conn).await, expected, "moved");
     assert_eq!(cluster.primary_of(stayed).map(|n| n.port()), Some(to));
 }
+
+/// Two shards fail over 20 ms apart (`CLUSTER FAILOVER TAKEOVER`, as a rolling
+/// maintenance does): a script loaded before goes on running on both shards' new
+/// primaries (Redis does not replicate SCRIPT LOAD: the client loads scripts on
+/// replicas too), and a script first run after the failovers is loaded where its
+/// slot now lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scripts_keep_running_through_failovers_of_two_shards() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let mut conn = connect(&cluster.url()).await;
+    // Two keys on two shards.
+    let primary_port = |key: &str| cluster.primary_of(key).expect("a primary").port();
+    let first = "x:{first}";
+    let second = (0..100)
+        .map(|i| format!("x:{{second-{i}}}"))
+        .find(|key| primary_port(key) != primary_port(first))
+        .expect("a key on another shard");
+    let before = redis::Script::new("return redis.call('INCR', KEYS[1])");
+    let after = redis::Script::new("return redis.call('INCRBY', KEYS[1], 10)");
+    for key in [first, second.as_str()] {
+        let counted: i64 = before
+            .key(key)
+            .invoke_async(&mut conn)
+            .await
+            .expect("the script runs");
+        assert_eq!(counted, 1);
+    }
+    let take_over = |key: &str| {
+        let replica = cluster
+            .replica_of(primary_port(key))
+            .expect("the shard's replica");
+        redis::cmd("CLUSTER")
+            .arg("FAILOVER")
+            .arg("TAKEOVER")
+            .exec(&mut cluster.nodes[replica].connection().expect("connect"))
+            .expect("CLUSTER FAILOVER TAKEOVER");
+        cluster.nodes[replica].port()
+    };
+    let promoted = take_over(first);
+    // The first shard's MOVED makes the client read the map anew; the second
+    // shard fails over right after that read.
+    let _: Option<String> = redis::cmd("GET")
+        .arg(first)
+        .query_async(&mut conn)
+        .await
+        .expect("GET after the first failover");
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let promoted_too = take_over(&second);
+    cluster
+        .wait_until(std::time::Duration::from_secs(30), |cluster| {
+            cluster.primary_of(first).map(|n| n.port()) == Some(promoted)
+                && cluster.primary_of(&second).map(|n| n.port()) == Some(promoted_too)
+        })
+        .expect("both replicas took over");
+    for key in [first, second.as_str()] {
+        let counted: i64 = before
+            .key(key)
+            .invoke_async(&mut conn)
+            .await
+            .expect("a script loaded before the failover runs on the new primary");
+        assert_eq!(counted, 2, "{key}");
+        let counted: i64 = after
+            .key(key)
+            .invoke_async(&mut conn)
+            .await
+            .expect("a script new after the failover runs on the new primary");
+        assert_eq!(counted, 12, "{key}");
+    }
+}
