@@ -21,8 +21,9 @@
 //! goes to every node (replicas too: Redis does not replicate SCRIPT LOAD, and a
 //! promoted replica must have the gate's scripts), INFO to every primary, commands
 //! without keys (TIME, PING, CLUSTER ...) to any
-//! node, and any other command to the slot of its first argument with a hash tag
-//! (every key dropgate writes has one), or of its first argument.
+//! node, and any other command to the slot of its key (its first argument, or the
+//! one after STREAMS or a subcommand where that is where Redis puts it); a MOVED
+//! for another slot is followed all the same.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -248,11 +249,17 @@ impl Request<'_> {
     fn target(self) -> Target {
         match self {
             Request::Cmd(cmd) => target(cmd),
-            // A pipeline about a drop goes where its first command about a key goes.
+            // A pipeline about a drop goes where its first command about a key goes
+            // (an MGET in it: where its first key goes).
             Request::Pipeline { pipeline, .. } => pipeline
                 .cmd_iter()
-                .map(target)
-                .find(|target| matches!(target, Target::Slot(_)))
+                .find_map(|cmd| match target(cmd) {
+                    Target::Slot(slot) => Some(Target::Slot(slot)),
+                    Target::EachKeysSlot => {
+                        simple_args(cmd).nth(1).map(|key| Target::Slot(slot(key)))
+                    }
+                    _ => None,
+                })
                 .unwrap_or(Target::AnyNode),
         }
     }
@@ -328,8 +335,12 @@ impl ClusterClient {
                     self.on_each(&primaries, request).await
                 }
                 (Target::EveryNode, _) => {
+                    // A node in trouble lately (frozen, say) is not waited for: if it
+                    // is promoted later, it loads the script on its first NOSCRIPT.
                     let nodes = self.known_nodes().await?;
-                    self.on_each(&nodes, request).await
+                    let healthy = self.healthy(&nodes);
+                    self.on_each(if healthy.is_empty() { &nodes } else { &healthy }, request)
+                        .await
                 }
                 (Target::AnyNode | Target::EachKeysSlot, _) => self.on_any_node(request).await,
             }
@@ -363,7 +374,11 @@ impl ClusterClient {
         if request.is_plain_pipeline() {
             for (reply, cmd) in replies.iter_mut().zip(pipeline.cmd_iter()) {
                 if matches!(reply, Value::ServerError(error) if cluster_refusal(error)) {
-                    *reply = Box::pin(self.whole_on_slot(slot, Request::Cmd(cmd), give_up)).await?;
+                    let own = match target(cmd) {
+                        Target::Slot(own) => own,
+                        _ => slot,
+                    };
+                    *reply = Box::pin(self.whole_on_slot(own, Request::Cmd(cmd), give_up)).await?;
                 }
             }
         }
@@ -379,11 +394,13 @@ impl ClusterClient {
         give_up: Instant,
     ) -> RedisResult<Value> {
         let mut pause = FIRST_PAUSE;
+        // Redirections in a row; a pause (TRYAGAIN after an ASK, say) starts anew.
         let mut redirects = 0;
-        let mut asking: Option<Node> = None;
+        // Where a redirection said to go next, and whether ASKING goes first.
+        let mut redirected: Option<(Node, bool)> = None;
         loop {
-            let (node, asked) = match asking.take() {
-                Some(node) => (Ok(node), true),
+            let (node, asked) = match redirected.take() {
+                Some((node, asking)) => (Ok(node), asking),
                 None => (self.primary_of(slot).await, false),
             };
             let answered = match &node {
@@ -403,12 +420,14 @@ impl ClusterClient {
             {
                 redirects += 1;
                 let to = to.unwrap_or_else(|| from.clone());
-                if kind == ServerErrorKind::Moved {
-                    self.remember_moved(moved_slot, to);
+                let asking = kind == ServerErrorKind::Ask;
+                if !asking {
+                    // The slot MOVED names is the one to remember, and the node it
+                    // names the one to ask next, whatever slot this call was routed by.
+                    self.remember_moved(moved_slot, to.clone());
                     self.refresh_soon();
-                } else {
-                    asking = Some(to);
                 }
+                redirected = Some((to, asking));
                 continue;
             }
             // Nothing ran: a node not reached (a replica may be taking over; the map
@@ -423,6 +442,7 @@ impl ClusterClient {
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(MAX_PAUSE);
+            redirects = 0;
         }
     }
 
@@ -573,15 +593,24 @@ impl ClusterClient {
         }
     }
 
+    fn in_trouble(&self, node: &Node) -> bool {
+        unpoisoned(self.troubled.lock())
+            .get(node)
+            .is_some_and(|at| at.elapsed() < TROUBLE_MEMORY)
+    }
+
     /// `nodes`, the ones in trouble lately moved to the end.
     fn troubled_last(&self, mut nodes: Vec<Node>) -> Vec<Node> {
-        let troubled = unpoisoned(self.troubled.lock());
-        nodes.sort_by_key(|node| {
-            troubled
-                .get(node)
-                .is_some_and(|at| at.elapsed() < TROUBLE_MEMORY)
-        });
+        nodes.sort_by_key(|node| self.in_trouble(node));
         nodes
+    }
+
+    fn healthy(&self, nodes: &[Node]) -> Vec<Node> {
+        nodes
+            .iter()
+            .filter(|node| !self.in_trouble(node))
+            .cloned()
+            .collect()
     }
 
     async fn primary_of(self: &Arc<Self>, slot: u16) -> RedisResult<Node> {
@@ -697,15 +726,22 @@ impl ClusterClient {
                 candidates.push(node.clone());
             }
         }
+        // A failed read counts too: reads asked for while the cluster is out of
+        // reach come at most every MIN_REFRESH_INTERVAL.
+        *last_refresh = Some(began);
         let mut last_error = None;
-        for node in &candidates {
+        for node in &self.troubled_last(candidates) {
             let read = async {
-                let (generation, mut conn) = self.node_connection(node).await?;
+                let (generation, mut conn) = self
+                    .node_connection(node)
+                    .await
+                    .inspect_err(|_| self.trouble(node, true))?;
                 let answered = redis::cmd("CLUSTER")
                     .arg("SLOTS")
                     .query_async::<Value>(&mut conn)
                     .await;
                 if answered.as_ref().is_err_and(lost_connection) {
+                    self.trouble(node, true);
                     self.forget(node, generation).await;
                 }
                 answered
@@ -717,7 +753,6 @@ impl ClusterClient {
                         map.moved = std::mem::take(&mut slots.moved);
                         map.moved.retain(|_, (_, learned)| *learned > began);
                         *slots = map;
-                        *last_refresh = Some(Instant::now());
                         return Ok(());
                     }
                     None => {
@@ -862,14 +897,22 @@ fn target(cmd: &Cmd) -> Target {
         | "DBSIZE" | "COMMAND" | "WAIT" | "MULTI" | "EXEC" | "DISCARD" | "ASKING" => {
             Target::AnyNode
         }
-        _ => match args[1..]
+        // The key follows STREAMS, or a subcommand.
+        "XREAD" | "XREADGROUP" => match args
             .iter()
-            .find(|arg| hash_tag(arg).is_some())
-            .or(args.get(1))
+            .position(|arg| arg.eq_ignore_ascii_case(b"STREAMS"))
         {
-            Some(key) => Target::Slot(slot(key)),
+            Some(at) => args
+                .get(at + 1)
+                .map_or(Target::AnyNode, |key| Target::Slot(slot(key))),
             None => Target::AnyNode,
         },
+        "XGROUP" | "XINFO" | "OBJECT" | "MEMORY" => args
+            .get(2)
+            .map_or(Target::AnyNode, |key| Target::Slot(slot(key))),
+        _ => args
+            .get(1)
+            .map_or(Target::AnyNode, |key| Target::Slot(slot(key))),
     }
 }
 
@@ -1046,7 +1089,7 @@ mod tests {
         let mut mget = redis::cmd("MGET");
         mget.arg(key).arg("dropgate:{shop/other}:remaining");
         assert_eq!(target(&mget), Target::EachKeysSlot);
-        // Another command's key is its first argument with a hash tag.
+        // A key is where Redis puts it, whatever the values hold.
         let mut read = redis::cmd("XREADGROUP");
         read.arg("GROUP")
             .arg("g")
@@ -1055,6 +1098,20 @@ mod tests {
             .arg(key)
             .arg(">");
         assert_eq!(target(&read), Target::Slot(slot(key.as_bytes())));
+        let mut set = redis::cmd("SET");
+        set.arg("plain").arg("{tagged}");
+        assert_eq!(target(&set), Target::Slot(slot(b"plain")));
+        let mut info = redis::cmd("XINFO");
+        info.arg("STREAM").arg(key);
+        assert_eq!(target(&info), Target::Slot(slot(key.as_bytes())));
+        let mut in_pipe = redis::pipe();
+        in_pipe.cmd("MGET").arg(key).arg("other");
+        let request = Request::Pipeline {
+            pipeline: &in_pipe,
+            offset: 0,
+            count: 1,
+        };
+        assert_eq!(request.target(), Target::Slot(slot(key.as_bytes())));
 
         let mut pipe = redis::pipe();
         pipe.atomic()

@@ -100,6 +100,15 @@ async fn connect(seed: &str) -> dropgate_api::Connection {
     .expect("a cluster connection")
 }
 
+/// A key named `{prefix}:{{...}}` whose slot another primary serves than `key`'s.
+fn key_on_another_shard(cluster: &RedisCluster, key: &str, prefix: &str) -> String {
+    let primary_port = |key: &str| cluster.primary_of(key).expect("a primary").port();
+    (0..100)
+        .map(|i| format!("{prefix}:{{elsewhere-{i}}}"))
+        .find(|other| primary_port(other) != primary_port(key))
+        .expect("a key on another shard")
+}
+
 /// A drop's `remaining` and `held` as the cluster holds them.
 async fn stock(conn: &mut dropgate_api::Connection, drop: &str) -> (i64, i64) {
     let keys = DropKeys::new("shop", drop);
@@ -827,7 +836,8 @@ async fn the_client_follows_a_slot_half_moved_and_then_moved() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start().expect("a local Redis Cluster");
     let mut conn = connect(&cluster.url()).await;
-    let (left, stayed, elsewhere) = ("left:{moving}", "stayed:{moving}", "other:{elsewhere}");
+    let (left, stayed) = ("left:{moving}", "stayed:{moving}");
+    let elsewhere = &key_on_another_shard(&cluster, left, "other");
     for key in [left, stayed, elsewhere] {
         redis::cmd("SET")
             .arg(key)
@@ -843,6 +853,23 @@ async fn the_client_follows_a_slot_half_moved_and_then_moved() {
         .map(|n| n.port())
         .find(|&port| port != from && cluster.replica_of(port).is_some())
         .expect("another primary");
+    // Calls follow a MOVED whatever slot they were routed by: a pipeline over two
+    // shards (its second command is refused and sent again on its own), a value
+    // that looks like a key.
+    let (here, there): (i64, i64) = redis::pipe()
+        .incr("count:{moving}", 1)
+        .incr(key_on_another_shard(&cluster, left, "count"), 1)
+        .query_async(&mut conn)
+        .await
+        .expect("a pipeline over two shards");
+    assert_eq!((here, there), (1, 1), "each command ran once");
+    let _: () = redis::cmd("SET")
+        .arg("plain")
+        .arg("{moving}")
+        .query_async(&mut conn)
+        .await
+        .expect("SET of a value with a hash tag");
+
     let moving = cluster.begin_slot_move(left, to).expect("slot move begun");
     cluster.migrate_key(&moving, left).expect("MIGRATE");
 
@@ -877,14 +904,34 @@ async fn the_client_follows_a_slot_half_moved_and_then_moved() {
         ("LEFT:{MOVING}".to_string(), "STAYED:{MOVING}".to_string()),
         ("LEFT:{MOVING}".to_string(), "STAYED:{MOVING}".to_string()),
         "LEFT:{MOVING}".to_string(),
-        vec!["LEFT:{MOVING}".to_string(), "OTHER:{ELSEWHERE}".to_string()],
+        vec!["LEFT:{MOVING}".to_string(), elsewhere.to_uppercase()],
     );
     assert_eq!(values(&mut conn).await, expected, "half moved");
-    cluster
-        .finish_slot_move(&moving, std::time::Duration::ZERO)
-        .expect("slot moved");
+    // A script over a key that left and one not created yet: Redis answers ASK,
+    // then TRYAGAIN where it went, until the slot has moved; then it runs, once.
+    let script =
+        redis::Script::new("redis.call('INCR', KEYS[2]); return redis.call('GET', KEYS[1])");
+    let mut invocation = script.prepare_invoke();
+    invocation.key(left).key("new:{moving}");
+    let finish = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        cluster
+            .finish_slot_move(&moving, std::time::Duration::ZERO)
+            .expect("slot moved");
+    };
+    let (ran, ()) = tokio::join!(invocation.invoke_async::<String>(&mut conn), finish);
+    assert_eq!(
+        ran.expect("the script runs once the slot has moved"),
+        "LEFT:{MOVING}"
+    );
     assert_eq!(values(&mut conn).await, expected, "moved");
     assert_eq!(cluster.primary_of(stayed).map(|n| n.port()), Some(to));
+    let created: i64 = redis::cmd("GET")
+        .arg("new:{moving}")
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(created, 1, "the script ran once");
 }
 
 /// Two shards fail over 20 ms apart (`CLUSTER FAILOVER TAKEOVER`, as a rolling
@@ -900,10 +947,7 @@ async fn scripts_keep_running_through_failovers_of_two_shards() {
     // Two keys on two shards.
     let primary_port = |key: &str| cluster.primary_of(key).expect("a primary").port();
     let first = "x:{first}";
-    let second = (0..100)
-        .map(|i| format!("x:{{second-{i}}}"))
-        .find(|key| primary_port(key) != primary_port(first))
-        .expect("a key on another shard");
+    let second = key_on_another_shard(&cluster, first, "x");
     let before = redis::Script::new("return redis.call('INCR', KEYS[1])");
     let after = redis::Script::new("return redis.call('INCRBY', KEYS[1], 10)");
     for key in [first, second.as_str()] {
