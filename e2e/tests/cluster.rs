@@ -951,12 +951,7 @@ async fn scripts_keep_running_through_failovers_of_two_shards() {
     let before = redis::Script::new("return redis.call('INCR', KEYS[1])");
     let after = redis::Script::new("return redis.call('INCRBY', KEYS[1], 10)");
     for key in [first, second.as_str()] {
-        let counted: i64 = before
-            .key(key)
-            .invoke_async(&mut conn)
-            .await
-            .expect("the script runs");
-        assert_eq!(counted, 1);
+        assert_eq!(run(&before, key, &mut conn).await, 1, "{key}");
     }
     let take_over = |key: &str| {
         let replica = cluster
@@ -986,17 +981,17 @@ async fn scripts_keep_running_through_failovers_of_two_shards() {
         })
         .expect("both replicas took over");
     for key in [first, second.as_str()] {
-        let counted: i64 = before
-            .key(key)
-            .invoke_async(&mut conn)
-            .await
-            .expect("a script loaded before the failover runs on the new primary");
-        assert_eq!(counted, 2, "{key}");
-        let counted: i64 = after
-            .key(key)
-            .invoke_async(&mut conn)
-            .await
-            .expect("a script new after the failover runs on the new primary");
-        assert_eq!(counted, 12, "{key}");
+        // One loaded before the failover, one new after it.
+        assert_eq!(run(&before, key, &mut conn).await, 2, "{key}");
+        assert_eq!(run(&after, key, &mut conn).await, 12, "{key}");
     }
+}
+
+/// Runs a counting `script` on `key`: its count.
+async fn run(script: &redis::Script, key: &str, conn: &mut dropgate_api::Connection) -> i64 {
+    script
+        .key(key)
+        .invoke_async(conn)
+        .await
+        .unwrap_or_else(|error| panic!("the script on {key}: {error}"))
 }
