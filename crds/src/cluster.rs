@@ -763,6 +763,14 @@ impl ClusterClient {
                         )))
                     }
                 },
+                // A Redis that is no cluster says so; no other node will say better.
+                Err(error) if error.detail().is_some_and(|d| d.contains(CLUSTER_DISABLED)) => {
+                    return Err(RedisError::from((
+                        ErrorKind::InvalidClientConfig,
+                        NOT_A_CLUSTER,
+                        format!("{node} has cluster support disabled"),
+                    )));
+                }
                 Err(error) => last_error = Some(error),
             }
         }
@@ -1004,6 +1012,24 @@ fn no_node(why: &'static str) -> RedisError {
         "the Redis Cluster is not reachable",
         why.to_string(),
     ))
+}
+
+/// What a Redis without cluster support answers to CLUSTER commands.
+const CLUSTER_DISABLED: &str = "cluster support disabled";
+const NOT_A_CLUSTER: &str = "the Redis is not a Redis Cluster: connect to it as one Redis";
+
+/// Whether `error` says that the Redis given as a cluster is not one.
+pub fn is_not_a_cluster(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::InvalidClientConfig && error.to_string().contains(NOT_A_CLUSTER)
+}
+
+/// Whether `error` is a cluster's redirection that reached a caller: the Redis
+/// was connected to as one Redis, and it is a cluster node.
+pub fn is_cluster_redirect(error: &RedisError) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask)
+    )
 }
 
 /// A lock's content whatever panicked while it was held: nothing here panics while

@@ -18,6 +18,7 @@ pub mod connection;
 pub mod drop;
 pub mod keys;
 
+pub use cluster::{is_cluster_redirect, is_not_a_cluster};
 pub use config::{ConfigError, DropConfig, FailurePolicy, Mode};
 pub use connection::Connection;
 pub use drop::{InventoryDrop, InventoryDropSpec, InventoryDropStatus, Phase, Tier};

@@ -41,11 +41,16 @@ fn manifest(dir: &Path, name: &str, spec: &DropSpec) -> PathBuf {
 
 /// `dropgate-operator apply` against the cluster: its exit status and its output.
 fn apply(manifest: &Path, cluster: &RedisCluster) -> (bool, String) {
+    apply_to(manifest, &cluster.url())
+}
+
+/// `dropgate-operator apply` with `--redis-url url`: its exit status and its output.
+fn apply_to(manifest: &Path, url: &str) -> (bool, String) {
     let out = Command::new(binary("dropgate-operator"))
         .arg("apply")
         .arg("-f")
         .arg(manifest)
-        .args(["--redis-url", &cluster.url()])
+        .args(["--redis-url", url])
         .output()
         .expect("run dropgate-operator");
     let text = format!(
@@ -994,4 +999,82 @@ async fn run(script: &redis::Script, key: &str, conn: &mut dropgate_api::Connect
         .invoke_async(conn)
         .await
         .unwrap_or_else(|error| panic!("the script on {key}: {error}"))
+}
+
+/// The `cluster` flag and the Redis disagree: each side names the setting to fix
+/// and changes nothing. A drop declared as on one Redis, applied to a cluster node;
+/// a sidecar started without `--redis-cluster` on a cluster; a drop declared as on
+/// a cluster, applied to one Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_flag_that_does_not_match_the_redis_is_named() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    let spec = DropSpec::new(LIMIT as i64);
+    let undeclared = dir.path().join("undeclared.yaml");
+    let declared = std::fs::read_to_string(manifest(dir.path(), "undeclared", &spec))
+        .expect("manifest")
+        .replace("cluster: true", "cluster: false");
+    std::fs::write(&undeclared, declared).expect("manifest");
+    let (ready, out) = apply(&undeclared, &cluster);
+    assert!(!ready, "{out}");
+    assert!(out.contains("set spec.redis.cluster: true"), "{out}");
+    let config = DropKeys::new("shop", "undeclared").config();
+    assert!(
+        cluster.primary_of(&config).is_some_and(|node| {
+            !redis::cmd("EXISTS")
+                .arg(&config)
+                .query::<bool>(&mut node.connection().expect("connect"))
+                .expect("EXISTS")
+        }),
+        "nothing was written"
+    );
+
+    // Drops on every shard, and a sidecar that takes the seed node for the Redis.
+    for i in 0..DROPS {
+        let (ready, out) = apply(&manifest(dir.path(), &drop_name(i), &spec), &cluster);
+        assert!(ready, "{out}");
+    }
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let seed = cluster.url();
+    let sidecar = SidecarProcess::start(&seed, "shop", &ledger)
+        .await
+        .expect("sidecar without --redis-cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+    let seed_port = cluster.nodes[0].port();
+    let elsewhere = (0..DROPS)
+        .find(|&i| {
+            let config = DropKeys::new("shop", &drop_name(i)).config();
+            cluster.primary_of(&config).map(|n| n.port()) != Some(seed_port)
+        })
+        .expect("a drop on another shard than the seed's");
+    let reply = reserve(&http, &drop_name(elsewhere), 1).await;
+    assert_eq!(reply.status.as_u16(), 503, "{}", reply.text);
+    assert!(reply.text.contains("--redis-cluster"), "{}", reply.text);
+    let remaining: Option<i64> = redis::cmd("GET")
+        .arg(DropKeys::new("shop", &drop_name(elsewhere)).remaining())
+        .query_async(&mut connect(&seed).await)
+        .await
+        .expect("GET remaining");
+    assert_eq!(remaining, Some(LIMIT as i64), "nothing was sold");
+
+    // A drop declared as on a cluster, applied to one Redis.
+    let single = dropgate_testkit::RedisServer::start().expect("redis-server");
+    let (ready, text) = apply_to(&manifest(dir.path(), "declared", &spec), &single.url());
+    assert!(!ready, "{text}");
+    assert!(text.contains("set spec.redis.cluster: false"), "{text}");
+    // And a sidecar started with --redis-cluster on one Redis.
+    // (Seeded, if not ready: one Redis without a replica is not highly available.)
+    let (_, out) = apply_to(&undeclared, &single.url());
+    assert!(out.contains("stock seeded"), "{out}");
+    let sidecar = SidecarProcess::start_with(&single.url(), "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("sidecar with --redis-cluster");
+    let reply = reserve(&HttpClient::new(sidecar.base.clone()), "undeclared", 1).await;
+    assert_eq!(reply.status.as_u16(), 503, "{}", reply.text);
+    assert!(
+        reply.text.contains("must run without --redis-cluster"),
+        "{}",
+        reply.text
+    );
 }

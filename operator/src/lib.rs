@@ -56,6 +56,14 @@ pub enum Error {
     },
     #[error("Redis command failed: {0}")]
     Redis(#[from] redis::RedisError),
+    #[error(
+        "Redis at {0} is a Redis Cluster node: set spec.redis.cluster: true (and run the sidecars with --redis-cluster)"
+    )]
+    ClusterNotDeclared(String),
+    #[error(
+        "Redis at {0} is not a Redis Cluster (its cluster support is disabled): set spec.redis.cluster: false"
+    )]
+    NotACluster(String),
     #[error("config hash in Redis is unreadable: {0}")]
     Config(#[from] ConfigError),
     #[error("high availability is required but missing: {0}")]
@@ -85,6 +93,7 @@ impl Error {
             Error::NoRedisUrl | Error::SecretRefOutsideCluster => "no_redis_url",
             Error::RedisUnavailable { .. } => "redis_unavailable",
             Error::Redis(_) => "redis",
+            Error::ClusterNotDeclared(_) | Error::NotACluster(_) => "cluster_flag",
             Error::Config(_) => "config",
             Error::HighAvailabilityMissing(_) => "ha_missing",
             Error::Secret { .. } => "secret",
@@ -126,6 +135,7 @@ impl Error {
                 "NoRedisUrl"
             }
             Error::RedisUnavailable { .. } | Error::Redis(_) => "RedisUnavailable",
+            Error::ClusterNotDeclared(_) | Error::NotACluster(_) => "ClusterFlagMismatch",
             Error::Config(_) => "ConfigUnreadable",
             Error::StaleConfig(_) => "StaleConfig",
             Error::HighAvailabilityMissing(_) => "HighAvailabilityMissing",

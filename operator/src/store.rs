@@ -19,7 +19,13 @@ pub async fn connect(url: &str, cluster: bool) -> Result<Connection> {
     if cluster {
         return Connection::cluster(url, Duration::from_secs(2), Duration::from_secs(5))
             .await
-            .map_err(unavailable);
+            .map_err(|source| {
+                if dropgate_api::is_not_a_cluster(&source) {
+                    Error::NotACluster(redact_url(url))
+                } else {
+                    unavailable(source)
+                }
+            });
     }
     let client = redis::Client::open(url).map_err(unavailable)?;
     let config = ConnectionManagerConfig::new()
@@ -27,10 +33,20 @@ pub async fn connect(url: &str, cluster: bool) -> Result<Connection> {
         .set_response_timeout(Some(Duration::from_secs(5)))
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_millis(500));
-    ConnectionManager::new_with_config(client, config)
+    let mut conn = ConnectionManager::new_with_config(client, config)
         .await
-        .map(Connection::from)
-        .map_err(unavailable)
+        .map_err(unavailable)?;
+    // One Redis of a cluster serves only its own slots: the drop's keys may be
+    // elsewhere. (A Redis that does not answer INFO is taken at its word.)
+    let info: Option<String> = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async(&mut conn)
+        .await
+        .ok();
+    if info.is_some_and(|info| info.lines().any(|l| l.trim() == "cluster_enabled:1")) {
+        return Err(Error::ClusterNotDeclared(redact_url(url)));
+    }
+    Ok(Connection::from(conn))
 }
 
 /// What [`seed`] did.

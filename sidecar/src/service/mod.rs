@@ -137,6 +137,15 @@ pub async fn find_drop(app: &App, name: &str) -> Result<Arc<Drop>, Failure> {
     match app.drops.get(&mut conn, name).await {
         Ok(Some(drop)) => Ok(drop),
         Ok(None) => Err(unknown()),
+        Err(LookupError::Unavailable(e)) if dropgate_api::is_cluster_redirect(&e) => {
+            Err(not_started_as_cluster_client(name, &e))
+        }
+        Err(LookupError::Unavailable(e)) if dropgate_api::is_not_a_cluster(&e) => {
+            tracing::error!(drop = %name, %e, "Redis is no Redis Cluster: start the sidecar without --redis-cluster");
+            Err(Failure::unavailable(format!(
+                "drop {name}'s Redis is not a Redis Cluster ({e}): the sidecar must run without --redis-cluster; nothing was decided here"
+            )))
+        }
         Err(LookupError::Unavailable(e)) => Err(Failure::unavailable(format!(
             "Redis is unreachable and this sidecar has not seen drop {name} before: {e}"
         ))),
@@ -231,6 +240,9 @@ fn after_redis_failure(
 /// read is its own bug (a script and its parser out of step), not an outage, and
 /// neither moves the drop to the fallback nor blames the network.
 fn redis_failed(app: &App, drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Choice {
+    if dropgate_api::is_cluster_redirect(error) {
+        return Choice::Refused(not_started_as_cluster_client(&drop.name, error));
+    }
     if error.kind() == redis::ErrorKind::Parse {
         tracing::error!(drop = %drop.name, %error, "a gate script's reply could not be read");
         return Choice::Refused(Failure::unavailable(format!(
@@ -238,6 +250,16 @@ fn redis_failed(app: &App, drop: &Drop, config: &DropConfig, error: &redis::Redi
         )));
     }
     after_redis_failure(app, drop, config, error)
+}
+
+/// Not an outage: this sidecar talks to one node of a Redis Cluster as if it were
+/// the whole Redis (it was started without `--redis-cluster`), and the node
+/// redirected it. Nothing is decided here until it is started right.
+fn not_started_as_cluster_client(drop: &str, error: &redis::RedisError) -> Failure {
+    tracing::error!(%drop, %error, "Redis is a Redis Cluster: start the sidecar with --redis-cluster");
+    Failure::unavailable(format!(
+        "drop {drop}'s Redis is a Redis Cluster node that does not serve its keys ({error}): the sidecar needs --redis-cluster (DROPGATE_REDIS_CLUSTER=true); nothing was decided here"
+    ))
 }
 
 /// The failure when Redis failed under a call that cannot go to the fallback.
