@@ -1023,8 +1023,9 @@ pub fn is_not_a_cluster(error: &RedisError) -> bool {
     error.kind() == ErrorKind::InvalidClientConfig && error.to_string().contains(NOT_A_CLUSTER)
 }
 
-/// Whether `error` is a cluster's redirection that reached a caller: the Redis
-/// was connected to as one Redis, and it is a cluster node.
+/// Whether `error` is a cluster's redirection (MOVED or ASK). Through a connection
+/// to one Redis it says that the Redis is a cluster node; this client follows them,
+/// so through it one means the client gave up.
 pub fn is_cluster_redirect(error: &RedisError) -> bool {
     matches!(
         error.kind(),

@@ -137,7 +137,9 @@ pub async fn find_drop(app: &App, name: &str) -> Result<Arc<Drop>, Failure> {
     match app.drops.get(&mut conn, name).await {
         Ok(Some(drop)) => Ok(drop),
         Ok(None) => Err(unknown()),
-        Err(LookupError::Unavailable(e)) if dropgate_api::is_cluster_redirect(&e) => {
+        Err(LookupError::Unavailable(e))
+            if !app.redis.is_cluster() && dropgate_api::is_cluster_redirect(&e) =>
+        {
             Err(not_started_as_cluster_client(name, &e))
         }
         Err(LookupError::Unavailable(e)) if dropgate_api::is_not_a_cluster(&e) => {
@@ -240,7 +242,8 @@ fn after_redis_failure(
 /// read is its own bug (a script and its parser out of step), not an outage, and
 /// neither moves the drop to the fallback nor blames the network.
 fn redis_failed(app: &App, drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Choice {
-    if dropgate_api::is_cluster_redirect(error) {
+    // (On a cluster the client follows redirections; one that reaches here gave up.)
+    if !app.redis.is_cluster() && dropgate_api::is_cluster_redirect(error) {
         return Choice::Refused(not_started_as_cluster_client(&drop.name, error));
     }
     if error.kind() == redis::ErrorKind::Parse {
