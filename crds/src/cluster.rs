@@ -730,6 +730,7 @@ impl ClusterClient {
         // reach come at most every MIN_REFRESH_INTERVAL.
         *last_refresh = Some(began);
         let mut last_error = None;
+        let mut seed_not_a_cluster = None;
         for node in &self.troubled_last(candidates) {
             let read = async {
                 let (generation, mut conn) = self
@@ -763,16 +764,25 @@ impl ClusterClient {
                         )))
                     }
                 },
-                // A Redis that is no cluster says so; no other node will say better.
+                // A Redis that is no cluster says so. Only the seed's word counts
+                // in the end: a node's address may since belong to another Redis.
                 Err(error) if error.detail().is_some_and(|d| d.contains(CLUSTER_DISABLED)) => {
-                    return Err(RedisError::from((
+                    let not_a_cluster = RedisError::from((
                         ErrorKind::InvalidClientConfig,
                         NOT_A_CLUSTER,
                         format!("{node} has cluster support disabled"),
-                    )));
+                    ));
+                    if *node == self.seed_node {
+                        seed_not_a_cluster = Some(not_a_cluster);
+                    } else {
+                        last_error = Some(not_a_cluster);
+                    }
                 }
                 Err(error) => last_error = Some(error),
             }
+        }
+        if let Some(not_a_cluster) = seed_not_a_cluster {
+            return Err(not_a_cluster);
         }
         Err(last_error.unwrap_or_else(|| no_node("no node to ask for the slot map")))
     }

@@ -1078,3 +1078,91 @@ async fn a_cluster_flag_that_does_not_match_the_redis_is_named() {
         reply.text
     );
 }
+
+/// The seed node dies and a plain Redis takes its port: the client still follows
+/// the cluster (the seed's "cluster support disabled" is one node's answer, not the
+/// cluster's), and finds the new primary when another shard fails over later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_seed_address_taken_by_a_plain_redis_does_not_blind_the_client() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let mut cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let seed = cluster.nodes[0].url();
+    let seed_port = cluster.nodes[0].port();
+    let mut conn = connect(&seed).await;
+    let key = (0..100)
+        .map(|i| format!("k:{{victim-{i}}}"))
+        .find(|key| {
+            cluster
+                .primary_of(key)
+                .is_some_and(|n| n.port() != seed_port)
+        })
+        .expect("a key on another shard than the seed's");
+    redis::cmd("SET")
+        .arg(&key)
+        .arg("kept")
+        .exec_async(&mut conn)
+        .await
+        .expect("SET");
+    let on_seed = (0..100)
+        .map(|i| format!("k:{{seed-{i}}}"))
+        .find(|key| {
+            cluster
+                .primary_of(key)
+                .is_some_and(|n| n.port() == seed_port)
+        })
+        .expect("a key on the seed's shard");
+    cluster.nodes[0].stop();
+    let _plain = dropgate_testkit::RedisServer::start_on(seed_port).expect("a plain redis-server");
+    // The seed's shard fails over first (two primaries down at once would leave
+    // no majority to elect a replica).
+    cluster
+        .wait_until(std::time::Duration::from_secs(30), |cluster| {
+            cluster
+                .primary_of(&on_seed)
+                .is_some_and(|n| n.port() != seed_port)
+        })
+        .expect("the seed's replica took over");
+    // The client meets it: its connection to the seed's address now reaches the
+    // plain Redis. Then long enough for the seed to be asked first again.
+    assert_eq!(get_eventually(&mut conn, &on_seed).await, Ok(None));
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let victim = cluster.primary_of(&key).expect("a primary").port();
+    let replica = cluster.replica_of(victim).expect("the shard's replica");
+    let promoted = cluster.nodes[replica].port();
+    let victim_index = cluster
+        .nodes
+        .iter()
+        .position(|n| n.port() == victim)
+        .expect("the victim is a node");
+    cluster.nodes[victim_index].stop();
+    cluster
+        .wait_until(std::time::Duration::from_secs(30), |cluster| {
+            cluster.primary_of(&key).map(|n| n.port()) == Some(promoted)
+        })
+        .expect("the replica took over");
+    assert_eq!(
+        get_eventually(&mut conn, &key).await,
+        Ok(Some("kept".to_string())),
+        "the client found the new primary"
+    );
+}
+
+/// GET `key`, asked again for up to 20 s while it fails: its last answer.
+async fn get_eventually(
+    conn: &mut dropgate_api::Connection,
+    key: &str,
+) -> Result<Option<String>, String> {
+    let mut last = Err("never asked".to_string());
+    for _ in 0..100 {
+        last = redis::cmd("GET")
+            .arg(key)
+            .query_async::<Option<String>>(&mut *conn)
+            .await
+            .map_err(|error| error.to_string());
+        if last.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    last
+}

@@ -40,14 +40,20 @@ impl RedisServer {
         ])
     }
 
+    /// Starts a standalone server on `port` (one that a stopped server left).
+    pub fn start_on(port: u16) -> std::io::Result<Self> {
+        let mut server = Self {
+            port,
+            dir: tempfile::tempdir()?,
+            child: None,
+            binary: redis_server_binary()?,
+        };
+        server.spawn(&[])?;
+        Ok(server)
+    }
+
     fn start_with(extra: &[&str]) -> std::io::Result<Self> {
-        let binary =
-            find_binary("redis-server", &["/usr/bin", "/usr/local/bin"]).ok_or_else(|| {
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "redis-server not found: run scripts/setup (apt-get install redis-server)",
-                )
-            })?;
+        let binary = redis_server_binary()?;
         let mut last_error = None;
         for _ in 0..5 {
             let mut server = Self {
@@ -514,4 +520,13 @@ pub struct SlotMove {
 
 fn failed(what: &str, e: redis::RedisError) -> std::io::Error {
     std::io::Error::other(format!("{what}: {e}"))
+}
+
+fn redis_server_binary() -> std::io::Result<PathBuf> {
+    find_binary("redis-server", &["/usr/bin", "/usr/local/bin"]).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "redis-server not found: run scripts/setup (apt-get install redis-server)",
+        )
+    })
 }

@@ -143,10 +143,7 @@ pub async fn find_drop(app: &App, name: &str) -> Result<Arc<Drop>, Failure> {
             Err(not_started_as_cluster_client(name, &e))
         }
         Err(LookupError::Unavailable(e)) if dropgate_api::is_not_a_cluster(&e) => {
-            tracing::error!(drop = %name, %e, "Redis is no Redis Cluster: start the sidecar without --redis-cluster");
-            Err(Failure::unavailable(format!(
-                "drop {name}'s Redis is not a Redis Cluster ({e}): the sidecar must run without --redis-cluster; nothing was decided here"
-            )))
+            Err(started_as_cluster_client(name, &e))
         }
         Err(LookupError::Unavailable(e)) => Err(Failure::unavailable(format!(
             "Redis is unreachable and this sidecar has not seen drop {name} before: {e}"
@@ -246,6 +243,9 @@ fn redis_failed(app: &App, drop: &Drop, config: &DropConfig, error: &redis::Redi
     if !app.redis.is_cluster() && dropgate_api::is_cluster_redirect(error) {
         return Choice::Refused(not_started_as_cluster_client(&drop.name, error));
     }
+    if dropgate_api::is_not_a_cluster(error) {
+        return Choice::Refused(started_as_cluster_client(&drop.name, error));
+    }
     if error.kind() == redis::ErrorKind::Parse {
         tracing::error!(drop = %drop.name, %error, "a gate script's reply could not be read");
         return Choice::Refused(Failure::unavailable(format!(
@@ -262,6 +262,15 @@ fn not_started_as_cluster_client(drop: &str, error: &redis::RedisError) -> Failu
     tracing::error!(%drop, %error, "Redis is a Redis Cluster: start the sidecar with --redis-cluster");
     Failure::unavailable(format!(
         "drop {drop}'s Redis is a Redis Cluster node that does not serve its keys ({error}): the sidecar needs --redis-cluster (DROPGATE_REDIS_CLUSTER=true); nothing was decided here"
+    ))
+}
+
+/// Not an outage either: this sidecar was started with `--redis-cluster`, and its
+/// Redis is one Redis.
+fn started_as_cluster_client(drop: &str, error: &redis::RedisError) -> Failure {
+    tracing::error!(%drop, %error, "Redis is no Redis Cluster: start the sidecar without --redis-cluster");
+    Failure::unavailable(format!(
+        "drop {drop}'s Redis is not a Redis Cluster ({error}): the sidecar must run without --redis-cluster; nothing was decided here"
     ))
 }
 
