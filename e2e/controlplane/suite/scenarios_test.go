@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 const (
@@ -348,7 +349,20 @@ func (s *sidecar) reserve(t *testing.T, key, user string, want int, via string) 
 
 func (s *sidecar) send(t *testing.T, method, path string, body any, want int, via string) answer {
 	t.Helper()
-	a := mustCall(t, method, s.base+path, body, want)
+	// A 503 with Retry-After says nothing was changed and to ask again (the other
+	// sidecar may be opening the gate): a client does, with the same key.
+	a, err := call(method, s.base+path, body)
+	for deadline := time.Now().Add(10 * time.Second); err == nil && want != 503 &&
+		a.status == 503 && a.header.Get("Retry-After") != "" && time.Now().Before(deadline); {
+		time.Sleep(200 * time.Millisecond)
+		a, err = call(method, s.base+path, body)
+	}
+	if err != nil {
+		t.Fatalf("%s: %s %s: %v", s.name, method, path, err)
+	}
+	if a.status != want {
+		t.Fatalf("%s: %s %s: want %d, got %s", s.name, method, path, want, a)
+	}
 	if got := a.header.Get("Dropgate-Path"); (got == "fallback") != (via == "fallback") {
 		t.Fatalf("%s: %s %s answered on the wrong path (want %s, Dropgate-Path %q): %s", s.name, method, path, via, got, a)
 	}
