@@ -62,6 +62,10 @@ pub struct ClusterClient {
     /// Nodes that could not be reached or broke off lately, and when: asked last
     /// by calls that may go to any node.
     troubled: Mutex<HashMap<Node, Instant>>,
+    /// Counts the connections made to nodes and the slot maps and redirections
+    /// learnt: each may mean a slot is now served by a node that was a replica, one
+    /// that may have missed writes (see [`ClusterClient::changes`]).
+    changes: std::sync::atomic::AtomicU64,
 }
 
 /// How long a node that could not be reached is asked last.
@@ -301,6 +305,7 @@ impl ClusterClient {
             connections: Mutex::new(HashMap::new()),
             last_refresh: tokio::sync::Mutex::new(None),
             refresh_queued: AtomicBool::new(false),
+            changes: std::sync::atomic::AtomicU64::new(0),
             troubled: Mutex::new(HashMap::new()),
         })
     }
@@ -650,9 +655,22 @@ impl ClusterClient {
     }
 
     fn remember_moved(&self, slot: u16, node: Node) {
+        self.changed();
         unpoisoned(self.slots.write())
             .moved
             .insert(slot, (node, Instant::now()));
+    }
+
+    fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How many times the cluster may have changed under the client's calls
+    /// (connections made, slot maps read, redirections followed): a caller that
+    /// trusts what a slot holds only as far as it checked it checks again when this
+    /// moved.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     fn slots_read(&self) -> std::sync::RwLockReadGuard<'_, SlotMap> {
@@ -680,6 +698,7 @@ impl ClusterClient {
             .await?;
         shared.generation += 1;
         shared.conn = Some(conn.clone());
+        self.changed();
         Ok((shared.generation, conn))
     }
 
@@ -754,6 +773,7 @@ impl ClusterClient {
                         map.moved = std::mem::take(&mut slots.moved);
                         map.moved.retain(|_, (_, learned)| *learned > began);
                         *slots = map;
+                        self.changed();
                         return Ok(());
                     }
                     None => {

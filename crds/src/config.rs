@@ -11,6 +11,8 @@ use std::collections::HashMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::drop::{Variant, is_variant_name};
+
 /// Version of this format, written as the `format` field.
 pub const FORMAT: &str = "1";
 
@@ -75,8 +77,13 @@ impl FailurePolicy {
 pub struct DropConfig {
     pub sku: String,
     /// The limit that `remaining` currently reflects: a restock moves `remaining` by
-    /// the difference between a new limit and this one, so it must be stored.
+    /// the difference between a new limit and this one, so it must be stored. With
+    /// variants, the sum of their quantities.
     pub limit: i64,
+    /// The drop's variants and the quantity each stock reflects (written as
+    /// `variants`: `US-9=20,US-10=30`); empty for a drop without variants, whose
+    /// reserves name none.
+    pub variants: Vec<Variant>,
     pub per_user_limit: i64,
     /// Sale window in ms since the epoch, `[starts_at, ends_at)`.
     pub starts_at_ms: Option<i64>,
@@ -122,6 +129,7 @@ impl DropConfig {
             ("format", FORMAT.to_string()),
             ("sku", self.sku.clone()),
             ("limit", self.limit.to_string()),
+            ("variants", write_variants(&self.variants)),
             ("perUserLimit", self.per_user_limit.to_string()),
             ("startsAt", opt(self.starts_at_ms)),
             ("endsAt", opt(self.ends_at_ms)),
@@ -173,6 +181,10 @@ impl DropConfig {
         Ok(Some(DropConfig {
             sku: get("sku")?.to_string(),
             limit: int("limit")?,
+            variants: match fields.get("variants").map(String::as_str) {
+                None | Some("") => Vec::new(),
+                Some(v) => parse_variants(v).ok_or_else(|| invalid("variants", v))?,
+            },
             per_user_limit: int("perUserLimit")?,
             starts_at_ms: opt_int("startsAt")?,
             ends_at_ms: opt_int("endsAt")?,
@@ -200,6 +212,40 @@ impl DropConfig {
     }
 }
 
+impl DropConfig {
+    /// The variant named `name`, if the drop has it.
+    pub fn variant(&self, name: &str) -> Option<&Variant> {
+        self.variants.iter().find(|v| v.name == name)
+    }
+}
+
+/// `name=quantity` pairs, comma-separated (variant names have neither `=` nor `,`).
+fn write_variants(variants: &[Variant]) -> String {
+    variants
+        .iter()
+        .map(|v| format!("{}={}", v.name, v.quantity))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The `variants` field as written (empty: none); `None` when it is damaged.
+pub fn parse_variants(value: &str) -> Option<Vec<Variant>> {
+    if value.is_empty() {
+        return Some(Vec::new());
+    }
+    value
+        .split(',')
+        .map(|pair| {
+            let (name, quantity) = pair.split_once('=')?;
+            let quantity: i64 = quantity.parse().ok()?;
+            (is_variant_name(name) && quantity >= 0).then(|| Variant {
+                name: name.to_string(),
+                quantity,
+            })
+        })
+        .collect()
+}
+
 /// Whether `s` can be a sale's identity: a uid or a number, nothing that could
 /// break a ledger key apart.
 pub fn is_sale(s: &str) -> bool {
@@ -217,6 +263,16 @@ mod tests {
         DropConfig {
             sku: "SNKR-0412".into(),
             limit: 100,
+            variants: vec![
+                Variant {
+                    name: "US-9".into(),
+                    quantity: 40,
+                },
+                Variant {
+                    name: "US-10".into(),
+                    quantity: 60,
+                },
+            ],
             per_user_limit: 1,
             starts_at_ms: Some(1_764_583_200_000),
             ends_at_ms: None,
@@ -269,5 +325,17 @@ mod tests {
         let mut map = as_map(&sample());
         map.insert("permits".into(), "0".into());
         assert!(DropConfig::from_fields(&map).is_err());
+        for damaged in ["US-9", "US-9=x", "=4", "US 9=4", "US-9=-1", "US-9=4,"] {
+            let mut map = as_map(&sample());
+            map.insert("variants".into(), damaged.into());
+            assert_eq!(
+                DropConfig::from_fields(&map),
+                Err(ConfigError::Invalid {
+                    field: "variants",
+                    value: damaged.into()
+                }),
+                "{damaged}"
+            );
+        }
     }
 }

@@ -5,6 +5,7 @@
 //! connection per node however many drops live there.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -15,8 +16,9 @@ use crate::cluster::{ClusterClient, Request};
 /// A connection to the Redis a drop lives on; cheap to clone (clones share it).
 #[derive(Clone)]
 pub enum Connection {
-    /// One Redis primary: a multiplexed connection that reconnects by itself.
-    Single(ConnectionManager),
+    /// One Redis primary: a multiplexed connection that reconnects by itself, and
+    /// how many calls met a connection-level failure (see [`Connection::changes`]).
+    Single(ConnectionManager, Arc<AtomicU64>),
     /// A Redis Cluster, found from one seed address (a discovery endpoint works):
     /// one multiplexed connection per node it needs.
     Cluster(Arc<ClusterClient>),
@@ -25,7 +27,7 @@ pub enum Connection {
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Connection::Single(_) => "Connection::Single",
+            Connection::Single(..) => "Connection::Single",
             Connection::Cluster(_) => "Connection::Cluster",
         })
     }
@@ -57,7 +59,11 @@ impl Connection {
     /// which a cluster client would otherwise send to any node.
     pub async fn on_slot_of(&mut self, key: &str, cmd: Cmd) -> RedisResult<Value> {
         match self {
-            Connection::Single(conn) => cmd.query_async(conn).await,
+            Connection::Single(conn, failures) => {
+                let reply = cmd.query_async(conn).await;
+                count_failure(failures, &reply);
+                reply
+            }
             Connection::Cluster(link) => {
                 link.run_on_slot_of(key.as_bytes(), Request::Cmd(&cmd))
                     .await
@@ -68,18 +74,48 @@ impl Connection {
     pub fn is_cluster(&self) -> bool {
         matches!(self, Connection::Cluster(_))
     }
+
+    /// How many times the Redis behind this connection may have changed: on one
+    /// Redis, the calls that met a connection-level failure, since the client
+    /// reconnects after one by itself, and what answers next may be another server
+    /// (a replica promoted in a failover, or a Redis restarted without its data);
+    /// on a cluster, [`ClusterClient::changes`]. Counted here, under every call,
+    /// so that no caller that forgets to report a failure can miss a change.
+    pub fn changes(&self) -> u64 {
+        match self {
+            Connection::Single(_, failures) => failures.load(Ordering::Acquire),
+            Connection::Cluster(link) => link.changes(),
+        }
+    }
 }
 
 impl From<ConnectionManager> for Connection {
     fn from(single: ConnectionManager) -> Self {
-        Connection::Single(single)
+        Connection::Single(single, Arc::default())
+    }
+}
+
+/// Counts a call that failed at the connection level (the connection dropped,
+/// refused, timed out or broke), after which the client reconnects by itself.
+fn count_failure<T>(failures: &AtomicU64, reply: &RedisResult<T>) {
+    if let Err(e) = reply
+        && (e.is_io_error()
+            || e.is_connection_refusal()
+            || e.is_connection_dropped()
+            || e.is_timeout())
+    {
+        failures.fetch_add(1, Ordering::AcqRel);
     }
 }
 
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Connection::Single(conn) => conn.req_packed_command(cmd),
+            Connection::Single(conn, failures) => Box::pin(async move {
+                let reply = conn.req_packed_command(cmd).await;
+                count_failure(failures, &reply);
+                reply
+            }),
             Connection::Cluster(link) => Box::pin(link.run(Request::Cmd(cmd))),
         }
     }
@@ -91,7 +127,11 @@ impl ConnectionLike for Connection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Connection::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
+            Connection::Single(conn, failures) => Box::pin(async move {
+                let replies = conn.req_packed_commands(pipeline, offset, count).await;
+                count_failure(failures, &replies);
+                replies
+            }),
             Connection::Cluster(link) => Box::pin(async move {
                 let request = Request::Pipeline {
                     pipeline,
@@ -113,7 +153,7 @@ impl ConnectionLike for Connection {
 
     fn get_db(&self) -> i64 {
         match self {
-            Connection::Single(conn) => conn.get_db(),
+            Connection::Single(conn, _) => conn.get_db(),
             Connection::Cluster(_) => 0,
         }
     }

@@ -23,7 +23,7 @@ use crate::config::{FailurePolicy, Mode};
     status = "InventoryDropStatus",
     shortname = "idrop",
     printcolumn(name = "SKU", type_ = "string", json_path = ".spec.sku"),
-    printcolumn(name = "LIMIT", type_ = "integer", json_path = ".spec.limitedQuantity"),
+    printcolumn(name = "LIMIT", type_ = "integer", json_path = ".status.limit"),
     printcolumn(name = "REMAINING", type_ = "integer", json_path = ".status.remaining"),
     printcolumn(name = "MODE", type_ = "string", json_path = ".status.mode"),
     printcolumn(
@@ -51,15 +51,33 @@ use crate::config::{FailurePolicy, Mode};
         .field_path(".endsAt"),
     validation = Rule::new("self.throttle.acquireTimeoutMs < self.holdSeconds * 1000")
         .message("throttle.acquireTimeoutMs must be shorter than holdSeconds (an admission waits for its permit within its hold)")
-        .field_path(".throttle.acquireTimeoutMs")
+        .field_path(".throttle.acquireTimeoutMs"),
+    validation = Rule::new("has(self.limitedQuantity) || (has(self.variants) && size(self.variants) > 0)")
+        .message("set limitedQuantity, or variants (whose quantities add up to the drop's), or both")
+        .field_path(".limitedQuantity"),
+    validation = Rule::new("!has(self.limitedQuantity) || !has(self.variants) || size(self.variants) == 0 || self.limitedQuantity == self.variants.map(v, v.quantity).sum()")
+        .message("limitedQuantity must equal the sum of the variants' quantities (or leave it out)")
+        .field_path(".limitedQuantity")
 )]
 pub struct InventoryDropSpec {
     /// The stock-keeping unit being sold, as the shop names it.
     #[schemars(length(min = 1, max = 256))]
     pub sku: String,
-    /// Units for sale. Changing it later restocks by the difference.
+    /// Units for sale. Without variants, changing it later restocks by the
+    /// difference. Optional with variants; when given with them, it must equal their
+    /// sum (change the variants' quantities to restock).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 2147483647))]
-    pub limited_quantity: i64,
+    pub limited_quantity: Option<i64>,
+    /// The drop's variants (sizes, colours), each with its own stock: a reserve then
+    /// names one. perUserLimit counts a buyer's units across all of them. A changed
+    /// quantity restocks that variant by the difference; a variant removed keeps its
+    /// holds (they count in status.reserved) and sells nothing more: new reserves of
+    /// it answer 404, and it leaves status.variants and the sidecars' GET.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub variants: Vec<Variant>,
     /// Units one user may hold at once (active and confirmed reservations).
     #[serde(default = "default_per_user_limit")]
     #[schemars(range(min = 1, max = 2147483647))]
@@ -86,6 +104,56 @@ pub struct InventoryDropSpec {
     /// Per-sidecar throttling of admitted but unconfirmed reservations.
     #[serde(default)]
     pub throttle: ThrottleSpec,
+}
+
+/// One variant of a drop and its units for sale.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct Variant {
+    /// The variant's name as reserves give it (`US-9`): unique within the drop.
+    #[schemars(regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"))]
+    pub name: String,
+    /// Its units for sale. Changing it later restocks the variant by the difference.
+    #[schemars(range(min = 0, max = 2147483647))]
+    pub quantity: i64,
+}
+
+/// Whether `name` is a variant name (`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`): it is
+/// written into Redis's config hash and keys as it is.
+pub fn is_variant_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name.len() <= 63
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// A Google Cloud project ID: `^[a-z][a-z0-9-]{4,28}[a-z0-9]$`.
+fn is_project_id(s: &str) -> bool {
+    (6..=30).contains(&s.len()) && is_lowercase_name(s)
+}
+
+/// A region such as `europe-west1`: words joined by hyphens, ending in digits.
+fn is_region(s: &str) -> bool {
+    let words = s.trim_end_matches(|c: char| c.is_ascii_digit());
+    s.len() <= 63
+        && words.len() < s.len()
+        && words.split('-').count() >= 2
+        && words
+            .split('-')
+            .all(|word| !word.is_empty() && word.chars().all(|c| c.is_ascii_lowercase()))
+}
+
+/// A Memorystore instance ID: `^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$`.
+fn is_instance_id(s: &str) -> bool {
+    (1..=63).contains(&s.len()) && is_lowercase_name(s)
+}
+
+/// Lowercase letters, digits and hyphens, starting with a letter, not ending with a
+/// hyphen.
+fn is_lowercase_name(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_lowercase())
+        && !s.ends_with('-')
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
 }
 
 fn default_per_user_limit() -> i64 {
@@ -139,15 +207,17 @@ pub struct SecretKeyRef {
 /// A Memorystore for Redis instance: `projects/{project}/locations/{location}/instances/{instance}`.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 pub struct MemorystoreInstance {
-    /// The Google Cloud project ID.
-    #[schemars(length(min = 1, max = 63))]
+    /// The Google Cloud project ID: 6 to 30 lowercase letters, digits and hyphens,
+    /// starting with a letter, not ending with a hyphen.
+    #[schemars(regex(pattern = r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$"))]
     pub project: String,
     /// The region, such as europe-west1.
-    #[schemars(length(min = 1, max = 63))]
+    #[schemars(regex(pattern = r"^[a-z]+(-[a-z]+)+[0-9]+$"), length(max = 63))]
     pub location: String,
     /// The instance ID; with `cluster: true`, the Memorystore for Redis Cluster's
-    /// ID (checked as ACTIVE with a replica per shard).
-    #[schemars(length(min = 1, max = 63))]
+    /// ID (checked as ACTIVE with a replica per shard): lowercase letters, digits and
+    /// hyphens, starting with a letter, not ending with a hyphen, at most 63.
+    #[schemars(regex(pattern = r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$"))]
     pub instance: String,
 }
 
@@ -256,22 +326,49 @@ pub struct InventoryDropStatus {
     /// The mode published to the sidecars: gate, fail_open or closed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
+    /// Units for sale as published: limitedQuantity, or the sum of the variants'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<i64>,
     /// Units the gate may still admit, never below 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remaining: Option<i64>,
     /// Units held by active or confirmed reservations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserved: Option<i64>,
+    /// Per variant (when the drop has variants): what it may still admit and what
+    /// its reservations hold.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub variants: Vec<VariantStatus>,
     /// What the last HA check found behind the drop's Redis.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<Tier>,
     /// The sidecars sell through the SQL fallback.
     #[serde(default)]
     pub fail_open: bool,
+    /// The id of the sale's ledger: the first sidecar to open the drop's gate or hand
+    /// it to the ledger made its ledger the sale's, and only sidecars of that ledger
+    /// change the sale. Kept here (Kubernetes is durable) and written back into a
+    /// Redis that lost its data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ledger: Option<String>,
     /// Ready, HighlyAvailable, FailOpen, SoldOut, one of each type.
     #[serde(default)]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+}
+
+/// One variant's stock as the operator last read it.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct VariantStatus {
+    /// The variant's name, as in spec.variants.
+    pub name: String,
+    /// Its units for sale.
+    pub limit: i64,
+    /// Units the gate may still admit of it, never below 0 nor above what the drop
+    /// as a whole may still admit.
+    pub remaining: i64,
+    /// Units held by active or confirmed reservations.
+    pub reserved: i64,
 }
 
 /// Spec values that the schema cannot express or that came from a file rather than
@@ -284,6 +381,16 @@ pub struct SpecError {
 }
 
 impl InventoryDropSpec {
+    /// Units for sale: limitedQuantity, or the sum of the variants' quantities.
+    pub fn limit(&self) -> i64 {
+        self.limited_quantity.or(self.variants_total()).unwrap_or(0)
+    }
+
+    /// The sum of the variants' quantities; `None` without variants.
+    fn variants_total(&self) -> Option<i64> {
+        (!self.variants.is_empty()).then(|| self.variants.iter().map(|v| v.quantity).sum())
+    }
+
     /// Checks what the CRD schema checks (for manifests that never met an API server)
     /// and what it cannot: the sale window's order.
     pub fn validate(&self) -> Result<(), SpecError> {
@@ -296,8 +403,60 @@ impl InventoryDropSpec {
         if self.sku.trim().is_empty() {
             return err("sku", "must not be empty");
         }
-        if !(0..=MAX_QUANTITY).contains(&self.limited_quantity) {
+        if let Some(limit) = self.limited_quantity
+            && !(0..=MAX_QUANTITY).contains(&limit)
+        {
             return err("limitedQuantity", "must be an integer from 0 to 2147483647");
+        }
+        if self.variants.len() > 100 {
+            return err("variants", "must have at most 100 items");
+        }
+        let mut names = std::collections::HashSet::new();
+        for variant in &self.variants {
+            if !is_variant_name(&variant.name) {
+                return err(
+                    "variants",
+                    &format!(
+                        "variant name {:?} must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,62}}$",
+                        variant.name
+                    ),
+                );
+            }
+            if !names.insert(variant.name.as_str()) {
+                return err(
+                    "variants",
+                    &format!("variant {} is named twice", variant.name),
+                );
+            }
+            if !(0..=MAX_QUANTITY).contains(&variant.quantity) {
+                return err(
+                    "variants",
+                    &format!(
+                        "variant {}'s quantity must be an integer from 0 to 2147483647",
+                        variant.name
+                    ),
+                );
+            }
+        }
+        match (self.limited_quantity, self.variants_total()) {
+            (None, None) => {
+                return err(
+                    "limitedQuantity",
+                    "set limitedQuantity, or variants (whose quantities add up to the drop's), or both",
+                );
+            }
+            (Some(limit), Some(total)) if limit != total => {
+                return err(
+                    "limitedQuantity",
+                    &format!(
+                        "must equal the sum of the variants' quantities ({total}), or be left out"
+                    ),
+                );
+            }
+            (_, Some(total)) if total > MAX_QUANTITY => {
+                return err("variants", "the quantities add up to more than 2147483647");
+            }
+            _ => {}
         }
         if !(1..=MAX_QUANTITY).contains(&self.per_user_limit) {
             return err("perUserLimit", "must be an integer from 1 to 2147483647");
@@ -312,6 +471,29 @@ impl InventoryDropSpec {
         }
         if self.redis.url.is_some() && self.redis.secret_ref.is_some() {
             return err("redis", "set either url or secretRef, not both");
+        }
+        if let Some(instance) = &self.redis.memorystore {
+            // Google's resource-name rules: the names go into the API's URL path.
+            let (project, location, id) =
+                (&instance.project, &instance.location, &instance.instance);
+            if !is_project_id(project) {
+                return err(
+                    "redis.memorystore.project",
+                    "must be a Google Cloud project ID: 6 to 30 lowercase letters, digits and hyphens, starting with a letter, not ending with a hyphen",
+                );
+            }
+            if !is_region(location) {
+                return err(
+                    "redis.memorystore.location",
+                    "must be a region such as europe-west1",
+                );
+            }
+            if !is_instance_id(id) {
+                return err(
+                    "redis.memorystore.instance",
+                    "must be 1 to 63 lowercase letters, digits and hyphens, starting with a letter, not ending with a hyphen",
+                );
+            }
         }
         if let Some(url) = &self.redis.url
             && !(url.starts_with("redis://") || url.starts_with("rediss://"))
@@ -425,7 +607,7 @@ spec:
     #[test]
     fn out_of_range_values_name_their_field() {
         let mut drop = parse(MINIMAL).expect("parses");
-        drop.spec.limited_quantity = -1;
+        drop.spec.limited_quantity = Some(-1);
         assert_eq!(
             drop.spec.validate().map_err(|e| e.field),
             Err("limitedQuantity")
@@ -445,5 +627,75 @@ spec:
         );
         let drop = parse(&window).expect("parses");
         assert_eq!(drop.spec.validate().map_err(|e| e.field), Err("endsAt"));
+    }
+
+    fn with_sizes(limit: &str, sizes: &str) -> InventoryDropSpec {
+        let yaml = MINIMAL.replace(
+            "limitedQuantity: 5",
+            &format!("{limit}\n  variants: {sizes}"),
+        );
+        parse(&yaml).expect("parses").spec
+    }
+
+    #[test]
+    fn memorystore_names_follow_googles_rules() {
+        let with = |project: &str, location: &str, instance: &str| {
+            let yaml = MINIMAL.replace(
+                "redis: {url: redis://localhost:6379}",
+                &format!("redis: {{url: redis://localhost:6379, memorystore: {{project: '{project}', location: '{location}', instance: '{instance}'}}}}"),
+            );
+            parse(&yaml)
+                .expect("parses")
+                .spec
+                .validate()
+                .map_err(|e| e.field)
+        };
+        assert_eq!(with("my-proj", "europe-west1", "sale-cache"), Ok(()));
+        assert_eq!(with("my-proj", "us-central1", "a"), Ok(()));
+        let project = Err("redis.memorystore.project");
+        assert_eq!(with("p", "europe-west1", "c"), project);
+        assert_eq!(with("My-Proj", "europe-west1", "c"), project);
+        assert_eq!(with("my-proj-", "europe-west1", "c"), project);
+        assert_eq!(with("../../x", "europe-west1", "c"), project);
+        let location = Err("redis.memorystore.location");
+        assert_eq!(with("my-proj", "europe", "c"), location);
+        assert_eq!(with("my-proj", "europe-west", "c"), location);
+        assert_eq!(with("my-proj", "europe-west1/instances", "c"), location);
+        let instance = Err("redis.memorystore.instance");
+        assert_eq!(with("my-proj", "europe-west1", "1cache"), instance);
+        assert_eq!(with("my-proj", "europe-west1", "cache-"), instance);
+        assert_eq!(with("my-proj", "europe-west1", "a/../b"), instance);
+        assert_eq!(with("my-proj", "europe-west1", &"c".repeat(64)), instance);
+    }
+
+    #[test]
+    fn variants_add_up_have_unique_names_and_stand_in_for_the_limit() {
+        let sizes = "[{name: US-9, quantity: 2}, {name: US-10, quantity: 3}]";
+        let alone = with_sizes("", sizes);
+        assert_eq!(alone.validate(), Ok(()));
+        assert_eq!(alone.limit(), 5);
+        assert_eq!(with_sizes("limitedQuantity: 5", sizes).validate(), Ok(()));
+        let field = |spec: InventoryDropSpec| spec.validate().map_err(|e| e.field);
+        assert_eq!(
+            field(with_sizes("limitedQuantity: 6", sizes)),
+            Err("limitedQuantity")
+        );
+        assert_eq!(
+            field(with_sizes(
+                "",
+                "[{name: US-9, quantity: 2}, {name: US-9, quantity: 3}]"
+            )),
+            Err("variants")
+        );
+        assert_eq!(
+            field(with_sizes("", "[{name: 'US 9', quantity: 2}]")),
+            Err("variants")
+        );
+        assert_eq!(field(with_sizes("", "[]")), Err("limitedQuantity"));
+        assert_eq!(
+            parse(MINIMAL).expect("parses").spec.limit(),
+            5,
+            "without variants, limitedQuantity"
+        );
     }
 }

@@ -68,8 +68,10 @@ impl DropKeys {
         format!("{}:events", self.prefix)
     }
 
-    /// Integer: the gate's epoch while the gate is open, absent while it is closed.
-    /// A sidecar opens it (at the ledger's authority epoch) only after Redis holds
+    /// Integer: the gate's epoch while the gate is open; `closed:<epoch>` once it
+    /// was closed for a move of the drop's authority to that epoch (an opening at an
+    /// older epoch is refused: it began before the move), or absent (never opened,
+    /// or lost with Redis's data). A sidecar opens it (at the ledger's authority epoch) only after Redis holds
     /// everything the ledger recorded, so a Redis that lost its data (this key with
     /// it) admits nothing until it was rebuilt. Every recorded gate change carries
     /// the epoch it was made under, and the ledger refuses one from another epoch.
@@ -85,35 +87,81 @@ impl DropKeys {
         format!("{}:seq", self.prefix)
     }
 
-    /// Set: the ids of the ledgers of the sidecars serving this drop (each registers
-    /// on every refresh and every admission). More than one means per-pod ledgers,
-    /// none of which holds the whole sale.
-    pub fn ledgers(&self) -> String {
-        format!("{}:ledgers", self.prefix)
+    /// String: the id of the sale's ledger, the one ledger whose sidecars may change
+    /// the sale. The first sidecar to open the drop's gate or hand it to the ledger
+    /// claims it; the operator keeps it in the drop's status and writes it back when
+    /// it seeds a Redis that lost its data. Where the config's `claims` field says
+    /// `recorded` (the operator), a claim is [`PROVISIONAL`] until the operator has
+    /// the id in status and writes it here: nothing is sold before the claim is
+    /// durable, so a Redis that loses it always gets it back. A sidecar with another
+    /// ledger (per-pod ledgers on several replicas, a ledger added mid-sale) sees only
+    /// part of the sale, so the gate refuses its changes.
+    pub fn ledger(&self) -> String {
+        format!("{}:ledger", self.prefix)
     }
 
-    /// Sorted set: idempotency keys of admissions still pending (admitted, not yet
-    /// durable), scored by when they become overdue: an admission its sidecar never
+    /// Sorted set: idempotency keys whose change is still unresolved, scored by when
+    /// it becomes overdue: an admission still pending (admitted, not yet durable) or
+    /// a confirm or cancel prepared and not yet finished. One its sidecar never
     /// finished (it died) is resolved then, not at the end of its hold.
     pub fn pending(&self) -> String {
         format!("{}:pending", self.prefix)
     }
 
+    /// String: written by the operator when it deletes the drop, before the config:
+    /// a sidecar that finds a drop's config gone forgets the drop (`not_found`) only
+    /// with this beside it; without it the config was lost (a Redis that lost its
+    /// data) and the drop answers `unavailable` until the operator publishes it again.
+    /// Removed when a drop of that name is published again; it expires by itself.
+    pub fn deleted(&self) -> String {
+        format!("{}:deleted", self.prefix)
+    }
+
+    /// Hash: each variant's stock, for a drop with variants: `r:<variant>` what it
+    /// may still admit (below zero while a cut is paid back), `h:<variant>` what its
+    /// reservations hold. The drop's `remaining` and `held` count all of them.
+    pub fn variants(&self) -> String {
+        format!("{}:variants", self.prefix)
+    }
+
     /// Every fixed key of the drop, config first: deleting in this order stops
     /// sidecars from admitting before the stock disappears.
-    pub fn fixed(&self) -> [String; 10] {
+    pub fn fixed(&self) -> [String; 11] {
         [
             self.config(),
             self.gate(),
             self.remaining(),
+            self.variants(),
             self.held(),
             self.buyers(),
             self.holds(),
             self.pending(),
             self.seq(),
-            self.ledgers(),
+            self.ledger(),
             self.events(),
         ]
+    }
+}
+
+/// The prefix of a claim of the sale's ledger that the operator has not recorded
+/// yet (see [`DropKeys::ledger`]): `claimed:<ledger id>`.
+pub const PROVISIONAL: &str = "claimed:";
+
+/// How claims of a sale's ledger take effect, the config's `claims` field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claims {
+    /// Once the operator recorded the claim in the drop's status (Kubernetes).
+    Recorded,
+    /// At once: nobody keeps a status (`dropgate-operator apply`).
+    Immediate,
+}
+
+impl Claims {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Claims::Recorded => "recorded",
+            Claims::Immediate => "immediate",
+        }
     }
 }
 
@@ -157,15 +205,11 @@ impl LockKeys {
         self.prefix.clone()
     }
 
-    /// Integer: the lock's fence counter, which only grows.
+    /// Integer: the lock's last fence, which only grows (see the acquire script: a
+    /// fence is never below Redis's clock in microseconds, so it keeps growing when
+    /// Redis lost the counter, or when this key expired a day after the last lease).
     pub fn fence(&self) -> String {
         format!("{}:fence", self.prefix)
-    }
-
-    /// Set: the ids of the ledgers that recorded this lock's fences. With more than
-    /// one, per-pod ledgers each hold only their own high-water mark.
-    pub fn ledgers(&self) -> String {
-        format!("{}:ledgers", self.prefix)
     }
 }
 

@@ -52,6 +52,8 @@ impl Default for Options {
 /// What one buyer went through.
 #[derive(Default)]
 struct Buyer {
+    /// The variant the buyer asked for (a drop with variants).
+    variant: Option<String>,
     admitted: u64,
     confirmed: u64,
     cancelled: u64,
@@ -83,6 +85,22 @@ pub struct Summary {
     pub p50: Duration,
     pub p99: Duration,
     pub max: Duration,
+    /// Per variant, for a drop with variants.
+    pub variants: Vec<VariantSummary>,
+}
+
+/// One variant's part of the sale.
+#[derive(Debug, Clone, Default)]
+pub struct VariantSummary {
+    pub name: String,
+    pub limit: i64,
+    pub admitted: u64,
+    pub confirmed: u64,
+    pub cancelled: u64,
+    /// As Redis counts it (unclamped), and what its reservations hold.
+    pub remaining: i64,
+    pub held: i64,
+    pub oversold: i64,
 }
 
 impl Summary {
@@ -103,6 +121,23 @@ impl Summary {
                 "held {} != confirmed {}",
                 self.held, self.confirmed
             ));
+        }
+        for v in &self.variants {
+            if v.oversold != 0 {
+                out.push(format!("variant {} oversold by {}", v.name, v.oversold));
+            }
+            if v.remaining + v.held != v.limit {
+                out.push(format!(
+                    "variant {}: remaining {} + held {} != limit {}",
+                    v.name, v.remaining, v.held, v.limit
+                ));
+            }
+            if v.held != v.confirmed as i64 {
+                out.push(format!(
+                    "variant {}: held {} != confirmed {}",
+                    v.name, v.held, v.confirmed
+                ));
+            }
         }
         if !self.unexpected.is_empty() {
             out.push(format!(
@@ -141,6 +176,13 @@ impl fmt::Display for Summary {
         writeln!(f, "  remaining                  {:>8}", self.remaining)?;
         writeln!(f, "  held (confirmed)           {:>8}", self.held)?;
         writeln!(f, "  oversold                   {:>8}", self.oversold)?;
+        for v in &self.variants {
+            writeln!(
+                f,
+                "  variant {:<12} limit {:>5}  admitted {:>5}  confirmed {:>5}  cancelled {:>4}  remaining {:>5}  oversold {}",
+                v.name, v.limit, v.admitted, v.confirmed, v.cancelled, v.remaining, v.oversold
+            )?;
+        }
         writeln!(
             f,
             "  unexpected answers         {:>8}",
@@ -175,7 +217,7 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
         .namespace
         .clone()
         .unwrap_or_else(|| "default".into());
-    let limit = drop.spec.limited_quantity;
+    let limit = drop.spec.limit();
 
     let redis = RedisServer::start().map_err(|e| format!("redis-server: {e}"))?;
     apply(&options.manifest, &redis.url())?;
@@ -186,11 +228,18 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
 
     let gate = Arc::new(Semaphore::new(options.concurrency));
     let started = Instant::now();
+    let variants: Arc<Vec<String>> =
+        Arc::new(drop.spec.variants.iter().map(|v| v.name.clone()).collect());
     let tasks: Vec<_> = (0..options.buyers)
         .map(|i| {
-            let (http, gate, options, name) =
-                (http.clone(), gate.clone(), options.clone(), name.clone());
-            tokio::spawn(async move { buy(&http, &gate, &options, &name, i).await })
+            let (http, gate, options, name, variants) = (
+                http.clone(),
+                gate.clone(),
+                options.clone(),
+                name.clone(),
+                variants.clone(),
+            );
+            tokio::spawn(async move { buy(&http, &gate, &options, &name, &variants, i).await })
         })
         .collect();
     let mut buyers = Vec::with_capacity(tasks.len());
@@ -203,9 +252,15 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
     let shown = http.get(&drop_path).await.map_err(|e| e.to_string())?;
     let mut conn = redis.connection().map_err(|e| e.to_string())?;
     let keys = dropgate_api::DropKeys::new(&namespace, &name);
-    let (remaining, held): (Option<i64>, Option<i64>) = redis::pipe()
+    type Counts = (
+        Option<i64>,
+        Option<i64>,
+        std::collections::HashMap<String, i64>,
+    );
+    let (remaining, held, variant_counts): Counts = redis::pipe()
         .get(keys.remaining())
         .get(keys.held())
+        .hgetall(keys.variants())
         .query(&mut conn)
         .map_err(|e| e.to_string())?;
     let status = sidecar.terminate()?;
@@ -233,8 +288,35 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
         p50: Duration::ZERO,
         p99: Duration::ZERO,
         max: Duration::ZERO,
+        variants: drop
+            .spec
+            .variants
+            .iter()
+            .map(|v| VariantSummary {
+                name: v.name.clone(),
+                limit: v.quantity,
+                remaining: variant_counts
+                    .get(&format!("r:{}", v.name))
+                    .copied()
+                    .unwrap_or(0),
+                held: variant_counts
+                    .get(&format!("h:{}", v.name))
+                    .copied()
+                    .unwrap_or(0),
+                ..VariantSummary::default()
+            })
+            .collect(),
     };
     for buyer in buyers {
+        if let Some(v) = buyer
+            .variant
+            .as_ref()
+            .and_then(|name| summary.variants.iter_mut().find(|v| v.name == *name))
+        {
+            v.admitted += buyer.admitted;
+            v.confirmed += buyer.confirmed;
+            v.cancelled += buyer.cancelled;
+        }
         summary.admitted += buyer.admitted;
         summary.confirmed += buyer.confirmed;
         summary.cancelled += buyer.cancelled;
@@ -250,6 +332,9 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
         + summary.cancelled
         + summary.duplicate_cancels_absorbed;
     summary.oversold = (summary.admitted as i64 - summary.cancelled as i64 - limit).max(0);
+    for v in &mut summary.variants {
+        v.oversold = (v.admitted as i64 - v.cancelled as i64 - v.limit).max(0);
+    }
     if shown.body["remaining"].as_i64() != Some(summary.remaining.max(0)) {
         summary.unexpected.push(format!(
             "GET {drop_path} shows {} but Redis holds {}",
@@ -281,6 +366,7 @@ async fn buy(
     gate: &Semaphore,
     options: &Options,
     drop: &str,
+    variants: &[String],
     i: usize,
 ) -> Buyer {
     let mut rng = StdRng::seed_from_u64(options.seed.wrapping_add(i as u64));
@@ -290,7 +376,14 @@ async fn buy(
     };
     let path = format!("/v1/drops/{drop}/reservations");
     let key = format!("order-{i}");
-    let body = format!(r#"{{"key":"{key}","user":"buyer-{i}","quantity":1}}"#);
+    // A drop with variants: each buyer wants one of them, picked at random.
+    buyer.variant =
+        (!variants.is_empty()).then(|| variants[rng.random_range(0..variants.len())].clone());
+    let variant = buyer
+        .variant
+        .as_ref()
+        .map_or(String::new(), |v| format!(r#","variant":"{v}""#));
+    let body = format!(r#"{{"key":"{key}","user":"buyer-{i}","quantity":1{variant}}}"#);
     let duplicate = rng.random_range(0..100) < options.duplicate_percent;
 
     for attempt in 0..=options.throttle_retries {

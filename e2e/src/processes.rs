@@ -136,7 +136,7 @@ impl SidecarProcess {
             .env(
                 "RUST_LOG",
                 std::env::var("DROPGATE_E2E_LOG")
-                    .unwrap_or_else(|_| "warn,warp::server=off".into()),
+                    .unwrap_or_else(|_| "warn,sqlx::query=error".into()),
             )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

@@ -387,12 +387,20 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
 
     let mut sold: HashMap<usize, usize> = HashMap::new();
     let mut paused: HashMap<usize, usize> = HashMap::new();
+    let mut fell_back = 0;
     for (d, b, reply, retries) in &answers {
         *paused.entry(*d).or_default() += retries;
         match reply.status.as_u16() {
             201 => {
-                // Sold through the gate, never the fallback path.
-                assert_eq!(reply.body["path"], "gate", "drop {d}: {}", reply.text);
+                // Drops on the other shards sell through the gate throughout. One on
+                // the failing shard may move to this sidecar's ledger (failurePolicy
+                // Open, and its per-pod ledger is the sale's alone): under load a
+                // connection to that shard can break before the node stops too.
+                if !on_victim.contains(d) {
+                    assert_eq!(reply.body["path"], "gate", "drop {d}: {}", reply.text);
+                } else if reply.body["path"] == "fallback" {
+                    fell_back += 1;
+                }
                 *sold.entry(*d).or_default() += 1
             }
             409 => reply.assert_answer(409, "sold_out"),
@@ -423,8 +431,8 @@ async fn a_shard_failover_mid_sale_oversells_nothing_and_pauses_no_other_shard()
     }
     let waited: usize = on_victim.iter().map(|d| paused[d]).sum();
     assert!(
-        waited > 0,
-        "the failover happened mid-sale: its drops waited for it"
+        waited > 0 || fell_back > 0,
+        "the failover happened mid-sale: its drops waited for it or moved to the ledger"
     );
     println!(
         "failover of {victim}: drops {on_victim:?} answered 503 {waited} times meanwhile; drops {elsewhere:?} never"
@@ -451,56 +459,65 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
     let (_, seq) = gate::standing(c, &keys)
         .await
         .unwrap_or_else(|e| in_one_slot("standing", e));
-    gate::register(c, &keys, "ledger-a")
+    gate::claim(c, &keys, "ledger-a", "ledger-a")
         .await
-        .unwrap_or_else(|e| in_one_slot("register", e));
-    gate::open(c, &keys, 1, seq)
+        .unwrap_or_else(|e| in_one_slot("claim", e));
+    gate::open(c, &keys, "ledger-a", 1, seq)
         .await
         .unwrap_or_else(|e| in_one_slot("open", e));
-    for key in ["k1", "k2", "k3", "k4", "k5"] {
+    for key in ["k1", "k2", "k3", "k4", "k5", "k7"] {
         gate::reserve(
             c,
             &keys,
+            "ledger-a",
             key,
             key,
             1,
+            None,
             &format!("a-{key}"),
-            "ledger-a",
             60_000,
         )
         .await
         .unwrap_or_else(|e| in_one_slot("reserve", e));
     }
-    gate::activate(c, &keys, "k1", "a-k1")
+    gate::activate(c, &keys, "ledger-a", "k1", "a-k1")
         .await
         .unwrap_or_else(|e| in_one_slot("activate", e));
-    gate::lookup(c, &keys, "k1")
+    gate::lookup(c, &keys, "ledger-a", "k1")
         .await
         .unwrap_or_else(|e| in_one_slot("lookup", e));
-    gate::confirm(c, &keys, "k1")
+    let confirm = dropgate_sidecar::reservation::State::Confirmed;
+    let cancel = dropgate_sidecar::reservation::State::Cancelled;
+    gate::prepare(c, &keys, "ledger-a", "k1", confirm, "s-k1", 2_000)
         .await
-        .unwrap_or_else(|e| in_one_slot("confirm", e));
-    gate::activate(c, &keys, "k2", "a-k2")
+        .unwrap_or_else(|e| in_one_slot("prepare a confirm", e));
+    gate::finish(c, &keys, "ledger-a", "k1", "s-k1")
+        .await
+        .unwrap_or_else(|e| in_one_slot("finish", e));
+    gate::activate(c, &keys, "ledger-a", "k2", "a-k2")
         .await
         .unwrap_or_else(|e| in_one_slot("activate", e));
-    gate::cancel(c, &keys, "k2")
+    gate::prepare(c, &keys, "ledger-a", "k2", cancel, "s-k2", 2_000)
         .await
-        .unwrap_or_else(|e| in_one_slot("cancel", e));
-    gate::activate(c, &keys, "k3", "a-k3")
+        .unwrap_or_else(|e| in_one_slot("prepare a cancel", e));
+    gate::abort(c, &keys, "ledger-a", "k2", "s-k2")
+        .await
+        .unwrap_or_else(|e| in_one_slot("abort", e));
+    gate::activate(c, &keys, "ledger-a", "k3", "a-k3")
         .await
         .unwrap_or_else(|e| in_one_slot("activate", e));
-    gate::expire(c, &keys, "k3")
+    gate::expire(c, &keys, "ledger-a", "k3")
         .await
         .unwrap_or_else(|e| in_one_slot("expire", e));
-    gate::undo(c, &keys, "k4", "a-k4")
+    gate::undo(c, &keys, "ledger-a", "k4", "a-k4")
         .await
         .unwrap_or_else(|e| in_one_slot("undo", e));
-    gate::abandon(c, &keys, "k5", "ledger-a")
+    gate::abandon(c, &keys, "ledger-a", "k5", "a-k5")
         .await
         .unwrap_or_else(|e| in_one_slot("abandon", e));
-    gate::pending_marker(c, &keys, "k5")
+    gate::unresolved(c, &keys, "k7")
         .await
-        .unwrap_or_else(|e| in_one_slot("pending_marker", e));
+        .unwrap_or_else(|e| in_one_slot("unresolved", e));
     gate::overdue(c, &keys, i64::MAX, 10)
         .await
         .unwrap_or_else(|e| in_one_slot("overdue", e));
@@ -526,17 +543,15 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
             .map_or(0, |d| d.as_millis() as i64)
             + 60_000,
         seq: 100,
+        variant: None,
     };
     let ledger_key = dropgate_api::keys::ledger_key("shop", "sale", &sale);
-    gate::replay(c, &keys, &row, &ledger_key)
+    gate::replay(c, &keys, "ledger-a", &row, &ledger_key)
         .await
         .unwrap_or_else(|e| in_one_slot("replay", e));
-    gate::close(c, &keys, 1)
+    gate::close(c, &keys, "ledger-a", 1)
         .await
         .unwrap_or_else(|e| in_one_slot("close", e));
-    gate::condemn(c, &keys)
-        .await
-        .unwrap_or_else(|e| in_one_slot("condemn", e));
     dropgate_operator::store::remove(c, &keys)
         .await
         .unwrap_or_else(|e| panic!("the operator's cleanup failed on the cluster: {e}"));
@@ -548,7 +563,11 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
             .unwrap_or_else(|e| in_one_slot("KEYS", e)),
     )
     .expect("a list of keys");
-    assert!(left.is_empty(), "the cleanup left keys behind: {left:?}");
+    assert_eq!(
+        left,
+        [keys.deleted()],
+        "the cleanup left keys behind (but for the tombstone): {left:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

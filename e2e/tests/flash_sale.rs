@@ -1,12 +1,13 @@
 //! The flash sale, smaller, against the debug binaries: the command lines, the HTTP
 //! API and the invariants, end to end through real processes.
 
-use dropgate_e2e::flash_sale::{Options, run};
+use dropgate_e2e::flash_sale::{Options, Summary, run};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_thousand_buyers_never_oversell() {
+/// A thousand buyers, 300 in flight, for the example `manifest`: the summary, once
+/// it was printed and found to break no invariant.
+async fn sale_of(manifest: &str) -> Summary {
     let options = Options {
-        manifest: concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/drop.yaml").into(),
+        manifest: format!("{}/../examples/{manifest}", env!("CARGO_MANIFEST_DIR")).into(),
         buyers: 1000,
         concurrency: 300,
         ..Options::default()
@@ -14,6 +15,12 @@ async fn a_thousand_buyers_never_oversell() {
     let summary = run(&options).await.expect("the sale runs");
     println!("{summary}");
     assert_eq!(summary.violations(), Vec::<String>::new());
+    summary
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_buyers_never_oversell() {
+    let summary = sale_of("drop.yaml").await;
     assert_eq!(summary.oversold, 0);
     assert_eq!(summary.remaining, 0, "1000 buyers empty 100 units");
     assert!(summary.sold_out > 0);
@@ -21,4 +28,16 @@ async fn a_thousand_buyers_never_oversell() {
         summary.retries_absorbed > 0,
         "duplicates were sent and absorbed"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_in_four_sizes_sells_each_size_exactly_once() {
+    let summary = sale_of("drop-sizes.yaml").await;
+    assert_eq!(summary.variants.len(), 4);
+    for size in &summary.variants {
+        assert_eq!(size.remaining, 0, "{size:?}: 1000 buyers empty every size");
+        assert_eq!(size.oversold, 0, "{size:?}");
+        assert_eq!(size.held, size.confirmed as i64, "{size:?}");
+    }
+    assert_eq!(summary.remaining, 0);
 }

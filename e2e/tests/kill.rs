@@ -19,18 +19,20 @@ async fn reserve(http: &HttpClient, i: usize) -> Option<Reply> {
 }
 
 /// Whether a reserve's answer means the buyer holds a unit now: 201, or 200
-/// `already_reserved` of a live reservation. A retry of an admission that was taken
-/// back (its sidecar died before the ledger had it) hears its key's record,
-/// `already_reserved` in state expired: it holds nothing, and its unit went back to
-/// stock for someone else.
+/// `already_reserved`, which only ever names a reservation made durable: a retry of
+/// an admission that was taken back (its sidecar died before the ledger had it) is
+/// decided afresh, and no buyer here cancels or outlives a hold.
 fn holds(reply: &Option<Reply>) -> bool {
     reply.as_ref().is_some_and(|r| {
-        r.status == 201
-            || (r.outcome() == "already_reserved"
-                && matches!(
-                    r.body.get("state").and_then(|s| s.as_str()),
-                    Some("active" | "confirmed")
-                ))
+        if r.outcome() == "already_reserved" {
+            let state = r.body.get("state").and_then(|s| s.as_str());
+            assert!(
+                matches!(state, Some("active" | "confirmed")),
+                "already_reserved names a reservation nobody holds: {}",
+                r.text
+            );
+        }
+        r.status == 201 || r.outcome() == "already_reserved"
     })
 }
 

@@ -478,16 +478,18 @@ async fn fake_google(redis_port: u16) -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
         "computeMetadata" / "v1" / "instance" / "service-accounts" / "default" / "token"
     )
     .map(|| r#"{"access_token":"ya29.t","expires_in":3599,"token_type":"Bearer"}"#);
-    let instance = warp::path!("v1" / "projects" / "p" / "locations" / "l" / "instances" / "i")
-        .and(warp::header::optional::<String>("traceparent"))
-        .map(move |traceparent: Option<String>| {
-            kept.lock()
-                .expect("heard")
-                .push(traceparent.unwrap_or_default());
-            format!(
-                r#"{{"tier":"STANDARD_HA","state":"READY","host":"127.0.0.1","port":{redis_port}}}"#
-            )
-        });
+    let instance = warp::path!(
+        "v1" / "projects" / "shop-project" / "locations" / "europe-west1" / "instances" / "i"
+    )
+    .and(warp::header::optional::<String>("traceparent"))
+    .map(move |traceparent: Option<String>| {
+        kept.lock()
+            .expect("heard")
+            .push(traceparent.unwrap_or_default());
+        format!(
+            r#"{{"tier":"STANDARD_HA","state":"READY","host":"127.0.0.1","port":{redis_port}}}"#
+        )
+    });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -514,7 +516,7 @@ spec:
   redis:
     url: redis://unused:1
     requireHighAvailability: true
-    memorystore: {project: p, location: l, instance: i}
+    memorystore: {project: shop-project, location: europe-west1, instance: i}
 "#,
     )
     .expect("manifest");

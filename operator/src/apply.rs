@@ -81,8 +81,17 @@ async fn apply_parsed(
         let published = store::published(&mut conn, &reconcile::keys_of(drop)).await?;
         (published.map(|c| c.mode), Some(report.message.clone()))
     };
-    let mut done =
-        reconcile::reconcile(drop, &mut conn, report, kept, None, Timestamp::now()).await?;
+    let mut done = reconcile::reconcile(
+        drop,
+        &mut conn,
+        report,
+        kept,
+        None,
+        // Nobody keeps a status to record claims in: they count at once.
+        dropgate_api::keys::Claims::Immediate,
+        Timestamp::now(),
+    )
+    .await?;
     if drop.spec.redis.require_high_availability
         && let Some(message) = unanswered
     {

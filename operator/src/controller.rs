@@ -145,7 +145,12 @@ impl Context {
             .as_ref()
             .and_then(|data| data.get(&secret_ref.key))
             .ok_or_else(|| problem(&format!("has no key {:?}", secret_ref.key)))?;
-        String::from_utf8(bytes.0.clone()).map_err(|_| problem("holds a URL that is not UTF-8"))
+        let value = String::from_utf8(bytes.0.clone())
+            .map_err(|_| problem("holds a URL that is not UTF-8"))?;
+        dropgate_api::check_redis_url(&value)
+            .map_err(|why| problem(&format!("key {:?} {why}", secret_ref.key)))?;
+        // A Secret made with `echo` ends in a newline, which is no part of the URL.
+        Ok(value.trim_end().to_string())
     }
 
     fn backoff(&self, key: &str) -> Duration {
@@ -208,6 +213,9 @@ async fn reconcile_traced(drop: Arc<InventoryDrop>, ctx: Arc<Context>) -> Result
     result
 }
 
+/// How soon a drop whose sale no ledger has claimed yet is reconciled again.
+const CLAIM_WATCH: Duration = Duration::from_secs(2);
+
 /// Counts the error and requeues with capped exponential backoff.
 pub fn error_policy(drop: Arc<InventoryDrop>, error: &Error, ctx: Arc<Context>) -> Action {
     let label = error.metric_label();
@@ -224,6 +232,16 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
     match reconcile_redis(drop, ctx).await {
         Ok(done) => {
             write_status(ctx, api, drop, &done.status).await?;
+            // The claim is durable in status now: it may count (see DropKeys::ledger).
+            let mut claim_unrecorded = false;
+            if done.claim_waits
+                && let Some(id) = done.status.ledger.as_deref()
+                && let Err(error) = record_claim(drop, ctx, id).await
+            {
+                // The next reconcile's seed writes it back from status.
+                tracing::warn!(drop = %object_key(drop), %error, "could not record the sale's ledger claim in Redis yet");
+                claim_unrecorded = true;
+            }
             // The mode is in Redis and the status written: an Event that cannot be
             // recorded is logged, not retried (a retry would not see the change).
             let mut events = Vec::new();
@@ -255,6 +273,12 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
                 return Ok(Action::requeue(delay));
             }
             ctx.succeeded(&object_key(drop));
+            if done.status.ledger.is_none() || claim_unrecorded {
+                // No ledger has claimed the sale yet: look again soon, so that a claim
+                // (nothing is sold until it is recorded) is recorded within seconds,
+                // not a resync later.
+                return Ok(Action::requeue(ctx.settings.resync.min(CLAIM_WATCH)));
+            }
             Ok(Action::requeue(ctx.settings.resync))
         }
         Err(error) => {
@@ -268,6 +292,14 @@ async fn apply(drop: &InventoryDrop, ctx: &Context, api: &Api<InventoryDrop>) ->
     }
 }
 
+/// Writes the claim the status now holds back to Redis as recorded.
+async fn record_claim(drop: &InventoryDrop, ctx: &Context, id: &str) -> Result<()> {
+    let url = ctx.redis_url(drop).await?;
+    let mut conn = ctx.redis(&url, drop.spec.redis.cluster).await?;
+    crate::store::record_claim(&mut conn, &reconcile::keys_of(drop), id).await?;
+    Ok(())
+}
+
 async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconciled> {
     reconcile::validate(drop)?;
     let url = ctx.redis_url(drop).await?;
@@ -276,7 +308,16 @@ async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconcil
     let now = Timestamp::now();
     let previous = drop.status.as_ref();
     let kept = decide::kept_mode(previous, &ha, now, ctx.settings.ha_grace);
-    reconcile::reconcile(drop, &mut conn, ha, kept, previous, now).await
+    reconcile::reconcile(
+        drop,
+        &mut conn,
+        ha,
+        kept,
+        previous,
+        dropgate_api::keys::Claims::Recorded,
+        now,
+    )
+    .await
 }
 
 /// An Event to record about a drop.
@@ -483,9 +524,16 @@ pub async fn run(
     memorystore: Memorystore,
     shutdown: CancellationToken,
 ) -> Result<()> {
+    let admin = crate::admin::bind(settings.admin_listen)
+        .await
+        .map_err(Error::Admin)?;
     let client = Client::try_default().await?;
     let metrics = Arc::new(Metrics::default());
-    tokio::spawn(crate::admin::serve(settings.admin_listen, metrics.clone()));
+    tokio::spawn(crate::admin::serve(
+        admin,
+        metrics.clone(),
+        shutdown.clone(),
+    ));
     // Every replica answers admission, leader or not.
     if let Some((addr, cert_dir)) = settings.webhook {
         let webhook = Webhook::bind(addr, cert_dir, settings.injection)

@@ -1,7 +1,9 @@
 //! The reconciler's judgement, as plain functions of the spec and what was observed.
 
 use dropgate_api::drop::GateSpec;
-use dropgate_api::{DropConfig, FailurePolicy, InventoryDrop, InventoryDropStatus, Mode, Phase};
+use dropgate_api::{
+    DropConfig, FailurePolicy, InventoryDrop, InventoryDropStatus, Mode, Phase, VariantStatus,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
@@ -68,7 +70,8 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
     let ends_at_ms = ms(&spec.ends_at);
     DropConfig {
         sku: spec.sku.clone(),
-        limit: spec.limited_quantity,
+        limit: spec.limit(),
+        variants: spec.variants.clone(),
         per_user_limit: spec.per_user_limit,
         starts_at_ms: ms(&spec.starts_at),
         ends_at_ms,
@@ -108,6 +111,8 @@ pub struct Observed {
     pub kept: bool,
     pub seeded: Seeded,
     pub stock: Stock,
+    /// The sale's ledger, once a sidecar claimed it.
+    pub ledger: Option<String>,
     /// Redis's `maxmemory-policy`, when it says.
     pub eviction_policy: Option<String>,
     pub now: Timestamp,
@@ -154,7 +159,7 @@ pub fn status(
     let generation = drop.metadata.generation;
     let spec = &drop.spec;
     let ha = &observed.ha;
-    let stock = observed.stock;
+    let stock = &observed.stock;
     let is_ready = ready(drop, observed);
     let previous_conditions = previous.map(|s| s.conditions.as_slice()).unwrap_or(&[]);
     let cond = |type_: &str, status: &str, reason: &str, message: String| {
@@ -172,17 +177,20 @@ pub fn status(
     let seeded_message = if stock.remaining < 0 {
         format!(
             "limit {} is below the {} units already held: the gate admits nothing until {} returned units pay back the deficit",
-            spec.limited_quantity, stock.held, -stock.remaining
+            spec.limit(),
+            stock.held,
+            -stock.remaining
         )
     } else if observed.seeded.created {
-        format!("stock seeded with {} units", spec.limited_quantity)
+        format!("stock seeded with {} units", spec.limit())
     } else if observed.seeded.moved != 0 {
         format!(
             "restocked by {:+} to limit {}",
-            observed.seeded.moved, spec.limited_quantity
+            observed.seeded.moved,
+            spec.limit()
         )
     } else {
-        format!("stock in place for limit {}", spec.limited_quantity)
+        format!("stock in place for limit {}", spec.limit())
     };
     let mut seeded_reason = if stock.remaining < 0 {
         "LimitBelowHeld"
@@ -256,10 +264,31 @@ pub fn status(
         observed_generation: generation,
         phase: phase(drop, observed),
         mode: Some(observed.mode),
+        limit: Some(drop.spec.limit()),
         remaining: Some(stock.remaining.max(0)),
         reserved: Some(stock.held.max(0)),
+        variants: drop
+            .spec
+            .variants
+            .iter()
+            .map(|variant| {
+                let (remaining, reserved) = stock.variant(&variant.name);
+                VariantStatus {
+                    name: variant.name.clone(),
+                    limit: variant.quantity,
+                    // No more than the drop as a whole may still admit.
+                    remaining: remaining.min(stock.remaining).max(0),
+                    reserved: reserved.max(0),
+                }
+            })
+            .collect(),
         tier: Some(ha.tier),
         fail_open: observed.mode == Mode::FailOpen,
+        // The first recorded claim stands: a Redis naming another ledger later lost
+        // the key (the next seed writes this one back); never record a second.
+        ledger: previous
+            .and_then(|status| status.ledger.clone())
+            .or_else(|| observed.ledger.clone()),
         conditions: vec![
             cond("Seeded", "True", seeded_reason, seeded_message),
             cond("HighlyAvailable", ha_status, ha.reason, ha_message),
@@ -366,7 +395,12 @@ mod tests {
                 previous_mode: Some(mode),
                 remaining,
             },
-            stock: Stock { remaining, held },
+            stock: Stock {
+                remaining,
+                held,
+                ..Stock::default()
+            },
+            ledger: None,
             eviction_policy: Some("noeviction".into()),
             now: "2026-12-01T11:00:00Z".parse().expect("timestamp"),
         }

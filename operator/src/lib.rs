@@ -82,6 +82,8 @@ pub enum Error {
     StaleConfig(String),
     #[error("the injection webhook cannot serve: {0}")]
     Webhook(String),
+    #[error("{0}")]
+    Admin(String),
 }
 
 impl Error {
@@ -107,6 +109,7 @@ impl Error {
             Error::Timeout(_) => "timeout",
             Error::StaleConfig(_) => "stale_config",
             Error::Webhook(_) => "webhook",
+            Error::Admin(_) => "admin",
         }
     }
 
@@ -143,7 +146,8 @@ impl Error {
             | Error::Finalizer(_)
             | Error::LeadershipLost(_)
             | Error::Timeout(_)
-            | Error::Webhook(_) => "KubernetesApiError",
+            | Error::Webhook(_)
+            | Error::Admin(_) => "KubernetesApiError",
         }
     }
 }

@@ -20,6 +20,9 @@ pub struct Reconciled {
     pub previous_mode: Option<Mode>,
     /// Why the drop is not Ready, when it is not.
     pub not_ready: Option<Error>,
+    /// A sidecar's claim of the sale's ledger waits to be written back as recorded
+    /// (by the next reconcile's seed, once status holds it).
+    pub claim_waits: bool,
 }
 
 impl Reconciled {
@@ -90,6 +93,7 @@ pub async fn reconcile(
     ha_report: HaReport,
     kept: Option<Mode>,
     previous: Option<&InventoryDropStatus>,
+    claims: dropgate_api::keys::Claims,
     now: Timestamp,
 ) -> Result<Reconciled> {
     validate(drop)?;
@@ -116,8 +120,14 @@ pub async fn reconcile(
         .creation_timestamp
         .as_ref()
         .map(|t| t.0.as_millisecond());
-    let seeded = store::seed(conn, &keys, &config, created_ms).await?;
+    let kept_ledger = previous.and_then(|status| status.ledger.as_deref());
+    let seeded = store::seed(conn, &keys, &config, created_ms, kept_ledger, claims).await?;
     let stock = store::stock(conn, &keys).await?;
+    let sale_ledger = store::sale_ledger(conn, &keys).await?;
+    // A claim this reconcile records in status still waits for the next seed to
+    // count: look again soon.
+    let claim_waits = matches!(sale_ledger, store::SaleLedger::Claimed(_));
+    let ledger = sale_ledger.id().map(str::to_string);
     let eviction_policy = ha::eviction_policy(conn).await;
     tracing::info!(
         namespace = drop.namespace().as_deref().unwrap_or("default"),
@@ -137,6 +147,7 @@ pub async fn reconcile(
         kept,
         seeded,
         stock,
+        ledger,
         eviction_policy,
         now,
     };
@@ -146,6 +157,7 @@ pub async fn reconcile(
         status: decide::status(drop, &observed, previous),
         previous_mode,
         not_ready,
+        claim_waits,
     })
 }
 

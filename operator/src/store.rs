@@ -64,12 +64,15 @@ pub struct Seeded {
 
 /// Publishes `config` and seeds or restocks the stock, atomically (see `lua/seed.lua`).
 /// `created_ms` is when the drop's object was created (None outside Kubernetes):
-/// it orders two sales of the same name (see `lua/seed.lua`).
+/// it orders two sales of the same name (see `lua/seed.lua`). `sale_ledger` is the
+/// sale's ledger as the drop's status keeps it, written back into Redis.
 pub async fn seed(
     conn: &mut Connection,
     keys: &DropKeys,
     config: &DropConfig,
     created_ms: Option<i64>,
+    sale_ledger: Option<&str>,
+    claims: dropgate_api::keys::Claims,
 ) -> Result<Seeded> {
     static SEED: std::sync::LazyLock<Script> =
         std::sync::LazyLock::new(|| Script::new(include_str!("lua/seed.lua")));
@@ -82,7 +85,9 @@ pub async fn seed(
         .key(keys.holds())
         .key(keys.pending())
         .key(keys.seq())
-        .key(keys.ledgers());
+        .key(keys.ledger())
+        .key(keys.deleted())
+        .key(keys.variants());
     invocation.arg(config.limit);
     invocation.arg(
         config
@@ -92,9 +97,11 @@ pub async fn seed(
     );
     invocation.arg(&config.sale);
     invocation.arg(created_ms.map(|t| t.to_string()).unwrap_or_default());
+    invocation.arg(sale_ledger.unwrap_or_default());
     for (field, value) in config.to_fields() {
         invocation.arg(field).arg(value);
     }
+    invocation.arg("claims").arg(claims.as_str());
     let (created, moved, previous_mode, remaining): (i64, i64, String, i64) =
         match invocation.invoke_async(conn).await {
             Ok(reply) => reply,
@@ -114,24 +121,98 @@ pub async fn seed(
 }
 
 /// A drop's stock as Redis holds it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stock {
     /// Unclamped: negative while a cut below what is held is being paid back.
     pub remaining: i64,
     /// Units held by active or confirmed reservations.
     pub held: i64,
+    /// The variants' hash (see [`DropKeys::variants`]): `r:<name>` and `h:<name>`.
+    pub variants: std::collections::HashMap<String, i64>,
+}
+
+impl Stock {
+    /// What `variant` may still admit (unclamped) and what its reservations hold.
+    pub fn variant(&self, variant: &str) -> (i64, i64) {
+        let field = |prefix: &str| {
+            self.variants
+                .get(&format!("{prefix}:{variant}"))
+                .copied()
+                .unwrap_or(0)
+        };
+        (field("r"), field("h"))
+    }
 }
 
 pub async fn stock(conn: &mut Connection, keys: &DropKeys) -> Result<Stock> {
-    let (remaining, held): (Option<i64>, Option<i64>) = redis::pipe()
+    let (remaining, held, variants): (
+        Option<i64>,
+        Option<i64>,
+        std::collections::HashMap<String, i64>,
+    ) = redis::pipe()
         .get(keys.remaining())
         .get(keys.held())
+        .hgetall(keys.variants())
         .query_async(conn)
         .await?;
     Ok(Stock {
         remaining: remaining.unwrap_or(0),
         held: held.unwrap_or(0),
+        variants,
     })
+}
+
+/// The sale's ledger (see [`DropKeys::ledger`]), once a sidecar claimed it.
+pub async fn sale_ledger(conn: &mut Connection, keys: &DropKeys) -> Result<SaleLedger> {
+    let ledger: Option<String> = conn.get(keys.ledger()).await?;
+    let Some(ledger) = ledger else {
+        return Ok(SaleLedger::None);
+    };
+    Ok(match ledger.strip_prefix(dropgate_api::keys::PROVISIONAL) {
+        Some(id) if dropgate_api::config::is_sale(id) => SaleLedger::Claimed(id.to_string()),
+        None if dropgate_api::config::is_sale(&ledger) => SaleLedger::Recorded(ledger),
+        _ => SaleLedger::None,
+    })
+}
+
+/// Makes a sidecar's claim of the sale for ledger `id` count, once the drop's
+/// status holds it: `claimed:<id>` becomes `<id>` (and nothing else changes).
+pub async fn record_claim(conn: &mut Connection, keys: &DropKeys, id: &str) -> Result<bool> {
+    static RECORD: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+        Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] .. ARGV[2] then \
+               redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL') return 1 end return 0",
+        )
+    });
+    let recorded: i64 = RECORD
+        .key(keys.ledger())
+        .arg(dropgate_api::keys::PROVISIONAL)
+        .arg(id)
+        .invoke_async(conn)
+        .await?;
+    Ok(recorded == 1)
+}
+
+/// The sale's ledger as Redis names it (see [`DropKeys::ledger`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SaleLedger {
+    /// No sidecar claimed the sale yet.
+    None,
+    /// A sidecar claimed it for this ledger; it counts once the status holds it
+    /// and the next seed writes it back plain.
+    Claimed(String),
+    /// The sale's ledger.
+    Recorded(String),
+}
+
+impl SaleLedger {
+    /// The id to keep in status: a claim is recorded before it counts.
+    pub fn id(&self) -> Option<&str> {
+        match self {
+            SaleLedger::None => None,
+            SaleLedger::Claimed(id) | SaleLedger::Recorded(id) => Some(id),
+        }
+    }
 }
 
 /// The config the sidecars currently read for this drop, if any.
@@ -140,10 +221,16 @@ pub async fn published(conn: &mut Connection, keys: &DropKeys) -> Result<Option<
     Ok(DropConfig::from_fields(&fields)?)
 }
 
-/// Deletes every key of a drop. The config hash goes first, in its own command, so
-/// that sidecars see the drop as unknown before its stock disappears.
+/// How long the deletion tombstone (see [`DropKeys::deleted`]) stays: longer than
+/// any sidecar goes without reading the drop's config.
+const TOMBSTONE_SECONDS: u64 = 3600;
+
+/// Deletes every key of a drop. The tombstone comes first, then the config hash in
+/// its own command, so that sidecars see the drop as deleted (not as lost) before
+/// its stock disappears.
 pub async fn remove(conn: &mut Connection, keys: &DropKeys) -> Result<()> {
     let fixed = keys.fixed();
+    let _: () = conn.set_ex(keys.deleted(), "1", TOMBSTONE_SECONDS).await?;
     let _: () = conn.del(&fixed[0]).await?;
     let _: () = conn.del(&fixed[1..]).await?;
     let pattern = keys.reservation_pattern();

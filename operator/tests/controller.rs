@@ -216,7 +216,9 @@ async fn apply_seeds_redis_writes_status_and_announces_the_mode() {
     let action = controller::reconcile(Arc::new(drop), ctx.clone())
         .await
         .expect("reconciles");
-    assert_eq!(action, Action::requeue(Duration::from_secs(30)));
+    // No sidecar has claimed the sale for a ledger yet: looked at again in 2 s
+    // (not the 30 s resync), so that the claim reaches status soon after it is made.
+    assert_eq!(action, Action::requeue(Duration::from_secs(2)));
     let handle = server.await.expect("script ran");
     let remaining: i64 = redis
         .connection()
@@ -314,13 +316,23 @@ async fn deletion_removes_the_keys_before_the_finalizer() {
     let url = redis.url();
     let server = tokio::spawn(async move {
         let call = next(&mut handle).await;
-        // By the time the finalizer goes, the keys are gone.
+        // By the time the finalizer goes, the keys are gone, but for the tombstone
+        // that tells sidecars the drop was deleted (not lost), which expires.
         let mut conn = redis::Client::open(url)
             .expect("url")
             .get_connection()
             .expect("c");
         let left: Vec<String> = conn.keys("*").expect("KEYS");
-        assert!(left.is_empty(), "keys left: {left:?}");
+        assert_eq!(
+            left,
+            ["dropgate:{shop/sale}:deleted"],
+            "keys left: {left:?}"
+        );
+        let ttl: i64 = redis::cmd("TTL")
+            .arg("dropgate:{shop/sale}:deleted")
+            .query(&mut conn)
+            .expect("TTL");
+        assert!(ttl > 0, "the tombstone expires: TTL {ttl}");
         assert_eq!(call.method, Method::PATCH);
         assert_eq!(call.path, OBJECT);
         assert_eq!(
@@ -417,6 +429,36 @@ async fn the_redis_url_can_come_from_a_secret() {
     controller::reconcile(Arc::new(drop), ctx.clone())
         .await
         .expect("reconciles");
+    let handle = server.await.expect("script ran");
+    expect_no_more(ctx, handle).await;
+}
+
+/// A drop's `secretRef` may name any key of any Secret in its namespace: one that
+/// holds no Redis URL is refused, and neither the status nor the error shows the
+/// value (a user who may read drops but not Secrets would read it there).
+#[tokio::test]
+async fn a_secret_that_holds_no_redis_url_is_refused_without_showing_it() {
+    let (ctx, mut handle) = context(None);
+    let drop = from_secret("db-creds");
+    let for_server = drop.clone();
+    let server = tokio::spawn(async move {
+        let call = next(&mut handle).await;
+        assert_eq!(call.path, "/api/v1/namespaces/shop/secrets/db-creds");
+        let encoded = base64_encode(b"hunter2-SECRET-VALUE");
+        call.respond(200, &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "db-creds", "namespace": "shop"}, "data": {"url": encoded}}));
+        let status = expect_status_patch(&mut handle, &for_server).await;
+        let text = status.to_string();
+        assert!(
+            text.contains("does not hold a redis:// or rediss:// URL"),
+            "{text}"
+        );
+        assert!(!text.contains("hunter2"), "{text}");
+        handle
+    });
+    let error = controller::reconcile(Arc::new(drop), ctx.clone())
+        .await
+        .expect_err("refused");
+    assert!(!error.to_string().contains("hunter2"), "{error}");
     let handle = server.await.expect("script ran");
     expect_no_more(ctx, handle).await;
 }
@@ -764,8 +806,8 @@ async fn an_unanswered_ha_check_keeps_the_mode_warns_once_and_asks_again_soon() 
     ));
     drop.spec.redis.require_high_availability = true;
     drop.spec.redis.memorystore = Some(dropgate_api::drop::MemorystoreInstance {
-        project: "p".into(),
-        location: "l".into(),
+        project: "shop-project".into(),
+        location: "europe-west1".into(),
         instance: "i".into(),
     });
     // Last verified: highly available, the gate on.

@@ -383,7 +383,7 @@ async fn apply_keeps_the_published_mode_when_the_check_goes_unanswered() {
     let redis = dropgate_testkit::RedisServer::start().expect("redis");
     let (addr, _) = fake_google().await;
     let base = format!("http://{addr}");
-    let manifest = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: sale, namespace: shop}\nspec:\n  sku: X\n  limitedQuantity: 5\n  redis: {requireHighAvailability: true, memorystore: {project: p, location: l, instance: live}}\n  gate: {failurePolicy: Closed}\n";
+    let manifest = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: sale, namespace: shop}\nspec:\n  sku: X\n  limitedQuantity: 5\n  redis: {requireHighAvailability: true, memorystore: {project: my-proj, location: asia-northeast1, instance: live}}\n  gate: {failurePolicy: Closed}\n";
     LIVE_PORT.store(usize::from(redis.port()), Ordering::SeqCst);
     // A fresh client each time, as each `apply` run is a fresh process.
     let apply = || async {

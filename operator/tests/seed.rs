@@ -1,5 +1,6 @@
 //! Seeding, restock, idempotence, cleanup and the HA check against real Redis.
 
+use dropgate_api::keys::Claims;
 use dropgate_api::{DropKeys, Mode, Phase, Tier};
 use dropgate_operator::memorystore::Memorystore;
 use dropgate_operator::reconcile::Reconciled;
@@ -174,8 +175,10 @@ async fn removing_a_drop_deletes_every_key() {
     let _: () = conn.set("unrelated", 1).expect("other key");
     let mut manager = store::connect(&redis.url(), false).await.expect("connects");
     store::remove(&mut manager, &keys()).await.expect("removes");
-    let left: Vec<String> = conn.keys("*").expect("KEYS");
-    assert_eq!(left, vec!["unrelated".to_string()]);
+    let mut left: Vec<String> = conn.keys("*").expect("KEYS");
+    left.sort();
+    // The deletion tombstone stays (it expires): sidecars read it as "deleted".
+    assert_eq!(left, vec![keys().deleted(), "unrelated".to_string()]);
 }
 
 #[tokio::test]
@@ -226,13 +229,27 @@ async fn a_stale_config_is_refused_and_changes_nothing() {
         drop.metadata.generation = Some(generation);
         dropgate_operator::decide::config(&drop, Mode::Gate)
     };
-    store::seed(&mut conn, &keys(), &at_generation(3, 100), CREATED)
-        .await
-        .expect("seeds");
+    store::seed(
+        &mut conn,
+        &keys(),
+        &at_generation(3, 100),
+        CREATED,
+        None,
+        Claims::Recorded,
+    )
+    .await
+    .expect("seeds");
     // A replica that lost its Lease still holds generation 2 (limit 500).
-    let stale = store::seed(&mut conn, &keys(), &at_generation(2, 500), CREATED)
-        .await
-        .expect_err("refused");
+    let stale = store::seed(
+        &mut conn,
+        &keys(),
+        &at_generation(2, 500),
+        CREATED,
+        None,
+        Claims::Recorded,
+    )
+    .await
+    .expect_err("refused");
     assert!(matches!(stale, Error::StaleConfig(_)), "{stale}");
     assert!(
         stale.to_string().contains("published generation 3"),
@@ -246,12 +263,26 @@ async fn a_stale_config_is_refused_and_changes_nothing() {
         .expect("HGET");
     assert_eq!(limit, "100");
     // The same generation again, and a newer one, are written.
-    store::seed(&mut conn, &keys(), &at_generation(3, 100), CREATED)
-        .await
-        .expect("same generation");
-    store::seed(&mut conn, &keys(), &at_generation(4, 120), CREATED)
-        .await
-        .expect("newer");
+    store::seed(
+        &mut conn,
+        &keys(),
+        &at_generation(3, 100),
+        CREATED,
+        None,
+        Claims::Recorded,
+    )
+    .await
+    .expect("same generation");
+    store::seed(
+        &mut conn,
+        &keys(),
+        &at_generation(4, 120),
+        CREATED,
+        None,
+        Claims::Recorded,
+    )
+    .await
+    .expect("newer");
     assert_eq!(remaining(&redis), 120);
 }
 
@@ -277,28 +308,66 @@ async fn writers_that_would_wipe_or_roll_back_a_sale_are_refused() {
     );
     let later = CREATED.map(|t| t + 60_000);
     // Kubernetes publishes the re-created drop (created a minute later).
-    store::seed(&mut conn, &keys(), &config(new_uid, 1, 5), later)
-        .await
-        .expect("seeds");
+    store::seed(
+        &mut conn,
+        &keys(),
+        &config(new_uid, 1, 5),
+        later,
+        None,
+        Claims::Recorded,
+    )
+    .await
+    .expect("seeds");
     hold(&redis, 3);
     let refused = |e: Result<_, Error>| matches!(e, Err(Error::StaleConfig(_)));
     // The old incarnation's stale writer, whatever its generation.
     assert!(refused(
-        store::seed(&mut conn, &keys(), &config(old_uid, 7, 100), CREATED).await
+        store::seed(
+            &mut conn,
+            &keys(),
+            &config(old_uid, 7, 100),
+            CREATED,
+            None,
+            Claims::Recorded
+        )
+        .await
     ));
     // apply -f of a manifest without a uid: would start the sale over.
     assert!(refused(
-        store::seed(&mut conn, &keys(), &config(None, 0, 100), None).await
+        store::seed(
+            &mut conn,
+            &keys(),
+            &config(None, 0, 100),
+            None,
+            None,
+            Claims::Immediate
+        )
+        .await
     ));
     // apply -f of an export with the uid but no generation.
     assert!(refused(
-        store::seed(&mut conn, &keys(), &config(new_uid, 0, 100), None).await
+        store::seed(
+            &mut conn,
+            &keys(),
+            &config(new_uid, 0, 100),
+            None,
+            None,
+            Claims::Immediate
+        )
+        .await
     ));
     assert_eq!(remaining(&redis), 2, "the running sale is untouched");
     // Its next generation is written.
-    store::seed(&mut conn, &keys(), &config(new_uid, 2, 6), later)
-        .await
-        .expect("newer generation");
+    store::seed(
+        &mut conn,
+        &keys(),
+        &config(new_uid, 2, 6),
+        later,
+        None,
+        Claims::Recorded,
+    )
+    .await
+    .expect("newer generation");
     assert_eq!(remaining(&redis), 3);
 }
 

@@ -38,7 +38,15 @@ fn review(pod: Value, namespace: &str, dry_run: bool) -> Value {
     })
 }
 
-fn shop_pod(labels: Value, annotations: Value) -> Value {
+/// A shop's pod; one that names no ledger opts into a per-pod one (a pod that
+/// names neither is refused, see `a_pod_that_names_no_ledger_is_refused`).
+fn shop_pod(labels: Value, mut annotations: Value) -> Value {
+    if let Some(map) = annotations.as_object_mut()
+        && !map.contains_key("dropgate.io/database-secret")
+        && !map.contains_key("dropgate.io/ledger")
+    {
+        map.insert("dropgate.io/ledger".into(), "per-pod".into());
+    }
     json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"generateName": "shop-7d9f-", "labels": labels, "annotations": annotations},
@@ -161,6 +169,17 @@ async fn a_malformed_annotation_is_refused_with_its_name() {
         "{response}"
     );
     assert!(response.get("patch").is_none());
+}
+
+#[tokio::test]
+async fn a_pod_that_names_no_ledger_is_refused() {
+    let mut pod = shop_pod(json!({"dropgate.io/inject": "true"}), json!({}));
+    pod["metadata"]["annotations"] = json!({});
+    let response = response_to(&review(pod, "shop", false)).await;
+    assert_eq!(response["allowed"], false, "{response}");
+    let message = response["status"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("dropgate.io/ledger: per-pod"), "{message}");
+    assert!(message.contains("dropgate.io/database-secret"), "{message}");
 }
 
 #[tokio::test]
@@ -363,4 +382,101 @@ async fn a_webhook_without_a_usable_certificate_does_not_start() {
     std::fs::write(dir.path().join("tls.key"), b"not a key").expect("write");
     let garbage = webhook::Webhook::bind(addr, dir.path().to_path_buf(), settings()).await;
     assert!(garbage.is_err(), "refused");
+}
+
+/// A TLS connection from the loopback address `from`, trusting only `ca`.
+async fn tls_from(
+    from: [u8; 4],
+    port: u16,
+    ca: &[u8],
+) -> Option<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca) {
+        roots.add(cert.ok()?).ok()?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .ok()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.bind(std::net::SocketAddr::from((from, 0))).ok()?;
+    let tcp = socket
+        .connect(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .await
+        .ok()?;
+    let name = rustls::pki_types::ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().expect("dir");
+    let served = dir.path().join("served");
+    std::fs::create_dir(&served).expect("dir");
+    let (ca, crt, key) = issued(dir.path(), "webhook", true);
+    std::fs::write(served.join("tls.crt"), &crt).expect("write");
+    std::fs::write(served.join("tls.key"), &key).expect("write");
+    let port = dropgate_testkit::free_port().expect("port");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let bound = webhook::Webhook::bind(([127, 0, 0, 1], port).into(), served, settings())
+        .await
+        .expect("binds");
+    let server = tokio::spawn(bound.run(shutdown.clone()));
+
+    // 1,200 connections from 12 addresses (past the listener's 1,024), each
+    // announcing a 3 MB review and sending it a byte a second, connecting again
+    // whenever the webhook closes it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ca = Arc::new(ca);
+    let mut attackers = Vec::new();
+    for i in 0..1200u32 {
+        let (stop, ca) = (stop.clone(), ca.clone());
+        let from = [127, 0, 4, 1 + (i % 12) as u8];
+        attackers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let Some(mut tls) = tls_from(from, port, &ca).await else {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    continue;
+                };
+                let head = "POST /mutate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: 3000000\r\n\r\n{";
+                if tls.write_all(head.as_bytes()).await.is_err() {
+                    continue;
+                }
+                while !stop.load(Ordering::Relaxed) {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    if tls.write_all(b" ").await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    // Meanwhile the API server's reviews are answered, for longer than the body
+    // timeout (so that attackers that were closed came back).
+    for _ in 0..8 {
+        let answer =
+            tokio::time::timeout(std::time::Duration::from_secs(30), post_over_tls(port, &ca))
+                .await
+                .expect("answered in time under attack")
+                .expect("admitted under attack");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("\"patchType\":\"JSONPatch\""), "{answer}");
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for attacker in attackers {
+        attacker.abort();
+    }
+    shutdown.cancel();
+    server.await.expect("joins");
 }

@@ -81,6 +81,13 @@ impl App {
         })
     }
 
+    /// What a drop's check against the ledger holds for: Redis as it was after this
+    /// many failures (and cluster changes); a drop checked at an older count is
+    /// checked again before Redis answers for it (see `service::verify`).
+    pub fn redis_era(&self, drop: &crate::drops::Drop) -> u64 {
+        self.breaker(Some(drop)).failures() + self.redis.changes()
+    }
+
     /// The breaker of the Redis that `drop` lives on; `None`: the sidecar's own
     /// calls (on a cluster they reach some node, which says nothing of a shard).
     pub fn breaker<'a>(&'a self, drop: Option<&'a crate::drops::Drop>) -> &'a Breaker {
@@ -102,6 +109,10 @@ pub struct Breaker {
     /// hands a drop to the ledger only once this sidecar, too, has not reached Redis
     /// for a while.
     reached_at: AtomicI64,
+    /// Connection-level failures so far: after one, the Redis that answers may be
+    /// another (a replica promoted in a failover, which may have missed writes), so
+    /// each drop is checked against the ledger again before Redis answers for it.
+    failures: std::sync::atomic::AtomicU64,
 }
 
 impl Breaker {
@@ -122,9 +133,15 @@ impl Breaker {
             || error.is_connection_dropped()
             || error.is_timeout()
         {
+            self.failures.fetch_add(1, Ordering::AcqRel);
             self.down_until
                 .store(now_ms() + REDIS_BREAK_MS, Ordering::Release);
         }
+    }
+
+    /// Connection-level failures so far (see the field).
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Acquire)
     }
 
     /// Notes that Redis answered: requests go to it again.

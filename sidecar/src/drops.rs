@@ -28,6 +28,10 @@ pub struct Drop {
     /// On a Redis Cluster, whether this drop's shard is reachable (see
     /// [`App::breaker`](crate::app::App::breaker)).
     pub breaker: crate::app::Breaker,
+    /// The Redis era (see [`App::redis_era`](crate::app::App::redis_era)) at which
+    /// Redis was last found in line with the ledger for this drop; `u64::MAX`: not
+    /// yet by this process.
+    pub verified: std::sync::atomic::AtomicU64,
 }
 
 impl Drop {
@@ -40,6 +44,7 @@ impl Drop {
             config: RwLock::new(config),
             handover: tokio::sync::Mutex::new(()),
             breaker: crate::app::Breaker::default(),
+            verified: std::sync::atomic::AtomicU64::new(u64::MAX),
         }
     }
 
@@ -112,7 +117,9 @@ impl Drops {
         self.refresh(conn, name).await
     }
 
-    /// Re-reads `name` from Redis. On a Redis error a known drop is kept as it was.
+    /// Re-reads `name` from Redis. On a Redis error a known drop is kept as it was,
+    /// and so is one whose config is gone without the operator's deletion tombstone
+    /// beside it (Redis lost it: the operator publishes it again).
     pub async fn refresh(
         &self,
         conn: &mut Connection,
@@ -128,6 +135,18 @@ impl Drops {
                 };
             }
         };
+        let known = self.read().get(name).cloned();
+        if fields.is_empty()
+            && let Some(known) = known
+        {
+            let deleted: bool = match conn.exists(keys.deleted()).await {
+                Ok(deleted) => deleted,
+                Err(_) => return Ok(Some(known)),
+            };
+            if !deleted {
+                return Ok(Some(known));
+            }
+        }
         let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
         match DropConfig::from_fields(&fields)? {
             None => {

@@ -1,6 +1,7 @@
 //! Fault injection between the steps of a reservation's way through Redis, the
-//! ledger and the outbox. Compiled in only with the `fault-injection` feature, which
-//! the test suite turns on; in every other build [`check`] does nothing.
+//! ledger and the outbox. Compiled into debug builds (the test suite's binaries) and
+//! builds with the `fault-injection` feature; in a release build [`check`] does
+//! nothing and `DROPGATE_FAULTS` is refused.
 
 /// The points where a test can make the next step fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -14,48 +15,151 @@ pub enum Fault {
     AfterLedgerCommit,
     /// After an event was published to its stream, before it is marked sent.
     AfterPublishBeforeAck,
+    /// A deliberate bug, for proving that the history checker catches one: the
+    /// admission is answered 201 without being recorded in the ledger.
+    SkipLedgerOnAdmit,
+    /// A deliberate bug, for proving that the history checker catches one: a cancel
+    /// that Redis made is answered 503 as if nothing had changed.
+    ErrorAfterRedisCancel,
+}
+
+impl Fault {
+    /// The name `DROPGATE_FAULTS` uses for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::AfterRedisAdmit => "after-redis-admit",
+            Fault::BeforeLedgerCommit => "before-ledger-commit",
+            Fault::AfterLedgerCommit => "after-ledger-commit",
+            Fault::AfterPublishBeforeAck => "after-publish-before-ack",
+            Fault::SkipLedgerOnAdmit => "skip-ledger-on-admit",
+            Fault::ErrorAfterRedisCancel => "error-after-redis-cancel",
+        }
+    }
+
+    const ALL: [Fault; 6] = [
+        Fault::AfterRedisAdmit,
+        Fault::BeforeLedgerCommit,
+        Fault::AfterLedgerCommit,
+        Fault::AfterPublishBeforeAck,
+        Fault::SkipLedgerOnAdmit,
+        Fault::ErrorAfterRedisCancel,
+    ];
+}
+
+/// How often an armed point fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Times {
+    /// The next n passes.
+    Next(u32),
+    /// Every k-th pass (k >= 1), for as long as the process runs.
+    Every(u32),
+}
+
+/// Reads `DROPGATE_FAULTS` (`name`, `name=N` for the next N passes, `name@K` for every
+/// K-th pass; comma-separated) and arms what it names. A process built without the
+/// `fault-injection` feature refuses a non-empty value rather than ignore it, and a
+/// name it does not know is an error too.
+pub fn arm_from_env() -> Result<(), String> {
+    let Ok(spec) = std::env::var("DROPGATE_FAULTS") else {
+        return Ok(());
+    };
+    let mut armed = Vec::new();
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, times) = if let Some((name, n)) = item.split_once('=') {
+            let n = n
+                .parse()
+                .map_err(|_| format!("DROPGATE_FAULTS: {item:?}: N must be a count"))?;
+            (name, Times::Next(n))
+        } else if let Some((name, k)) = item.split_once('@') {
+            let k = k
+                .parse()
+                .ok()
+                .filter(|k| *k >= 1)
+                .ok_or_else(|| format!("DROPGATE_FAULTS: {item:?}: K must be a count >= 1"))?;
+            (name, Times::Every(k))
+        } else {
+            (item, Times::Every(1))
+        };
+        let fault = Fault::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| format!("DROPGATE_FAULTS: no fault point is called {name:?}"))?;
+        armed.push((fault, times));
+    }
+    if armed.is_empty() {
+        return Ok(());
+    }
+    arm_all(&armed)
+}
+
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
+fn arm_all(armed: &[(Fault, Times)]) -> Result<(), String> {
+    for (fault, times) in armed {
+        arm_times(*fault, *times);
+    }
+    Ok(())
+}
+
+#[cfg(not(any(debug_assertions, feature = "fault-injection")))]
+fn arm_all(_armed: &[(Fault, Times)]) -> Result<(), String> {
+    Err("DROPGATE_FAULTS is set, but this build has no fault injection (the `fault-injection` feature)".into())
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error("injected fault at {0:?}")]
 pub struct Injected(pub Fault);
 
-#[cfg(feature = "fault-injection")]
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
 mod armed {
     use std::collections::HashMap;
     use std::sync::Mutex;
 
     use super::Fault;
 
-    /// How many more times each point fails.
-    pub static ARMED: Mutex<Option<HashMap<Fault, u32>>> = Mutex::new(None);
+    /// How each point fails: how many more times, or every k-th pass (with the
+    /// passes counted so far).
+    pub static ARMED: Mutex<Option<HashMap<Fault, (super::Times, u64)>>> = Mutex::new(None);
     /// How far the wall clock is moved.
     pub static SKEW_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 }
 
 /// Makes the next `times` passes through `fault` fail.
-#[cfg(feature = "fault-injection")]
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
 pub fn arm(fault: Fault, times: u32) {
+    arm_times(fault, Times::Next(times));
+}
+
+/// Arms `fault` to fail as `times` says.
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
+pub fn arm_times(fault: Fault, times: Times) {
     let mut armed = armed::ARMED.lock().unwrap_or_else(|e| e.into_inner());
     armed
         .get_or_insert_with(Default::default)
-        .insert(fault, times);
+        .insert(fault, (times, 0));
 }
 
 /// Fails if a test armed `fault`.
-#[cfg(feature = "fault-injection")]
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
 pub fn check(fault: Fault) -> Result<(), Injected> {
     let mut armed = armed::ARMED.lock().unwrap_or_else(|e| e.into_inner());
     match armed.as_mut().and_then(|map| map.get_mut(&fault)) {
-        Some(left) if *left > 0 => {
+        Some((Times::Next(left), _)) if *left > 0 => {
             *left -= 1;
             Err(Injected(fault))
+        }
+        Some((Times::Every(k), passes)) => {
+            *passes += 1;
+            if *passes % u64::from((*k).max(1)) == 0 {
+                Err(Injected(fault))
+            } else {
+                Ok(())
+            }
         }
         _ => Ok(()),
     }
 }
 
-#[cfg(not(feature = "fault-injection"))]
+#[cfg(not(any(debug_assertions, feature = "fault-injection")))]
 #[inline(always)]
 pub fn check(_fault: Fault) -> Result<(), Injected> {
     Ok(())
@@ -63,18 +167,18 @@ pub fn check(_fault: Fault) -> Result<(), Injected> {
 
 /// Moves this process's wall clock by `ms` (a machine whose clock is off), for
 /// every clock reading after it.
-#[cfg(feature = "fault-injection")]
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
 pub fn skew_clock(ms: i64) {
     armed::SKEW_MS.store(ms, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// How far a test moved the wall clock (0 in every other build).
-#[cfg(feature = "fault-injection")]
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
 pub fn clock_skew_ms() -> i64 {
     armed::SKEW_MS.load(std::sync::atomic::Ordering::SeqCst)
 }
 
-#[cfg(not(feature = "fault-injection"))]
+#[cfg(not(any(debug_assertions, feature = "fault-injection")))]
 #[inline(always)]
 pub fn clock_skew_ms() -> i64 {
     0

@@ -21,15 +21,29 @@ pub struct Reserve {
     pub key: String,
     pub user: String,
     pub quantity: i64,
+    /// Which variant of the drop (required for a drop with variants, refused for
+    /// one without: the service checks it against the drop's config).
+    pub variant: Option<String>,
 }
 
 impl Reserve {
+    /// The reserve as the gates are asked it.
+    pub fn ask(&self) -> crate::reservation::Ask<'_> {
+        crate::reservation::Ask {
+            key: &self.key,
+            user: &self.user,
+            quantity: self.quantity,
+            variant: self.variant.as_deref(),
+        }
+    }
+
     pub fn parse(body: &[u8]) -> Result<Self, Invalid> {
-        let mut fields = Fields::parse(body, &["key", "user", "quantity"])?;
+        let mut fields = Fields::parse(body, &["key", "user", "quantity", "variant"])?;
         Ok(Self {
             key: fields.id("key")?,
             user: fields.id("user")?,
             quantity: fields.int("quantity", 1, MAX_QUANTITY)?,
+            variant: fields.variant("variant")?,
         })
     }
 }
@@ -77,6 +91,21 @@ impl Fields {
         match self.take(field)? {
             Value::String(s) => id(field, &s).map(|()| s),
             other => Err(Invalid(format!(
+                "`{field}` must be a string, not {}",
+                kind(&other)
+            ))),
+        }
+    }
+
+    /// An optional variant name (`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`).
+    pub fn variant(&mut self, field: &str) -> Result<Option<String>, Invalid> {
+        match self.map.remove(field) {
+            None => Ok(None),
+            Some(Value::String(s)) if dropgate_api::drop::is_variant_name(&s) => Ok(Some(s)),
+            Some(Value::String(_)) => Err(Invalid(format!(
+                "`{field}` must be a variant name: 1 to 63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            ))),
+            Some(other) => Err(Invalid(format!(
                 "`{field}` must be a string, not {}",
                 kind(&other)
             ))),
@@ -193,9 +222,37 @@ mod tests {
             Ok(Reserve {
                 key: "k".into(),
                 user: "u".into(),
-                quantity: 2147483647
+                quantity: 2147483647,
+                variant: None,
             })
         );
+        assert_eq!(
+            Reserve::parse(br#"{"key":"k","user":"u","quantity":1,"variant":"US-9.5_w"}"#)
+                .map(|r| r.variant),
+            Ok(Some("US-9.5_w".into()))
+        );
+    }
+
+    #[test]
+    fn a_variant_must_be_a_variant_name() {
+        for bad in [
+            r#""""#,
+            r#""-9""#,
+            r#""US 9""#,
+            r#""US=9""#,
+            r#""US,9""#,
+            r#"9"#,
+            r#"null"#,
+        ] {
+            let body = format!(r#"{{"key":"k","user":"u","quantity":1,"variant":{bad}}}"#);
+            let refused = refusal(&body);
+            assert!(refused.contains("`variant`"), "{body}: {refused}");
+        }
+        let long = format!(
+            r#"{{"key":"k","user":"u","quantity":1,"variant":"{}"}}"#,
+            "v".repeat(64)
+        );
+        assert!(refusal(&long).contains("`variant`"));
     }
 
     #[test]

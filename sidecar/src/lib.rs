@@ -85,7 +85,8 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
-/// The log filter when `RUST_LOG` is not set. It leaves out warp's per-connection
-/// errors: a client that hangs up, or an idle keep-alive connection
-/// closed by a graceful shutdown, is not the sidecar's error.
-pub const DEFAULT_LOG_FILTER: &str = "info,warp::server=off";
+/// The log filter when `RUST_LOG` is not set. A connection a client drops or the
+/// listener closes (see `dropgate-listener`) is logged at debug: not the sidecar's
+/// error. sqlx's notes of slow statements are left out: a slow ledger shows in the
+/// commit histogram and, past its deadline, as the failure it causes.
+pub const DEFAULT_LOG_FILTER: &str = "info,sqlx::query=error";

@@ -12,9 +12,13 @@ async fn main() -> ExitCode {
         dropgate_sidecar::DEFAULT_LOG_FILTER,
     );
     let settings = Settings::parse();
+    if let Err(e) = dropgate_sidecar::faults::arm_from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     // rediss:// needs a process-wide rustls crypto provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let listener = match tokio::net::TcpListener::bind(settings.listen).await {
+    let listener = match dropgate_listener::bind(settings.listen) {
         Ok(listener) => listener,
         Err(e) => {
             eprintln!("error: cannot listen on {}: {e}", settings.listen);

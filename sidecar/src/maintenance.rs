@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::app::App;
 use crate::clock::now_ms;
-use crate::gate;
+use crate::gate::{self, Unresolved};
 use crate::ledger::Holder;
 use crate::metrics::DropLabel;
 use crate::reservation::{Outcome, State};
@@ -209,12 +209,17 @@ async fn expire_due_holds(app: &App) {
             app.ledger.authority(&drop.ledger_key()).await,
             Ok(Some(authority)) if authority.holder == Holder::Ledger
         );
-        if !ledger_decides && config.mode == Mode::Gate {
+        // Redis acts on its own below only once it was found in line with the
+        // ledger since its last failure; the refresh rebuilds it otherwise.
+        let redis_acts = !ledger_decides
+            && config.mode == Mode::Gate
+            && crate::service::redis_in_line(app, &drop).await;
+        if redis_acts {
             resolve_overdue(app, &drop, now).await;
             match gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
                 Ok(due) => {
                     for key in due {
-                        match gate::expire(&mut conn, &drop.keys, &key).await {
+                        match gate::expire(&mut conn, &drop.keys, app.ledger.id(), &key).await {
                             Ok(step) => record_expiry(app, &drop, &config, &key, &step).await,
                             Err(error) => {
                                 tracing::debug!(drop = %drop.name, %error, "expiry failed")
@@ -239,7 +244,7 @@ async fn expire_due_holds(app: &App) {
                 }
                 Err(error) => tracing::debug!(drop = %drop.name, %error, "ledger sweep failed"),
             }
-        } else if config.mode == Mode::Gate {
+        } else if redis_acts {
             heal_from_redis(app, &drop, &config, now - LEDGER_REPAIR_GRACE_MS).await;
         }
         drop.throttle.release_due(now);
@@ -252,10 +257,12 @@ async fn expire_due_holds(app: &App) {
     }
 }
 
-/// Settles admissions their sidecar never finished (it died between the gate's
-/// admit and its answer): one the ledger recorded is activated by replaying the
-/// record; one it did not goes back to stock. Either way within the pending bound,
-/// not at the end of the hold.
+/// Resolves changes their sidecar never finished (it died, or its ledger stalled
+/// past the commit deadline), within their bound rather than at the end of the hold.
+/// An admission the ledger recorded is activated by replaying the record; one it did
+/// not goes back to stock, after the key is claimed so that the late commit is
+/// refused. A confirm or cancel is fenced off in the ledger first (its late commit
+/// refused from then on), then finished if the ledger recorded it, else undone.
 async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
     let mut conn = app.redis.clone();
     let overdue = match gate::overdue(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
@@ -266,44 +273,63 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
         }
     };
     let ledger_key = drop.ledger_key();
+    let ledger = app.ledger.id();
     for key in overdue {
-        let marker = match gate::pending_marker(&mut conn, &drop.keys, &key).await {
-            Ok(marker) => marker,
-            Err(error) => {
-                tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
-                continue;
-            }
-        };
-        // Claim the key in the ledger as never recorded (a placeholder row, so that
-        // the admission's commit, should it land after all, is refused), unless the
-        // commit landed first: then the record is replayed into Redis.
-        let claimed = match &marker {
-            Some(marker) if marker.ledger == app.ledger.id() => app
-                .ledger
-                .claim_abandoned(&ledger_key, &key, &marker.user, marker.quantity, now)
-                .await
-                .map(Some),
-            _ => Ok(None),
-        };
-        let settled = match claimed {
-            Ok(Some(true)) | Ok(None) => {
-                gate::abandon(&mut conn, &drop.keys, &key, app.ledger.id()).await
-            }
-            Ok(Some(false)) => match app.ledger.reservation(&ledger_key, &key).await {
-                Ok(Some(row)) if row.state.holds_units() => {
-                    gate::replay(&mut conn, &drop.keys, &row, &ledger_key)
+        let resolved =
+            match gate::unresolved(&mut conn, &drop.keys, &key).await {
+                // The key's change as it stands now may not be the one that was listed
+                // overdue (a retry took the admission over, a new confirm was
+                // prepared): only one overdue now is judged, and by its own attempt.
+                Ok(Some(
+                    Unresolved::Admission { due_ms, .. } | Unresolved::Settle { due_ms, .. },
+                )) if due_ms > now => Ok(()),
+                Ok(Some(Unresolved::Admission {
+                    user,
+                    quantity,
+                    attempt,
+                    ..
+                })) => match app
+                    .ledger
+                    .claim_abandoned(&ledger_key, &key, &user, quantity, &attempt, now)
+                    .await
+                {
+                    Ok(true) => gate::abandon(&mut conn, &drop.keys, ledger, &key, &attempt)
                         .await
-                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Ok(false) => match app.ledger.reservation(&ledger_key, &key).await {
+                        Ok(Some(row)) if row.state.holds_units() => {
+                            gate::replay(&mut conn, &drop.keys, ledger, &row, &ledger_key)
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        }
+                        Ok(_) => Ok(()),
+                        Err(error) => Err(error.to_string()),
+                    },
+                    Err(error) => Err(error.to_string()),
+                },
+                Ok(Some(Unresolved::Settle { attempt, to, .. })) => {
+                    match app.ledger.fence_settle(&ledger_key, &key, &attempt).await {
+                        Ok(Some(state)) if state == to => {
+                            gate::finish(&mut conn, &drop.keys, ledger, &key, &attempt)
+                                .await
+                                .map(|_| drop.throttle.release(&key))
+                                .map_err(|e| e.to_string())
+                        }
+                        Ok(_) => gate::abort(&mut conn, &drop.keys, ledger, &key, &attempt)
+                            .await
+                            .map_err(|e| e.to_string()),
+                        Err(error) => Err(error.to_string()),
+                    }
                 }
-                _ => Ok(()),
-            },
-            Err(error) => {
-                tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
-                continue;
-            }
-        };
-        if let Err(error) = settled {
-            tracing::debug!(drop = %drop.name, %error, "overdue admission not settled");
+                // Nothing unresolved any more: the entry goes (abandon drops it).
+                Ok(None) => gate::abandon(&mut conn, &drop.keys, ledger, &key, "")
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(error) => Err(error.to_string()),
+            };
+        if let Err(error) = resolved {
+            tracing::debug!(drop = %drop.name, %error, "overdue change not resolved");
         }
     }
 }
@@ -327,7 +353,7 @@ async fn heal_from_redis(app: &App, drop: &crate::drops::Drop, config: &DropConf
     };
     let mut conn = app.redis.clone();
     for key in keys {
-        let reply = match gate::lookup(&mut conn, &drop.keys, &key).await {
+        let reply = match gate::lookup(&mut conn, &drop.keys, app.ledger.id(), &key).await {
             Ok(reply) => reply,
             Err(error) => {
                 tracing::debug!(drop = %drop.name, %error, "ledger repair: Redis failed");
@@ -361,6 +387,7 @@ async fn heal_from_redis(app: &App, drop: &crate::drops::Drop, config: &DropConf
     }
 }
 
-/// How long past its deadline a hold the ledger has active waits for Redis to report
-/// its expiry before the ledger expires it itself.
-const LEDGER_REPAIR_GRACE_MS: i64 = 30_000;
+/// How long past its deadline a hold the ledger has active waits for Redis's report
+/// of its expiry (recorded by whoever expired it, normally within a sweep) before the
+/// ledger asks Redis itself.
+const LEDGER_REPAIR_GRACE_MS: i64 = 5_000;

@@ -53,10 +53,10 @@ pub struct Metrics {
     /// Admissions answered 201 before the replicas `--wait-replicas` asks for
     /// acknowledged them (durable in the ledger all the same).
     pub replica_wait_timeouts: Counter<u64, AtomicU64>,
-    /// Other sidecars' ledgers registered for a drop, counted by a sidecar whose
-    /// own ledger is per pod (SQLite): anything but 0 means its fallback is per pod
-    /// in a shop with several replicas.
-    pub per_pod_ledger_peers: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
+    /// 1 while a drop's sale is recorded by another ledger than this sidecar's (per-pod
+    /// ledgers on several replicas, a ledger added mid-sale): this sidecar then
+    /// changes nothing of the drop and answers `unavailable`.
+    pub foreign_ledger: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
     /// What each drop has left, as the gate deciding it counts (read by the refresh).
     pub remaining: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
     /// Each drop's mode as this sidecar last read it.
@@ -75,7 +75,7 @@ impl Metrics {
         let permits_in_use = Family::default();
         let expired = Counter::default();
         let replica_wait_timeouts = Counter::default();
-        let per_pod_ledger_peers = Family::default();
+        let foreign_ledger = Family::default();
         let remaining = Family::default();
         let mode = Family::default();
         let outbox_lag = Gauge::<f64, AtomicU64>::default();
@@ -120,9 +120,9 @@ impl Metrics {
             replica_wait_timeouts.clone(),
         );
         registry.register(
-            "per_pod_ledger_peers",
-            "Other sidecars selling a drop, seen by a sidecar with a per-pod SQLite ledger",
-            per_pod_ledger_peers.clone(),
+            "foreign_ledger",
+            "1 while a drop's sale is recorded by another ledger than this sidecar's: it answers unavailable",
+            foreign_ledger.clone(),
         );
         Self {
             registry,
@@ -131,7 +131,7 @@ impl Metrics {
             permits_in_use,
             expired,
             replica_wait_timeouts,
-            per_pod_ledger_peers,
+            foreign_ledger,
             remaining,
             mode,
             outbox_lag,

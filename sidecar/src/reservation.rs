@@ -54,6 +54,41 @@ impl State {
     }
 }
 
+/// A reserve as either gate is asked it: this buyer wants this many units (of
+/// this variant) under this key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ask<'a> {
+    pub key: &'a str,
+    pub user: &'a str,
+    pub quantity: i64,
+    pub variant: Option<&'a str>,
+}
+
+/// Why a reserve's variant does not fit the drop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VariantRefusal {
+    /// The drop is sold in variants and the reserve names none.
+    Missing,
+    /// The drop has no variants and the reserve names one.
+    Unexpected(String),
+    /// The drop has no variant of that name (any more).
+    Unknown(String),
+}
+
+impl VariantRefusal {
+    /// Why `variant` does not fit a drop with these `variants`, if it does not.
+    pub fn of(variant: Option<&str>, variants: &[dropgate_api::Variant]) -> Option<Self> {
+        match variant {
+            None if !variants.is_empty() => Some(Self::Missing),
+            Some(v) if variants.is_empty() => Some(Self::Unexpected(v.to_string())),
+            Some(v) if !variants.iter().any(|known| known.name == v) => {
+                Some(Self::Unknown(v.to_string()))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// What a call asks of an existing reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settle {
@@ -71,6 +106,8 @@ pub struct Reservation {
     pub quantity: i64,
     pub state: State,
     pub expires_at_ms: i64,
+    /// The drop's variant it holds units of (`None` for a drop without variants).
+    pub variant: Option<String>,
 }
 
 /// A reservation as an answer shows it: with what its drop has left (unclamped:
@@ -97,6 +134,9 @@ pub enum Outcome {
     },
     /// The key was used for another buyer or quantity.
     KeyReused,
+    /// The reserve's variant does not fit the drop as the gate deciding it reads
+    /// the config (checked after the key: a retry hears what its key holds).
+    VariantRefused(VariantRefusal),
     NotOpen {
         starts_at_ms: Option<i64>,
     },
@@ -128,12 +168,24 @@ pub enum Outcome {
     NotFound,
     /// The drop's config is not in Redis (the gate's word for an unknown drop).
     UnknownDrop,
-    /// The gate is closed (never opened, being rebuilt, or lost): open it first.
+    /// The gate is closed (never opened, being rebuilt, or gone with Redis's data):
+    /// open it first.
     Closed,
     /// The drop is off the gate in Redis's config (the operator changed its mode).
     OffGate(dropgate_api::Mode),
-    /// Another attempt with this key is still between admission and activation.
+    /// Another attempt's change of this key is unresolved: an admission between the
+    /// gate and its activation, or a confirm or cancel between its preparation and
+    /// its finish.
     Pending,
+    /// A look-up (or a duplicate reserve) of a reservation whose confirm or cancel
+    /// is prepared and not yet finished (as the gate holds it): whether it happened
+    /// is the ledger's to say.
+    Unsettled(View),
+    /// The caller's ledger is not the sale's (named; empty when the sale has none
+    /// yet): it sees only part of the sale, so it changes nothing.
+    ForeignLedger {
+        ledger: String,
+    },
 }
 
 impl Outcome {
@@ -149,10 +201,12 @@ impl Outcome {
             | Outcome::AlreadyCancelled(view)
             | Outcome::Expired(view)
             | Outcome::WasCancelled(view)
-            | Outcome::RecordExpired(view) => Some(view),
+            | Outcome::RecordExpired(view)
+            | Outcome::Unsettled(view) => Some(view),
             Outcome::SoldOut { .. }
             | Outcome::PerUserLimit { .. }
             | Outcome::KeyReused
+            | Outcome::VariantRefused(_)
             | Outcome::NotOpen { .. }
             | Outcome::Ended { .. }
             | Outcome::Overruled { .. }
@@ -161,7 +215,8 @@ impl Outcome {
             | Outcome::UnknownDrop
             | Outcome::Closed
             | Outcome::OffGate(_)
-            | Outcome::Pending => None,
+            | Outcome::Pending
+            | Outcome::ForeignLedger { .. } => None,
         }
     }
 
@@ -173,12 +228,50 @@ impl Outcome {
 }
 
 /// What a drop's stock is, as the config a change was decided under says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stock {
     pub limit: i64,
     /// The drop's generation the limit comes from: an older one never moves the
     /// ledger's stock row. 0 says nothing about the limit.
     pub generation: i64,
+    /// The sale's terms at that generation, when the change knows them (the
+    /// fallback gate decides on the newest terms the ledger has).
+    pub terms: Option<Terms>,
+    /// The variants' quantities at that generation, when the change knows them
+    /// (empty: a drop without variants at that generation).
+    pub variants: Option<Vec<dropgate_api::Variant>>,
+}
+
+/// What a reserve is decided on besides the stock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Terms {
+    pub starts_at_ms: Option<i64>,
+    pub ends_at_ms: Option<i64>,
+    pub per_user_limit: i64,
+    pub hold_seconds: i64,
+}
+
+impl Terms {
+    pub fn of(config: &dropgate_api::DropConfig) -> Self {
+        Self {
+            starts_at_ms: config.starts_at_ms,
+            ends_at_ms: config.ends_at_ms,
+            per_user_limit: config.per_user_limit,
+            hold_seconds: config.hold_seconds,
+        }
+    }
+}
+
+impl Stock {
+    /// The stock and terms of `config`.
+    pub fn of(config: &dropgate_api::DropConfig) -> Self {
+        Self {
+            limit: config.limit,
+            generation: config.generation,
+            terms: Some(Terms::of(config)),
+            variants: Some(config.variants.clone()),
+        }
+    }
 }
 
 /// One change of one reservation, as the ledger records it.
@@ -190,6 +283,8 @@ pub struct Change {
     pub key: String,
     pub user: String,
     pub quantity: i64,
+    /// The variant the reservation holds units of.
+    pub variant: Option<String>,
     /// The state the change moves the reservation to (never `Pending`).
     pub state: State,
     pub expires_at_ms: i64,
@@ -201,6 +296,12 @@ pub struct Change {
     /// An expiry of a hold Redis still had as pending: news only if the ledger
     /// recorded the admission (a sidecar died between the commit and activation).
     pub from_pending: bool,
+    /// The attempt that made the change (an admission's, or a confirm's or cancel's
+    /// preparation): a late commit of an attempt judged dead is refused by it.
+    pub attempt: Option<String>,
+    /// When the change's answer is due (ms since the epoch): past it the ledger
+    /// refuses to record it, and whoever resolves the key decides.
+    pub deadline_ms: Option<i64>,
 }
 
 impl Change {
@@ -219,11 +320,23 @@ impl Change {
             key: key.to_string(),
             user: reservation.user.clone(),
             quantity: reservation.quantity,
+            variant: reservation.variant.clone(),
             state,
             expires_at_ms: reservation.expires_at_ms,
             seq: None,
             epoch: 0,
             from_pending: false,
+            attempt: None,
+            deadline_ms: None,
+        }
+    }
+
+    /// The change as `attempt` made it, to be recorded by `deadline_ms`.
+    pub fn by(self, attempt: &str, deadline_ms: i64) -> Self {
+        Self {
+            attempt: Some(attempt.to_string()),
+            deadline_ms: Some(deadline_ms),
+            ..self
         }
     }
 

@@ -12,6 +12,11 @@ pub struct Settings {
     /// authentication, and only the shop's own containers should reach it.
     #[arg(long, env = "DROPGATE_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
+    /// Allow --listen on an address other than loopback. The API has no
+    /// authentication: whoever reaches it can reserve, confirm and cancel for any
+    /// buyer, so exposing it needs this explicit opt-in (and a NetworkPolicy).
+    #[arg(long, env = "DROPGATE_LISTEN_ANY")]
+    pub listen_any: bool,
     /// A second listener serving only /healthz, /readyz and /metrics, for probes and
     /// scrapes from outside the pod (the API stays on loopback), e.g. 0.0.0.0:7071.
     #[arg(long, env = "DROPGATE_HEALTH_LISTEN")]
@@ -59,14 +64,34 @@ pub struct Settings {
 impl Settings {
     /// Checks what clap's types cannot.
     pub fn validate(&self) -> Result<(), String> {
+        if !self.listen.ip().is_loopback() && !self.listen_any {
+            return Err(format!(
+                "--listen {} is not a loopback address: the API has no authentication, so it listens on 127.0.0.1 (or ::1) unless --listen-any says otherwise",
+                self.listen
+            ));
+        }
         if !dropgate_api::keys::is_object_name(&self.namespace) {
             return Err(format!(
                 "--namespace {:?} is not a valid Kubernetes namespace name",
                 self.namespace
             ));
         }
-        redis::Client::open(self.redis_url.as_str())
+        let client = redis::Client::open(self.redis_url.as_str())
             .map_err(|e| format!("--redis-url is not a Redis URL: {e}"))?;
+        // With RESP3 the client reconnects by itself when a connection drops while
+        // idle, and no call fails: the sidecar would not learn that the Redis
+        // answering may be another (a promoted replica that missed writes), which it
+        // must check against the ledger before trusting it.
+        if client
+            .get_connection_info()
+            .redis_settings()
+            .protocol()
+            .supports_resp3()
+        {
+            return Err(
+                "--redis-url asks for RESP3 (protocol=resp3): dropgate speaks RESP2, so that a dropped connection always shows as a failed call; remove the protocol parameter".into(),
+            );
+        }
         // WAIT covers the writes of the connection it is sent on; a cluster
         // connection is one per node, and which node's WAIT a drop needs is not
         // modelled yet.
@@ -77,5 +102,58 @@ impl Settings {
             return Err("--refresh-ms and --sweep-ms must be positive".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::Settings;
+
+    /// The sidecar's settings for `redis_url` and the namespace `shop`, plus `args`.
+    fn settings(redis_url: &str, namespace: &str, args: &[&str]) -> Settings {
+        let mut argv = vec![
+            "dropgate-sidecar",
+            "--namespace",
+            namespace,
+            "--redis-url",
+            redis_url,
+        ];
+        argv.extend_from_slice(args);
+        Settings::try_parse_from(argv).expect("parses")
+    }
+
+    const REDIS: &str = "redis://127.0.0.1:6379/";
+
+    #[test]
+    fn a_redis_url_asking_for_resp3_is_refused() {
+        let resp3 = settings("redis://127.0.0.1:6379/?protocol=resp3", "shop", &[]);
+        let refusal = resp3.validate().expect_err("refused");
+        assert!(refusal.contains("RESP3"), "{refusal}");
+        assert!(!refusal.contains("127.0.0.1"), "names no URL: {refusal}");
+        assert_eq!(settings(REDIS, "shop", &[]).validate(), Ok(()));
+    }
+
+    #[test]
+    fn options_that_cannot_work_together_are_refused() {
+        let both = settings(REDIS, "shop", &["--redis-cluster", "--wait-replicas", "1"]);
+        assert!(both.validate().is_err());
+        let zero = settings(REDIS, "shop", &["--refresh-ms", "0"]);
+        assert!(zero.validate().is_err());
+        let exposed = settings(REDIS, "shop", &["--listen", "0.0.0.0:7070"]);
+        assert!(
+            exposed
+                .validate()
+                .expect_err("refused")
+                .contains("--listen-any")
+        );
+        let opted_in = settings(REDIS, "shop", &["--listen", "0.0.0.0:7070", "--listen-any"]);
+        assert_eq!(opted_in.validate(), Ok(()));
+        assert_eq!(
+            settings(REDIS, "shop", &["--listen", "[::1]:7070"]).validate(),
+            Ok(())
+        );
+        assert!(settings(REDIS, "Not_A_Namespace", &[]).validate().is_err());
     }
 }

@@ -13,6 +13,36 @@ fn spec(limit: i64) -> DropSpec {
     DropSpec::new(limit).sku("SNKR-0412")
 }
 
+/// Drop `sale` (3 units) seeded and claimed by the ledger `the-sales-ledger`: a
+/// connection to its Redis, its keys and that ledger, for calling gate scripts
+/// directly as the sale's ledger does.
+async fn claimed_sale(
+    sidecar: &Sidecar,
+) -> (
+    dropgate_api::Connection,
+    dropgate_api::DropKeys,
+    &'static str,
+) {
+    sidecar.seed("sale", spec(3)).await;
+    let mut conn = gate_connection(sidecar).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    let ledger = "the-sales-ledger";
+    dropgate_sidecar::gate::claim(&mut conn, &keys, ledger, ledger)
+        .await
+        .expect("claims");
+    (conn, keys, ledger)
+}
+
+/// A connection to the sidecar's Redis, as the gate's own calls use it.
+async fn gate_connection(sidecar: &Sidecar) -> dropgate_api::Connection {
+    redis::Client::open(sidecar.redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connect")
+        .into()
+}
+
 fn count(outcomes: &[String]) -> HashMap<&str, usize> {
     let mut counts = HashMap::new();
     for outcome in outcomes {
@@ -414,12 +444,7 @@ async fn a_retry_waiting_on_a_pending_admission_backs_off() {
 async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(3)).await;
-    let mut conn: dropgate_api::Connection = redis::Client::open(sidecar.redis.url())
-        .expect("url")
-        .get_connection_manager()
-        .await
-        .expect("connect")
-        .into();
+    let mut conn = gate_connection(&sidecar).await;
     let keys = dropgate_api::DropKeys::new(common::NS, "sale");
     let row = dropgate_sidecar::ledger::Recorded {
         key: "k-0".into(),
@@ -428,13 +453,128 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
         state: dropgate_sidecar::reservation::State::Active,
         expires_at_ms: i64::MAX / 2,
         seq: 1,
+        variant: None,
     };
+    // The replay runs as the sale's ledger (as a rebuild does).
+    dropgate_sidecar::gate::claim(&mut conn, &keys, "the-sales-ledger", "the-sales-ledger")
+        .await
+        .expect("claims");
     let before = sidecar.snapshot();
     let old_sale = dropgate_api::keys::ledger_key(common::NS, "sale", "the-first-sale");
-    let reply = dropgate_sidecar::gate::replay(&mut conn, &keys, &row, &old_sale)
-        .await
-        .expect("runs");
+    let reply =
+        dropgate_sidecar::gate::replay(&mut conn, &keys, "the-sales-ledger", &row, &old_sale)
+            .await
+            .expect("runs");
     assert_eq!(reply, dropgate_sidecar::gate::Replay::OtherSale);
     assert_eq!(sidecar.snapshot(), before, "nothing changed");
+    assert_eq!(sidecar.remaining("sale"), 3);
+}
+
+/// A sidecar that began reopening the gate (its replay at epoch 2) before another
+/// handed the drop to the fallback (closing the gate for epoch 3) can no longer open
+/// it: Redis would otherwise answer look-ups while the ledger decides, without the
+/// fallback's changes. An opening at the later epoch still opens it.
+#[tokio::test]
+async fn a_gate_closed_for_a_later_epoch_refuses_a_stale_opening() {
+    use dropgate_sidecar::gate::{self, Closing, GateKey, Opened};
+    let sidecar = Sidecar::start().await;
+    let (mut conn, keys, ledger) = claimed_sale(&sidecar).await;
+    let closed = gate::close(&mut conn, &keys, ledger, 3)
+        .await
+        .expect("closes");
+    assert_eq!(closed, Closing::Closed);
+    let standing = |conn: &mut dropgate_api::Connection| {
+        let mut conn = conn.clone();
+        let keys = keys.clone();
+        async move { gate::standing(&mut conn, &keys).await.expect("reads").0 }
+    };
+    let after_close = standing(&mut conn).await;
+    assert_eq!(
+        after_close,
+        GateKey {
+            open_at: None,
+            closed_for: 3
+        }
+    );
+    assert_eq!(after_close.floor(), 3, "a new epoch must be above 3");
+
+    let stale = gate::open(&mut conn, &keys, ledger, 2, 0)
+        .await
+        .expect("runs");
+    assert_eq!(stale, Opened::Fenced);
+    assert_eq!(standing(&mut conn).await.open_at, None, "still closed");
+    // A close for an older epoch never lowers the fence.
+    gate::close(&mut conn, &keys, ledger, 1)
+        .await
+        .expect("closes");
+    assert_eq!(standing(&mut conn).await.closed_for, 3);
+
+    let current = gate::open(&mut conn, &keys, ledger, 3, 0)
+        .await
+        .expect("runs");
+    assert_eq!(current, Opened::Opened);
+    assert_eq!(standing(&mut conn).await.open_at, Some(3));
+    // Open at 3: a close for epoch 2 (a hand-over begun on an older view) leaves it.
+    let late = gate::close(&mut conn, &keys, ledger, 2)
+        .await
+        .expect("runs");
+    assert_eq!(late, Closing::Reopened);
+    assert_eq!(standing(&mut conn).await.open_at, Some(3));
+}
+
+/// A rebuild takes back the pending admissions the ledger never recorded only
+/// while it still holds the gate closed for its epoch: one overtaken by another
+/// sidecar's rebuild (the gate reopened since) would take back a live admission of
+/// the new epoch, whose commit then lands on a marker that is gone.
+#[tokio::test]
+async fn an_overtaken_rebuild_takes_back_no_live_admission() {
+    use dropgate_sidecar::gate;
+    use dropgate_sidecar::reservation::Outcome;
+    let sidecar = Sidecar::start().await;
+    let (mut conn, keys, ledger) = claimed_sale(&sidecar).await;
+    // A rebuild at epoch 1 closed the gate; another sidecar took over at epoch 2
+    // and opened it, and a buyer is admitted there (pending: its commit in flight).
+    gate::close(&mut conn, &keys, ledger, 1)
+        .await
+        .expect("closes");
+    gate::open(&mut conn, &keys, ledger, 2, 0)
+        .await
+        .expect("opens");
+    let admitted = gate::reserve(
+        &mut conn,
+        &keys,
+        ledger,
+        "k1",
+        "alice",
+        1,
+        None,
+        "attempt-1",
+        5000,
+    )
+    .await
+    .expect("runs");
+    assert!(
+        matches!(admitted.outcome, Outcome::Admitted(_)),
+        "{admitted:?}"
+    );
+    assert_eq!(sidecar.remaining("sale"), 2);
+
+    // The first rebuild, resumed, finds the admission unrecorded.
+    gate::undo_for_rebuild(&mut conn, &keys, ledger, "k1", "attempt-1", 1)
+        .await
+        .expect("runs");
+    assert_eq!(
+        sidecar.remaining("sale"),
+        2,
+        "the live admission still holds its unit"
+    );
+
+    // A rebuild that holds the gate closed for its own epoch does take it back.
+    gate::close(&mut conn, &keys, ledger, 3)
+        .await
+        .expect("closes");
+    gate::undo_for_rebuild(&mut conn, &keys, ledger, "k1", "attempt-1", 3)
+        .await
+        .expect("runs");
     assert_eq!(sidecar.remaining("sale"), 3);
 }

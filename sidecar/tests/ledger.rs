@@ -209,8 +209,8 @@ async fn every_change_is_recorded_published_and_consumed_once() {
             Some("active")
         );
     }
-    // A confirm Redis made but the ledger could not record frees its throttle
-    // permit all the same: the reservation no longer waits for its buyer.
+    // A confirm the ledger could not record changed nothing: the hold is active in
+    // Redis, its throttle permit still held; the retry confirms it.
     sidecar
         .seed("tight", DropSpec::new(5).permits(1).acquire_timeout_ms(20))
         .await;
@@ -218,20 +218,32 @@ async fn every_change_is_recorded_published_and_consumed_once() {
         .reserve("tight", "t1", "t1", 1)
         .await
         .assert_answer(201, "admitted");
+    let tight = || {
+        sidecar
+            .snapshot()
+            .into_iter()
+            .filter(|(key, _)| key.contains("{shop/tight}"))
+            .collect::<Vec<_>>()
+    };
+    let before = tight();
     faults::arm(Fault::BeforeLedgerCommit, 1);
     sidecar
         .settle("tight", "t1", "confirm")
         .await
         .assert_answer(503, "unavailable");
+    assert_eq!(tight(), before, "the failed confirm changed nothing");
+    sidecar
+        .reserve("tight", "t2", "t2", 1)
+        .await
+        .assert_answer(503, "throttled");
+    sidecar
+        .settle("tight", "t1", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
     sidecar
         .reserve("tight", "t2", "t2", 1)
         .await
         .assert_answer(201, "admitted");
-    // The retry heals the record.
-    sidecar
-        .settle("tight", "t1", "confirm")
-        .await
-        .assert_answer(200, "already_confirmed");
     let (t1,): (String,) = sqlx::query_as(
         "SELECT state FROM reservations WHERE drop_key LIKE 'shop/tight/%' AND res_key = 't1'",
     )

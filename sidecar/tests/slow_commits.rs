@@ -82,7 +82,7 @@ async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirma
         marker_state(&redis, "sale", "k1").as_deref(),
         Some("pending")
     );
-    // Past acquireTimeoutMs (100) + PENDING_COMMIT_MS (2000) and a sweep.
+    // Past acquireTimeoutMs (100) + COMMIT_DEADLINE_MS (2000) and a sweep.
     tokio::time::sleep(Duration::from_millis(2600)).await;
     eprintln!(
         "after the bound: marker {:?}",

@@ -20,6 +20,7 @@ pub struct DropSpec {
     fail_closed: bool,
     permits: Option<i64>,
     acquire_timeout_ms: Option<i64>,
+    variants: Vec<(String, i64)>,
 }
 
 impl DropSpec {
@@ -36,7 +37,19 @@ impl DropSpec {
             fail_closed: false,
             permits: None,
             acquire_timeout_ms: None,
+            variants: Vec::new(),
         }
+    }
+
+    /// `variants:` with these names and quantities; `limitedQuantity` is then their
+    /// sum (as the API server requires when both are given).
+    pub fn variants(mut self, variants: &[(&str, i64)]) -> Self {
+        self.variants = variants
+            .iter()
+            .map(|(name, quantity)| (name.to_string(), *quantity))
+            .collect();
+        self.limited_quantity = self.variants.iter().map(|(_, q)| q).sum();
+        self
     }
 
     /// `sku:`, written as a plain YAML scalar (a word such as `SNKR-0412`).
@@ -106,6 +119,12 @@ impl fmt::Display for DropSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "  sku: {}", self.sku)?;
         writeln!(f, "  limitedQuantity: {}", self.limited_quantity)?;
+        if !self.variants.is_empty() {
+            writeln!(f, "  variants:")?;
+            for (name, quantity) in &self.variants {
+                writeln!(f, "  - {{name: {name}, quantity: {quantity}}}")?;
+            }
+        }
         if let Some(units) = self.per_user_limit {
             writeln!(f, "  perUserLimit: {units}")?;
         }

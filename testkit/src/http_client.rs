@@ -53,8 +53,12 @@ impl HttpClient {
     pub fn new(base: impl Into<String>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        // The sidecar closes a kept-alive connection idle for its head timeout (10 s);
+        // a client that keeps one longer could send a request into that close. As
+        // real clients do, let go of an idle connection well before the server does.
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(1024)
+            .pool_idle_timeout(std::time::Duration::from_secs(4))
             .build(connector);
         Self {
             client,

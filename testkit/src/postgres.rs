@@ -68,6 +68,33 @@ impl PostgresServer {
     pub fn port(&self) -> u16 {
         self.port
     }
+
+    /// Stops the server at once (`pg_ctl stop -m immediate`: a crash, connections
+    /// cut); [`PostgresServer::start_again`] brings it back with its data.
+    pub fn stop(&self) -> std::io::Result<()> {
+        let mut stop = pg_command(&self.bin.join("pg_ctl"), is_root());
+        stop.args(["-m", "immediate", "-w", "-D"])
+            .arg(self.dir.path().join("data"))
+            .arg("stop");
+        run(&mut stop)
+    }
+
+    /// Starts a stopped server again on the same port, with its data.
+    pub fn start_again(&self) -> std::io::Result<()> {
+        let opts = format!(
+            "-c listen_addresses=127.0.0.1 -c port={} -c unix_socket_directories={} -c fsync=off -c max_connections=200",
+            self.port,
+            self.dir.path().display()
+        );
+        let mut start = pg_command(&self.bin.join("pg_ctl"), is_root());
+        start
+            .args(["-w", "-t", "30", "-D"])
+            .arg(self.dir.path().join("data"))
+            .args(["-o", &opts, "-l"])
+            .arg(self.dir.path().join("log"))
+            .arg("start");
+        run(&mut start)
+    }
 }
 
 impl Drop for PostgresServer {

@@ -40,7 +40,7 @@ func sidecarInjectedByWebhook(t *testing.T, e *env) {
 	ns := "e2e-inject"
 	e.ensureNamespace(t, ns)
 	e.kubectl(t, "label", "--overwrite", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
-	labelled := appPod(ns, "labelled", `dropgate.io/inject: "true"`, "")
+	labelled := appPod(ns, "labelled", `dropgate.io/inject: "true"`, perPod)
 	e.eventually(t, "the replica answers admission", func() (bool, string) {
 		out, err := e.runIn(labelled, "kubectl", "apply", "--dry-run=server", "-o", "json", "-f", "-")
 		return err == nil && strings.Contains(out, "dropgate-sidecar"), out
@@ -67,19 +67,24 @@ func sidecarInjectedByWebhook(t *testing.T, e *env) {
 	e.kubectlIn(t, appPod(ns, "plain", "", ""), "apply", "-f", "-")
 	e.pod(t, ns, "plain").hasNoSidecar(t)
 
-	_, err := e.runIn(appPod(ns, "bad", `dropgate.io/inject: "true"`, `dropgate.io/port: "http"`), "kubectl", "apply", "-f", "-")
+	_, err := e.runIn(appPod(ns, "bad", `dropgate.io/inject: "true"`, perPod+`, dropgate.io/port: "http"`), "kubectl", "apply", "-f", "-")
 	if err == nil || !strings.Contains(err.Error(), "annotation dropgate.io/port") {
 		t.Errorf("a pod with a bad annotation: %v; want refused naming dropgate.io/port", err)
 	}
 	if _, err := e.run("kubectl", "-n", ns, "get", "pod", "bad"); err == nil {
 		t.Errorf("the pod with a bad annotation was stored")
 	}
+	// A pod that names no ledger is refused where it is made, saying how to name one.
+	_, err = e.runIn(appPod(ns, "no-ledger", `dropgate.io/inject: "true"`, ""), "kubectl", "apply", "-f", "-")
+	if err == nil || !strings.Contains(err.Error(), "dropgate.io/ledger: per-pod") || !strings.Contains(err.Error(), "dropgate.io/database-secret") {
+		t.Errorf("a pod that names no ledger: %v; want refused naming dropgate.io/database-secret and dropgate.io/ledger", err)
+	}
 
 	// A namespace that opts in: every pod but those labelled "false".
 	optIn := "e2e-inject-ns"
 	e.ensureNamespace(t, optIn)
 	e.kubectl(t, "label", "--overwrite", "namespace", optIn, "dropgate.io/inject=enabled")
-	e.kubectlIn(t, appPod(optIn, "by-namespace", "", ""), "apply", "-f", "-")
+	e.kubectlIn(t, appPod(optIn, "by-namespace", "", perPod), "apply", "-f", "-")
 	e.pod(t, optIn, "by-namespace").hasSidecar(t, "registry.example/dropgate:e2e")
 	e.kubectlIn(t, appPod(optIn, "opted-out", `dropgate.io/inject: "false"`, ""), "apply", "-f", "-")
 	e.pod(t, optIn, "opted-out").hasNoSidecar(t)
@@ -95,6 +100,10 @@ func sidecarInjectedByWebhook(t *testing.T, e *env) {
 	name := strings.TrimPrefix(strings.Fields(e.kubectl(t, "-n", ns, "get", "pods", "-l", "app=gitops-shop", "-o", "name"))[0], "pod/")
 	e.pod(t, ns, name).hasSidecar(t, "dropgate:e2e-gitops")
 }
+
+// perPod is the annotation of a pod that keeps a per-pod SQLite ledger (a workload
+// of one replica): a pod injected without a ledger Secret must say so.
+const perPod = `dropgate.io/ledger: per-pod`
 
 // appPod is a pod that passes Pod Security "restricted", with extra labels and
 // annotations (YAML map entries, or "").
@@ -125,7 +134,7 @@ spec:
   template:
     metadata:
       labels: {app: gitops-shop, dropgate.io/inject: "true"}
-      annotations: {dropgate.io/image: "dropgate:e2e-gitops"}
+      annotations: {dropgate.io/image: "dropgate:e2e-gitops", dropgate.io/ledger: per-pod}
     spec:
       securityContext: {runAsNonRoot: true, runAsUser: 1000, seccompProfile: {type: RuntimeDefault}}
       containers:

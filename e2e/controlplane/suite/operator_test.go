@@ -252,12 +252,21 @@ func invalidDropsRejectedAtApply(t *testing.T, e *env) {
 		{"url-and-secret", `{sku: X, limitedQuantity: 10, redis: {url: "` + u + `", secretRef: {name: sale-redis, key: url}}}`, "spec.redis"},
 		{"timeout-past-hold", `{sku: X, limitedQuantity: 10, holdSeconds: 2, throttle: {permits: 8, acquireTimeoutMs: 2000}, redis: {url: "` + u + `"}}`, "spec.throttle.acquireTimeoutMs"},
 		{"http-url", `{sku: X, limitedQuantity: 10, redis: {url: "http://127.0.0.1:6379"}}`, "spec.redis.url"},
+		{"no-stock", `{sku: X, redis: {url: "` + u + `"}}`, "spec.limitedQuantity"},
+		{"sizes-not-adding-up", `{sku: X, limitedQuantity: 10, variants: [{name: US-9, quantity: 4}, {name: US-10, quantity: 5}], redis: {url: "` + u + `"}}`, "spec.limitedQuantity"},
+		{"a-size-twice", `{sku: X, variants: [{name: US-9, quantity: 4}, {name: US-9, quantity: 5}], redis: {url: "` + u + `"}}`, "spec.variants[1]"},
+		{"a-size-with-a-space", `{sku: X, variants: [{name: "US 9", quantity: 4}], redis: {url: "` + u + `"}}`, "spec.variants[0].name"},
 	} {
 		e.refused(t, c.name, dropYAML(ns, c.name, c.spec), c.field)
 		if ok, _ := e.gone(ns, "inventorydrop/"+c.name); !ok {
 			t.Errorf("%s: refused, yet stored", c.name)
 		}
 	}
+	// Sizes alone, or with the sum as limitedQuantity: accepted.
+	e.kubectlIn(t, dropYAML(ns, "sizes", `{sku: X, variants: [{name: US-9, quantity: 4}, {name: US-10, quantity: 5}], redis: {url: "`+u+`"}}`),
+		"apply", "--dry-run=server", "-f", "-")
+	e.kubectlIn(t, dropYAML(ns, "sizes-and-sum", `{sku: X, limitedQuantity: 9, variants: [{name: US-9, quantity: 4}, {name: US-10, quantity: 5}], redis: {url: "`+u+`"}}`),
+		"apply", "--dry-run=server", "-f", "-")
 	// Just inside every rule: accepted.
 	e.kubectlIn(t, dropYAML(ns, "just-valid", `{sku: X, limitedQuantity: 10, startsAt: "2026-12-01T10:00:00Z", endsAt: "2026-12-01T10:00:01Z", holdSeconds: 2, throttle: {permits: 8, acquireTimeoutMs: 1999}, redis: {url: "rediss://127.0.0.1:6380"}}`),
 		"apply", "--dry-run=server", "-f", "-")

@@ -229,8 +229,16 @@ func kubectlApplyDropLifecycle(t *testing.T, e *env) {
 	if _, err := e.run("kubectl", "-n", shopNS, "get", dropObj); err == nil {
 		t.Fatalf("%s still exists after kubectl delete --wait", dropObj)
 	}
-	if keys := e.redisCLI(t, "--scan", "--pattern", pattern); strings.TrimSpace(keys) != "" {
-		t.Fatalf("Redis keys left after the drop was deleted:\n%s", keys)
+	// Only the deletion tombstone stays (it tells sidecars the drop was deleted,
+	// not lost, and expires by itself).
+	var remains []string
+	for _, key := range strings.Fields(e.redisCLI(t, "--scan", "--pattern", pattern)) {
+		if !strings.HasSuffix(key, ":deleted") {
+			remains = append(remains, key)
+		}
+	}
+	if len(remains) > 0 {
+		t.Fatalf("Redis keys left after the drop was deleted:\n%s", strings.Join(remains, "\n"))
 	}
 }
 

@@ -162,6 +162,15 @@ async fn run(cli: &Cli) -> Result<(), String> {
     // The same reserve from a sidecar that waits for a replica's acknowledgement
     // (--wait-replicas 1) before each 201.
     let replica = RedisServer::start_replica_of(&redis).map_err(|e| e.to_string())?;
+    // On a drop of its own: a sale is recorded by one ledger.
+    let waiting_manifest = dir.path().join("waiting.yaml");
+    std::fs::write(
+        &waiting_manifest,
+        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: bench-wait, namespace: shop}\n\
+         spec:\n  sku: BENCH-WAIT\n  limitedQuantity: 10000000\n  redis: {url: redis://unused:1}\n  throttle: {permits: 1000000}\n",
+    )
+    .map_err(|e| e.to_string())?;
+    apply(&waiting_manifest, &redis.url())?;
     let waiting_ledger = format!("sqlite://{}", dir.path().join("waiting.db").display());
     let waiting = SidecarProcess::start_with(
         &redis.url(),
@@ -175,7 +184,7 @@ async fn run(cli: &Cli) -> Result<(), String> {
         let body = format!(r#"{{"key":"w{i}","user":"w{i}","quantity":1}}"#);
         let started = Instant::now();
         let reply = waiting_http
-            .post("/v1/drops/bench/reservations", &body)
+            .post("/v1/drops/bench-wait/reservations", &body)
             .await
             .map_err(|e| e.to_string())?;
         timings.push(started.elapsed());
@@ -555,17 +564,27 @@ async fn compare_designs(
         sidecar_spread,
         spread_check(&conn, SPREAD_DROPS).await?,
     ));
+    let mut spread_ledgers = Vec::new();
+    for keys in &spread {
+        spread_ledgers.push(sale_ledger(&mut conn.clone().into(), keys).await?);
+    }
     let raw_spread = measure(clients, per_client, |c, i| {
-        let (mut conn, spread) = (dropgate_api::Connection::from(conn.clone()), &spread);
+        let (mut conn, spread, ledgers) = (
+            dropgate_api::Connection::from(conn.clone()),
+            &spread,
+            &spread_ledgers,
+        );
         async move {
             let key = format!("r{c}-{i}");
+            let n = (c * per_client + i) % SPREAD_DROPS;
             let reply = dropgate_sidecar::gate::reserve(
                 &mut conn,
-                &spread[(c * per_client + i) % SPREAD_DROPS],
+                &spread[n],
+                &ledgers[n],
                 &key,
                 &key,
                 1,
-                "bench",
+                None,
                 "bench",
                 60_000,
             )
@@ -689,22 +708,27 @@ async fn on_a_cluster(
     .map_err(|e| e.to_string())?;
     // The raw script sells only through an open gate (a sidecar opens it before
     // selling; here the bench does, at the first epoch).
+    let mut ledgers = Vec::new();
     for keys in &spread {
-        dropgate_sidecar::gate::open(&mut conn.clone(), keys, 1, 0)
+        let ledger = sale_ledger(&mut conn.clone(), keys).await?;
+        dropgate_sidecar::gate::open(&mut conn.clone(), keys, &ledger, 1, 0)
             .await
             .map_err(|e| e.to_string())?;
+        ledgers.push(ledger);
     }
     let raw = measure(clients, per_client, |c, i| {
-        let (mut conn, spread) = (conn.clone(), &spread);
+        let (mut conn, spread, ledgers) = (conn.clone(), &spread, &ledgers);
         async move {
             let key = format!("r{c}-{i}");
+            let n = (c * per_client + i) % spread.len();
             let reply = dropgate_sidecar::gate::reserve(
                 &mut conn,
-                &spread[(c * per_client + i) % spread.len()],
+                &spread[n],
+                &ledgers[n],
                 &key,
                 &key,
                 1,
-                "bench",
+                None,
                 "bench",
                 60_000,
             )
@@ -953,6 +977,7 @@ async fn redis_benchmark(
     requests: usize,
 ) -> Result<Measured, String> {
     let marker = keys.reservation("__rand_int__");
+    let ledger = sale_ledger(&mut redis_connection(redis).await?, keys).await?;
     let (config, remaining, held, buyers, holds, gate, seq, ledgers, pending) = (
         keys.config(),
         keys.remaining(),
@@ -961,7 +986,7 @@ async fn redis_benchmark(
         keys.holds(),
         keys.gate(),
         keys.seq(),
-        keys.ledgers(),
+        keys.ledger(),
         keys.pending(),
     );
     let port = redis.port().to_string();
@@ -992,9 +1017,9 @@ async fn redis_benchmark(
         &ledgers,
         &pending,
         "__rand_int__",
+        &ledger,
         "__rand_int__",
         "1",
-        "bench",
         "bench",
         "60000",
     ];
@@ -1073,6 +1098,37 @@ enum Want {
     SoldOut,
 }
 
+/// The sale's ledger of drop `keys` (the sidecar's that opened it), claimed for the
+/// bench itself when no sidecar opened it: the raw script runs as that ledger.
+async fn sale_ledger(
+    conn: &mut dropgate_api::Connection,
+    keys: &dropgate_api::DropKeys,
+) -> Result<String, String> {
+    match dropgate_sidecar::gate::claim(conn, keys, "bench", "bench")
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        dropgate_sidecar::gate::Claim::Mine => Ok("bench".into()),
+        dropgate_sidecar::gate::Claim::Foreign(ledger) => Ok(ledger),
+        dropgate_sidecar::gate::Claim::Unpublished => {
+            Err("the bench's drop is not published".into())
+        }
+        // The bench publishes with `apply`, whose claims count at once.
+        dropgate_sidecar::gate::Claim::Awaiting => {
+            Err("the bench's drop waits for an operator to record its claim".into())
+        }
+    }
+}
+
+/// A connection of the bench's own to `redis`.
+async fn redis_connection(redis: &RedisServer) -> Result<dropgate_api::Connection, String> {
+    let client = redis::Client::open(redis.url()).map_err(|e| e.to_string())?;
+    redis::aio::ConnectionManager::new(client)
+        .await
+        .map(Into::into)
+        .map_err(|e| e.to_string())
+}
+
 /// Runs the gate's reserve script straight from Rust, each call a new key, each
 /// answered `want`.
 async fn script_reserves(
@@ -1083,12 +1139,17 @@ async fn script_reserves(
     prefix: &str,
     want: Want,
 ) -> Result<(f64, Vec<Duration>), String> {
+    let ledger = sale_ledger(&mut conn.clone().into(), keys).await?;
     measure(clients, per_client, |c, i| {
-        let (mut conn, keys) = (dropgate_api::Connection::from(conn.clone()), keys.clone());
+        let (mut conn, keys, ledger) = (
+            dropgate_api::Connection::from(conn.clone()),
+            keys.clone(),
+            ledger.clone(),
+        );
         async move {
             let key = format!("{prefix}{c}-{i}");
             let reply = dropgate_sidecar::gate::reserve(
-                &mut conn, &keys, &key, &key, 1, "bench", "bench", 60_000,
+                &mut conn, &keys, &ledger, &key, &key, 1, None, "bench", 60_000,
             )
             .await
             .map_err(|e| e.to_string())?;

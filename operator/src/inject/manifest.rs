@@ -44,6 +44,14 @@ pub fn inject_manifest(text: &str, settings: &Settings) -> Result<String, String
         } else {
             template_path(&kind)
         };
+        // How many pods the workload runs at once (a DaemonSet: one per node).
+        let replicas = match kind.as_str() {
+            "DaemonSet" => None,
+            "Deployment" | "StatefulSet" | "ReplicaSet" => {
+                Some(value["spec"]["replicas"].as_i64().unwrap_or(1))
+            }
+            _ => Some(1),
+        };
         if let Some(pod_json) =
             path.and_then(|path| path.iter().try_fold(&mut value, |v, key| v.get_mut(*key)))
         {
@@ -52,6 +60,13 @@ pub fn inject_manifest(text: &str, settings: &Settings) -> Result<String, String
             if let Decision::Inject(mutation) =
                 inject(&pod, &namespace, settings).map_err(|e| at(e.to_string()))?
             {
+                // Here the workload is known: a per-pod ledger serves one replica.
+                if mutation.ledger_volume.is_some() && replicas.is_none_or(|n| n > 1) {
+                    return Err(at(format!(
+                        "{} pods with a per-pod ledger (dropgate.io/ledger: per-pod): a sale is recorded by one ledger, so only one of them could sell; give the pods a shared PostgreSQL ledger (dropgate.io/database-secret)",
+                        replicas.map_or_else(|| "one per node".to_string(), |n| n.to_string())
+                    )));
+                }
                 mutation.apply(pod_json).map_err(|e| at(e.to_string()))?;
             }
         }
@@ -79,7 +94,9 @@ spec:
   replicas: 3
   selector: {matchLabels: {app: shop}}
   template:
-    metadata: {labels: {app: shop, dropgate.io/inject: "true"}}
+    metadata:
+      labels: {app: shop, dropgate.io/inject: "true"}
+      annotations: {dropgate.io/database-secret: shop-ledger}
     spec:
       containers: [{name: app, image: "shop:1"}]
 ---
@@ -133,13 +150,32 @@ spec:
     fn a_bad_annotation_names_the_object() {
         let settings = Cli::parse_from(["test"]).settings;
         let bad = MANIFEST.replace(
-            "template:\n    metadata: {labels:",
-            "template:\n    metadata: {annotations: {dropgate.io/port: http}, labels:",
+            "annotations: {dropgate.io/database-secret: shop-ledger}",
+            "annotations: {dropgate.io/database-secret: shop-ledger, dropgate.io/port: http}",
         );
         let error = inject_manifest(&bad, &settings).expect_err("refused");
         assert!(
             error.starts_with("Deployment shop (document 1): annotation dropgate.io/port"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_per_pod_ledger_is_refused_for_a_workload_of_several_replicas() {
+        let settings = Cli::parse_from(["test"]).settings;
+        let per_pod = MANIFEST.replace(
+            "annotations: {dropgate.io/database-secret: shop-ledger}",
+            "annotations: {dropgate.io/ledger: per-pod}",
+        );
+        let error = inject_manifest(&per_pod, &settings).expect_err("3 replicas, per pod");
+        assert!(
+            error.starts_with("Deployment shop (document 1): 3 pods with a per-pod ledger"),
+            "{error}"
+        );
+        let one = per_pod.replace("replicas: 3", "replicas: 1");
+        assert!(inject_manifest(&one, &settings).is_ok(), "one replica may");
+        let daemons = one.replace("kind: Deployment", "kind: DaemonSet");
+        let error = inject_manifest(&daemons, &settings).expect_err("one per node");
+        assert!(error.contains("one per node"), "{error}");
     }
 }

@@ -35,8 +35,12 @@ pub const CPU: &str = "dropgate.io/sidecar-cpu";
 pub const MEMORY: &str = "dropgate.io/sidecar-memory";
 pub const PORT: &str = "dropgate.io/port";
 pub const DATABASE_SECRET: &str = "dropgate.io/database-secret";
+/// The opt-in to a per-pod SQLite ledger (`per-pod`) for a pod with no ledger Secret.
+pub const LEDGER: &str = "dropgate.io/ledger";
+/// The one value [`LEDGER`] takes.
+pub const PER_POD: &str = "per-pod";
 /// Every annotation that tunes the sidecar; another `dropgate.io/` one is a typo.
-const TUNING: [&str; 5] = [IMAGE, CPU, MEMORY, PORT, DATABASE_SECRET];
+const TUNING: [&str; 6] = [IMAGE, CPU, MEMORY, PORT, DATABASE_SECRET, LEDGER];
 /// Where the probes and scrapes reach the sidecar from outside the pod.
 pub const HEALTH_PORT: u16 = 7071;
 /// The default port of the API on 127.0.0.1.
@@ -78,8 +82,9 @@ pub struct Settings {
         default_value_t = false
     )]
     pub redis_cluster: bool,
-    /// A Secret holding a PostgreSQL ledger URL, for shops with several replicas;
-    /// without it each pod keeps a SQLite ledger on an emptyDir.
+    /// A Secret holding a PostgreSQL ledger URL, shared by every injected pod; without
+    /// it a pod needs its own `dropgate.io/database-secret`, or `dropgate.io/ledger:
+    /// per-pod` (a SQLite ledger on an emptyDir, for a workload of one pod).
     #[arg(
         long = "sidecar-database-secret",
         env = "DROPGATE_SIDECAR_DATABASE_SECRET"
@@ -293,14 +298,37 @@ pub struct AnnotationError {
     pub problem: &'static str,
 }
 
+/// Why a pod that asked for the sidecar is refused: the sidecar it would get could
+/// not keep what dropgate promises, so the pod is not started with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    Annotation(#[from] AnnotationError),
+    /// Neither a ledger Secret nor the per-pod opt-in.
+    #[error(
+        "the pod names no ledger. Add to the pod template's annotations {DATABASE_SECRET}: \
+         <a Secret in this namespace holding a postgres:// URL shared by all replicas, under \
+         the key the operator's --sidecar-database-secret-key names, \"url\" by default> (or set the chart's sidecar.database.existingSecret), or {LEDGER}: {PER_POD} \
+         for a workload of exactly one pod that is not replaced mid-sale. Why: a sale is \
+         recorded by one ledger; a per-pod SQLite ledger records it for one pod only, so other \
+         replicas would answer unavailable and a Redis that lost writes could not be rebuilt \
+         from part of the sale"
+    )]
+    NoLedger,
+    /// A pod on the node's network: the API's loopback would be the node's, shared by
+    /// every such pod on it.
+    #[error(
+        "the pod uses hostNetwork: the sidecar's API would listen on the node's loopback, \
+         reachable by every hostNetwork pod on the node and clashing with their ports; \
+         dropgate is not injected into hostNetwork pods"
+    )]
+    HostNetwork,
+}
+
 /// Decides for `pod` in `namespace`. Which pods are asked about is the webhook
 /// configuration's business (its selectors); this refuses only what must never be
 /// injected, whoever asks.
-pub fn inject(
-    pod: &Pod,
-    namespace: &str,
-    settings: &Settings,
-) -> Result<Decision, AnnotationError> {
+pub fn inject(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Decision, Refusal> {
     let labels = pod.metadata.labels.as_ref();
     if namespace == "kube-system" || namespace == settings.operator_namespace {
         return Ok(Decision::Skip(Skip::ProtectedNamespace));
@@ -318,7 +346,13 @@ pub fn inject(
     if has_sidecar {
         return Ok(Decision::Skip(Skip::AlreadyInjected));
     }
+    if spec.host_network == Some(true) {
+        return Err(Refusal::HostNetwork);
+    }
     let tuning = Tuning::read(pod.metadata.annotations.as_ref(), settings)?;
+    if tuning.database_secret.is_none() && !tuning.per_pod {
+        return Err(Refusal::NoLedger);
+    }
     Ok(Decision::Inject(Box::new(Mutation {
         sidecar: sidecar(&tuning, settings),
         ledger_volume: tuning.database_secret.is_none().then(|| Volume {
@@ -336,6 +370,8 @@ struct Tuning {
     memory: String,
     port: u16,
     database_secret: Option<String>,
+    /// The pod asked for a per-pod SQLite ledger (and has no ledger Secret then).
+    per_pod: bool,
 }
 
 impl Tuning {
@@ -351,7 +387,7 @@ impl Tuning {
             return Err(AnnotationError {
                 annotation: "dropgate.io/*",
                 value: format!("{name}: {value}"),
-                problem: "is not an annotation dropgate knows (dropgate.io/image, sidecar-cpu, sidecar-memory, port, database-secret)",
+                problem: "is not an annotation dropgate knows (dropgate.io/image, sidecar-cpu, sidecar-memory, port, database-secret, ledger)",
             });
         }
         let get = |name: &str| annotations.and_then(|a| a.get(name));
@@ -409,11 +445,31 @@ impl Tuning {
             },
             None => API_PORT,
         };
+        let per_pod = match get(LEDGER) {
+            Some(v) if v == PER_POD => true,
+            Some(v) => {
+                return Err(bad(
+                    LEDGER,
+                    v,
+                    "is not a ledger dropgate knows: per-pod (a SQLite ledger for a workload of one replica); a shared ledger is named by dropgate.io/database-secret",
+                ));
+            }
+            None => false,
+        };
         let database_secret = match get(DATABASE_SECRET) {
             Some(v) if !dropgate_api::keys::is_object_name(v) && !is_subdomain(v) => {
                 return Err(bad(DATABASE_SECRET, v, "is not a Secret name"));
             }
+            Some(v) if per_pod => {
+                return Err(bad(
+                    DATABASE_SECRET,
+                    v,
+                    "names a shared ledger, and dropgate.io/ledger: per-pod asks for a per-pod one: keep one of the two",
+                ));
+            }
             Some(v) => Some(v.clone()),
+            // The pod's own choice of a per-pod ledger stands over the chart's default.
+            None if per_pod => None,
             None => settings.database_secret.clone(),
         };
         Ok(Self {
@@ -422,6 +478,7 @@ impl Tuning {
             memory,
             port,
             database_secret,
+            per_pod,
         })
     }
 }
@@ -645,8 +702,21 @@ mod tests {
         Cli::parse_from(["test", "--operator-namespace", "dropgate-system"]).settings
     }
 
-    /// A pod built from JSON: labels, annotations and containers as given.
-    fn pod(labels: serde_json::Value, annotations: serde_json::Value) -> Pod {
+    /// A pod built from JSON: labels, annotations and containers as given. A pod
+    /// that names no ledger opts into a per-pod one (the tests of that choice build
+    /// their pods with [`bare_pod`]).
+    fn pod(labels: serde_json::Value, mut annotations: serde_json::Value) -> Pod {
+        if let Some(map) = annotations.as_object_mut()
+            && !map.contains_key(DATABASE_SECRET)
+            && !map.contains_key(LEDGER)
+        {
+            map.insert(LEDGER.into(), PER_POD.into());
+        }
+        bare_pod(labels, annotations)
+    }
+
+    /// A pod built from JSON exactly as given.
+    fn bare_pod(labels: serde_json::Value, annotations: serde_json::Value) -> Pod {
         serde_json::from_value(json!({
             "metadata": {"name": "shop-1", "labels": labels, "annotations": annotations},
             "spec": {"containers": [{"name": "app", "image": "shop:1"}]}
@@ -925,8 +995,11 @@ mod tests {
                 &settings(),
             )
             .expect_err(annotation);
+            let Refusal::Annotation(refused) = &error else {
+                panic!("{annotation}: {error}");
+            };
             assert_eq!(
-                (error.annotation, error.value.as_str()),
+                (refused.annotation, refused.value.as_str()),
                 (annotation, value)
             );
             assert!(
@@ -941,7 +1014,8 @@ mod tests {
     #[test]
     fn the_patch_only_adds_and_keeps_what_the_api_types_do_not_know() {
         let raw = json!({
-            "metadata": {"name": "shop-1", "labels": {"dropgate.io/inject": "true"}},
+            "metadata": {"name": "shop-1", "labels": {"dropgate.io/inject": "true"},
+                         "annotations": {LEDGER: PER_POD}},
             "spec": {
                 "initContainers": [{"name": "migrate", "image": "m:1", "fieldFromTheFuture": {"x": 1}}],
                 "volumes": [{"name": "data", "emptyDir": {}}],
@@ -969,7 +1043,7 @@ mod tests {
             [
                 ("add", "/spec/initContainers/0"),
                 ("add", "/spec/volumes/-"),
-                ("add", "/metadata/annotations")
+                ("add", "/metadata/annotations/dropgate.io~1injected")
             ]
         );
         let mut after = raw.clone();
@@ -1035,5 +1109,81 @@ mod tests {
         ] {
             assert!(!is_image_reference(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_pod_that_names_no_ledger_is_refused_unless_it_opts_into_a_per_pod_one() {
+        let labelled = json!({"dropgate.io/inject": "true"});
+        let error = inject(&bare_pod(labelled.clone(), json!({})), "shop", &settings())
+            .expect_err("no ledger named");
+        assert_eq!(error, Refusal::NoLedger);
+        let message = error.to_string();
+        for named in [DATABASE_SECRET, "sidecar.database.existingSecret", LEDGER] {
+            assert!(message.contains(named), "{message}");
+        }
+        // The opt-in, a Secret of the pod's own, and the chart's default each do.
+        let per_pod = bare_pod(labelled.clone(), json!({LEDGER: PER_POD}));
+        assert!(matches!(
+            inject(&per_pod, "shop", &settings()),
+            Ok(Decision::Inject(_))
+        ));
+        let own = bare_pod(labelled.clone(), json!({DATABASE_SECRET: "shop-ledger"}));
+        assert!(matches!(
+            inject(&own, "shop", &settings()),
+            Ok(Decision::Inject(_))
+        ));
+        let chart = Settings {
+            database_secret: Some("dropgate-ledger".into()),
+            ..settings()
+        };
+        let Ok(Decision::Inject(mutation)) = inject(&bare_pod(labelled, json!({})), "shop", &chart)
+        else {
+            panic!("the chart's ledger Secret names a ledger");
+        };
+        assert!(mutation.ledger_volume.is_none(), "no per-pod ledger then");
+    }
+
+    #[test]
+    fn a_per_pod_ledger_and_a_ledger_secret_on_one_pod_are_refused() {
+        let both = bare_pod(
+            json!({"dropgate.io/inject": "true"}),
+            json!({LEDGER: PER_POD, DATABASE_SECRET: "shop-ledger"}),
+        );
+        let error = inject(&both, "shop", &settings()).expect_err("contradiction");
+        assert!(error.to_string().contains(LEDGER), "{error}");
+        let other = bare_pod(json!({}), json!({LEDGER: "shared"}));
+        let error = inject(&other, "shop", &settings()).expect_err("unknown ledger");
+        assert!(
+            error
+                .to_string()
+                .starts_with(&format!("annotation {LEDGER}: ")),
+            "{error}"
+        );
+        // The pod's own per-pod choice stands over the chart's default Secret.
+        let chart = Settings {
+            database_secret: Some("dropgate-ledger".into()),
+            ..settings()
+        };
+        let Ok(Decision::Inject(mutation)) = inject(
+            &bare_pod(json!({}), json!({LEDGER: PER_POD})),
+            "shop",
+            &chart,
+        ) else {
+            panic!("injected");
+        };
+        assert!(mutation.ledger_volume.is_some());
+    }
+
+    #[test]
+    fn a_host_network_pod_is_refused() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "node-agent", "labels": {"dropgate.io/inject": "true"},
+                         "annotations": {LEDGER: PER_POD}},
+            "spec": {"hostNetwork": true, "containers": [{"name": "app", "image": "agent:1"}]}
+        }))
+        .expect("pod");
+        let error = inject(&pod, "shop", &settings()).expect_err("hostNetwork");
+        assert_eq!(error, Refusal::HostNetwork);
+        assert!(error.to_string().contains("hostNetwork"), "{error}");
     }
 }

@@ -6,17 +6,15 @@
 //! (a mounted `kubernetes.io/tls` Secret) and read again when they change, so a
 //! rotated certificate is served without a restart.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
+use dropgate_listener::Limits;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
+use http_body_util::{BodyExt, Full};
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
@@ -33,10 +31,23 @@ use super::{Decision, Settings, inject};
 /// The largest AdmissionReview read: a pod is a few KB; the API server's own limit
 /// for a request is 3 MiB.
 const MAX_REVIEW_BYTES: usize = 3 * 1024 * 1024;
-/// Connections served at once: the API server keeps a few; more is an attack.
-const MAX_CONNECTIONS: usize = 256;
-/// Time for a TLS handshake, and then for a request's head.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// What the webhook's clients may hold. Its client is the API server: a few kept-alive
+/// connections per API server replica, one review each at a time. Everything else
+/// that reaches the port (the chart's NetworkPolicy admits only the API server where
+/// the cluster enforces it) is bounded: per address, in time for the handshake, the
+/// head and the body (the API server's own webhook timeout is 10 s by default), and
+/// in the review bytes held at once over all connections.
+const LIMITS: Limits = Limits {
+    max_connections: 1024,
+    max_per_peer: 128,
+    head_timeout: Duration::from_secs(5),
+    body_timeout: Duration::from_secs(5),
+    max_body: MAX_REVIEW_BYTES,
+    body_budget: 64 * 1024 * 1024,
+    max_age: Duration::from_secs(600),
+    evict_idle: false,
+    evict_silent_after: Duration::from_secs(5),
+};
 /// How often the certificate files are read again (two small files).
 const RELOAD_EVERY: Duration = Duration::from_secs(2);
 
@@ -79,8 +90,9 @@ pub fn review(
     answer.into_review()
 }
 
-/// One HTTP request: `POST /mutate` with a JSON AdmissionReview.
-pub async fn handle(request: Request<Incoming>, settings: &Settings) -> Response<Full<Bytes>> {
+/// One HTTP request, its body read by the listener: `POST /mutate` with a JSON
+/// AdmissionReview.
+pub async fn handle(request: Request<Full<Bytes>>, settings: &Settings) -> Response<Full<Bytes>> {
     if request.uri().path() != "/mutate" {
         return text(StatusCode::NOT_FOUND, "only /mutate is served here");
     }
@@ -90,17 +102,9 @@ pub async fn handle(request: Request<Incoming>, settings: &Settings) -> Response
             "POST an AdmissionReview to /mutate",
         );
     }
-    let body = match Limited::new(request.into_body(), MAX_REVIEW_BYTES)
-        .collect()
-        .await
-    {
+    let body = match request.into_body().collect().await {
         Ok(body) => body.to_bytes(),
-        Err(e) => {
-            return text(
-                StatusCode::BAD_REQUEST,
-                &format!("the body could not be read: {e}"),
-            );
-        }
+        Err(never) => match never {},
     };
     answer(&body, settings)
 }
@@ -124,6 +128,10 @@ pub fn answer(body: &[u8], settings: &Settings) -> Response<Full<Bytes>> {
             .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))),
         Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     }
+}
+
+fn text_owned(status: StatusCode, message: String) -> Response<Full<Bytes>> {
+    text(status, &message)
 }
 
 fn text(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
@@ -156,8 +164,7 @@ impl Webhook {
             .with_no_client_auth()
             .with_cert_resolver(certificates.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let listener = TcpListener::bind(addr)
-            .await
+        let listener = dropgate_listener::bind(addr)
             .map_err(|e| format!("cannot listen on {addr} for the webhook: {e}"))?;
         Ok(Self {
             listener,
@@ -173,54 +180,25 @@ impl Webhook {
         if let Ok(addr) = self.listener.local_addr() {
             tracing::info!(listen = %addr, "serving the injection webhook at /mutate");
         }
-        // Whoever reaches the port cannot hold the webhook: connections are capped,
-        // and each has bounded time for its handshake and its request head.
-        let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        loop {
-            let Ok(slot) = connections.clone().acquire_owned().await else {
-                return;
-            };
-            let (stream, peer) = tokio::select! {
-                accepted = self.listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        // Out of file descriptors, say: wait instead of spinning.
-                        tracing::warn!(%error, "webhook accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-                () = shutdown.cancelled() => return,
-            };
-            let (acceptor, settings) = (self.acceptor.clone(), self.settings.clone());
-            tokio::spawn(async move {
-                let _slot = slot;
-                let tls =
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => tls,
-                        Ok(Err(error)) => {
-                            tracing::debug!(%peer, %error, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            tracing::debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    };
-                let service = hyper::service::service_fn(move |request| {
-                    let settings = settings.clone();
-                    async move { Ok::<_, Infallible>(handle(request, &settings).await) }
-                });
-                if let Err(error) = hyper::server::conn::http1::Builder::new()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(HANDSHAKE_TIMEOUT)
-                    .serve_connection(TokioIo::new(tls), service)
-                    .await
-                {
-                    tracing::debug!(%peer, %error, "webhook connection ended");
-                }
-            });
-        }
+        let acceptor = self.acceptor.clone();
+        let handshake = move |stream| {
+            let acceptor = acceptor.clone();
+            async move { acceptor.accept(stream).await }
+        };
+        let settings = self.settings.clone();
+        let handler = move |request: Request<Full<Bytes>>| {
+            let settings = settings.clone();
+            async move { handle(request, &settings).await }
+        };
+        dropgate_listener::serve(
+            self.listener,
+            LIMITS,
+            handshake,
+            handler,
+            text_owned,
+            shutdown.cancelled_owned(),
+        )
+        .await;
     }
 }
 

@@ -1,16 +1,20 @@
 -- Publishes a drop's config and seeds or restocks its stock, in one atomic step.
 --
 -- KEYS[1] config hash, KEYS[2] remaining, KEYS[3..] the drop's other state keys
---   (gate, held, buyers, holds, pending, seq, ledgers)
+--   (gate, held, buyers, holds, pending, seq, ledger, the deletion tombstone,
+--   the variants' stock)
 -- ARGV[1] the new limit
 -- ARGV[2] when the keys expire (ms since the epoch), or '' to keep them
 -- ARGV[3] the sale's identity (the object's uid, or a fixed word outside Kubernetes)
 -- ARGV[4] when the object was created (ms since the epoch), or '' outside Kubernetes
--- ARGV[5..] the config hash's field/value pairs (limit and sale among them)
+-- ARGV[5] the sale's ledger as the drop's status keeps it, or '' when none yet
+-- ARGV[6..] the config hash's field/value pairs (limit and sale among them)
 --
 -- Fresh stock is SET NX, so stock in use is never overwritten. When the config hash
 -- already holds a limit, remaining moves by the difference to the new one: a repeat
--- of the same limit moves nothing. A cut below what is held makes remaining
+-- of the same limit moves nothing. Each variant's stock (KEYS[11], `r:<name>`)
+-- moves the same way by the difference of its quantity (a variant not in the
+-- config counts as quantity 0: one removed keeps its holds and sells nothing more). A cut below what is held makes remaining
 -- negative on purpose: the gate then admits nothing, and returned units pay the
 -- deficit back before anything is sold again.
 --
@@ -33,11 +37,23 @@ local sale = ARGV[3]
 local old_limit = redis.call('HGET', KEYS[1], 'limit')
 local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
 local old_generation = redis.call('HGET', KEYS[1], 'generation')
+local old_variants = redis.call('HGET', KEYS[1], 'variants') or ''
 local generation_in = 0
-for i = 5, #ARGV - 1, 2 do
+local new_variants = ''
+for i = 6, #ARGV - 1, 2 do
   if ARGV[i] == 'generation' then
     generation_in = tonumber(ARGV[i + 1]) or 0
+  elseif ARGV[i] == 'variants' then
+    new_variants = ARGV[i + 1]
   end
+end
+-- `name=quantity,...` as a table.
+local function quantities(field)
+  local out = {}
+  for name, quantity in string.gmatch(field, '([^,=]+)=(%d+)') do
+    out[name] = tonumber(quantity)
+  end
+  return out
 end
 local created_in = tonumber(ARGV[4]) or 0
 local old_created = tonumber(redis.call('HGET', KEYS[1], 'saleCreatedAt') or '0') or 0
@@ -73,15 +89,39 @@ if old_sale and old_sale ~= sale then
 end
 local created = 0
 local moved = 0
+local new_q, old_q = quantities(new_variants), quantities(old_variants)
 if redis.call('SET', KEYS[2], new_limit, 'NX') then
   created = 1
+  redis.call('DEL', KEYS[11])
+  for name, quantity in pairs(new_q) do
+    redis.call('HSET', KEYS[11], 'r:' .. name, quantity, 'h:' .. name, 0)
+  end
 elseif old_limit then
   moved = new_limit - tonumber(old_limit)
   if moved ~= 0 then
     redis.call('INCRBY', KEYS[2], moved)
   end
+  for name, quantity in pairs(new_q) do
+    local by = quantity - (old_q[name] or 0)
+    if by ~= 0 then
+      redis.call('HINCRBY', KEYS[11], 'r:' .. name, by)
+    end
+  end
+  for name, quantity in pairs(old_q) do
+    if not new_q[name] and quantity ~= 0 then
+      redis.call('HINCRBY', KEYS[11], 'r:' .. name, -quantity)
+    end
+  end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+-- Published (again): not a deleted drop any more.
+redis.call('DEL', KEYS[10])
+-- The sale's ledger, as the status keeps it (Kubernetes is durable, Redis may not
+-- be): a Redis that lost its data gets it back, so that no other ledger can claim a
+-- sale whose record is elsewhere; the status is the truth where the two differ.
+if ARGV[5] ~= '' then
+  redis.call('SET', KEYS[9], ARGV[5])
+end
 if created_in > 0 then
   redis.call('HSET', KEYS[1], 'saleCreatedAt', created_in)
 else
@@ -93,7 +133,9 @@ end
 if redis.call('HGET', KEYS[1], 'generation') == '0' then
   local t = redis.call('TIME')
   local generation = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if created == 0 and moved == 0 and old_generation then
+  -- A restock of one variant against a cut of another moves no total, yet the
+  -- ledgers must see the variants' new quantities: a new generation too.
+  if created == 0 and moved == 0 and old_variants == new_variants and old_generation then
     generation = old_generation
   end
   redis.call('HSET', KEYS[1], 'generation', generation)

@@ -1,4 +1,4 @@
--- activate: the admission ARGV[2] got its throttle permit and is durable in the
+-- activate: the admission ARGV[3] got its throttle permit and is durable in the
 -- ledger; its pending marker becomes an active reservation. Anything else is
 -- reported as it is: `gone` with the marker as it stands (expired meanwhile, taken
 -- over by a retry, activated by a replay from the ledger, or no marker at all).
@@ -6,9 +6,9 @@ local m = redis.call('HMGET', K.marker, 'attempt', 'state')
 if not ours() then
   return answer('gone')
 end
-if m[2] == 'pending' and m[1] == ARGV[2] then
+if m[2] == 'pending' and m[1] == ARGV[3] then
   redis.call('HSET', K.marker, 'state', 'active')
-  redis.call('ZREM', K.pending, KEY)
+  redis.call('ZREM', K.unresolved, KEY)
   return answer('admitted')
 end
 return answer('gone')

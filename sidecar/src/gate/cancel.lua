@@ -1,22 +1,36 @@
--- cancel: an active or confirmed reservation (a refund) returns its units, once:
--- the state flips to cancelled in the same step, so a duplicate restores nothing.
+-- cancel: ARGV[3] attempt id, ARGV[4] the settle bound (ms): the ledger's commit
+-- deadline.
+--
+-- Prepares the cancel of an active or confirmed reservation (a refund)
+-- ('cancelling'): its units go back only once the ledger recorded the cancel and
+-- finish.lua makes it take effect, so a cancel the ledger could not record changed
+-- nothing (abort.lua). A duplicate cancel restores nothing: it is told 'settling'
+-- while the first is in flight, then 'already_cancelled'.
 if EPOCH == '' then
   return reply('closed')
+end
+if foreign() then
+  return refuse_foreign()
+end
+if ours() and redis.call('HGET', K.marker, 'state') == 'pending' then
+  -- An admission not yet answered: whether it stands is decided within its bound.
+  return answer('pending')
 end
 if not granted() then
   return reply('not_found')
 end
-if expire_if_due(now_ms()) then
+if settling() then
+  return answer('settling')
+end
+local now = now_ms()
+if expire_if_due(now) then
   return answer('expired')
 end
-local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state')
-if m[3] == 'active' or m[3] == 'confirmed' then
-  redis.call('HSET', K.marker, 'state', 'cancelled')
-  redis.call('ZREM', K.holds, KEY)
-  give_back(m[1], tonumber(m[2]))
-  bump()
-  return answer('cancelled')
-elseif m[3] == 'cancelled' then
+local state = redis.call('HGET', K.marker, 'state')
+if state == 'active' or state == 'confirmed' then
+  prepare('cancelled', ARGV[3], now + tonumber(ARGV[4]))
+  return answer('cancelling')
+elseif state == 'cancelled' then
   return answer('already_cancelled')
 end
-return answer(m[3])
+return answer(state)

@@ -1,19 +1,35 @@
--- confirm: an active, unexpired hold becomes confirmed and leaves the expiry queue.
+-- confirm: ARGV[3] attempt id, ARGV[4] the settle bound (ms): the ledger's commit
+-- deadline.
+--
+-- Prepares the confirm of an active, unexpired hold ('confirming'): nothing changes
+-- for the buyer until the ledger recorded it and finish.lua makes it take effect;
+-- if the ledger does not record it, abort.lua undoes the preparation and the
+-- reservation is as it was. A confirm or cancel already in flight for the key is
+-- answered 'settling' (ask again).
 if EPOCH == '' then
   return reply('closed')
+end
+if foreign() then
+  return refuse_foreign()
+end
+if ours() and redis.call('HGET', K.marker, 'state') == 'pending' then
+  -- An admission not yet answered: whether it stands is decided within its bound.
+  return answer('pending')
 end
 if not granted() then
   return reply('not_found')
 end
-if expire_if_due(now_ms()) then
+if settling() then
+  return answer('settling')
+end
+local now = now_ms()
+if expire_if_due(now) then
   return answer('expired')
 end
 local state = redis.call('HGET', K.marker, 'state')
 if state == 'active' then
-  redis.call('HSET', K.marker, 'state', 'confirmed')
-  redis.call('ZREM', K.holds, KEY)
-  bump()
-  return answer('confirmed')
+  prepare('confirmed', ARGV[3], now + tonumber(ARGV[4]))
+  return answer('confirming')
 elseif state == 'confirmed' then
   return answer('already_confirmed')
 end

@@ -3,6 +3,9 @@
 if EPOCH == '' then
   return reply('closed')
 end
+if foreign() then
+  return refuse_foreign()
+end
 if expire_if_due(now_ms()) then
   return answer('expired')
 end
@@ -16,6 +19,10 @@ if redis.call('EXISTS', K.marker) == 0 then
   -- hold's end, which returns its units (replay.lua) and removes the entry.
   redis.call('ZADD', K.holds, now_ms() + 60000, KEY)
   return answer('marker_missing')
+end
+if settling() then
+  -- Its confirm or cancel decides; the resolver finishes or aborts it.
+  return answer('not_due')
 end
 local state = ours() and redis.call('HGET', K.marker, 'state')
 if state ~= 'active' and state ~= 'pending' then

@@ -5,7 +5,8 @@
 //! survive a Redis restart without a sidecar restart.
 //!
 //! `prelude.lua` holds what several scripts share (the key layout, Redis's clock,
-//! returning units, expiring a due hold); it is concatenated in front of each script
+//! returning units, expiring a due hold, refusing a caller whose ledger is not the
+//! sale's, preparing a confirm or cancel); it is concatenated in front of each script
 //! at compile time, so each script stays one atomic EVALSHA.
 
 use std::sync::LazyLock;
@@ -16,6 +17,7 @@ use redis::{RedisResult, Script};
 use tracing::Instrument;
 
 use crate::ledger::Recorded;
+use crate::reservation::State;
 
 /// A gate script and the name its client span has.
 struct GateScript {
@@ -47,18 +49,24 @@ static REPLAY: LazyLock<GateScript> = gate_script!("replay");
 static OPEN: LazyLock<GateScript> = gate_script!("open");
 static ABANDON: LazyLock<GateScript> = gate_script!("abandon");
 static CLOSE: LazyLock<GateScript> = gate_script!("close");
+static CLAIM: LazyLock<GateScript> = gate_script!("claim");
+static FINISH: LazyLock<GateScript> = gate_script!("finish");
+static ABORT: LazyLock<GateScript> = gate_script!("abort");
 
 mod reply;
 
-pub use reply::{Activation, Closing, Expiry, Opened, Replay, Reply, Step};
+pub use reply::{
+    Activation, Claim, Closing, Expiry, Finished, Opened, Prepare, Replay, Reply, Step,
+};
 use reply::{Call, Wire};
 
-/// Runs `script` on the drop's keys (every script gets the same ten, so each call
-/// stays in the drop's hash slot), as one client span.
+/// Runs `script` on the drop's keys (every script gets the same eleven, so each call
+/// stays in the drop's hash slot) for a sidecar of `ledger`, as one client span.
 async fn run(
     script: &GateScript,
     conn: &mut Connection,
     keys: &DropKeys,
+    ledger: &str,
     key: &str,
     args: &[&str],
 ) -> RedisResult<Wire> {
@@ -71,9 +79,11 @@ async fn run(
         .key(keys.reservation(key))
         .key(keys.gate())
         .key(keys.seq())
-        .key(keys.ledgers())
+        .key(keys.ledger())
         .key(keys.pending())
-        .arg(key);
+        .key(keys.variants())
+        .arg(key)
+        .arg(ledger);
     for arg in args {
         invocation.arg(*arg);
     }
@@ -104,9 +114,10 @@ pub fn reserve_sha() -> &'static str {
 
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending
 /// reservation, or says why not. `attempt` identifies this admission for
-/// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it;
-/// an admission still pending `pending_bound_ms` later is overdue (its sidecar
-/// died), and a retry of the same key by the same buyer takes it over.
+/// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it
+/// (the gate refuses one that is not the sale's); an admission still pending
+/// `pending_bound_ms` later is overdue (its sidecar died), and a retry of the same
+/// key by the same buyer takes it over.
 /// [`Outcome::Pending`](crate::reservation::Outcome::Pending): a concurrent attempt
 /// with the same key is still within its bound, ask again shortly;
 /// [`Outcome::Closed`](crate::reservation::Outcome::Closed): the gate is not open
@@ -115,11 +126,12 @@ pub fn reserve_sha() -> &'static str {
 pub async fn reserve(
     conn: &mut Connection,
     keys: &DropKeys,
+    ledger: &str,
     key: &str,
     user: &str,
     quantity: i64,
+    variant: Option<&str>,
     attempt: &str,
-    ledger: &str,
     pending_bound_ms: u64,
 ) -> RedisResult<Reply> {
     let (quantity, bound) = (quantity.to_string(), pending_bound_ms.to_string());
@@ -127,65 +139,107 @@ pub async fn reserve(
         &RESERVE,
         conn,
         keys,
+        ledger,
         key,
-        &[user, &quantity, attempt, ledger, &bound],
+        &[user, &quantity, attempt, &bound, variant.unwrap_or("")],
     )
     .await?
     .reply(Call::Reserve)
 }
 
-/// Takes back an overdue pending admission that `ledger` (the caller's) was to
-/// record and has claimed as never recorded. One a retry took over, one that moved
-/// on, and one another ledger was to record are left alone (and leave the pending
-/// set).
+/// Takes back an overdue pending admission that the caller's ledger (the sale's) has
+/// claimed as never recorded. One a retry took over and one that moved on are left
+/// alone.
 pub async fn abandon(
     conn: &mut Connection,
     keys: &DropKeys,
-    key: &str,
     ledger: &str,
+    key: &str,
+    attempt: &str,
 ) -> RedisResult<()> {
-    run(&ABANDON, conn, keys, key, &[ledger]).await.map(|_| ())
+    run(&ABANDON, conn, keys, ledger, key, &[attempt])
+        .await
+        .map(|_| ())
 }
 
-/// A pending admission's marker: who, how many, and the ledger that was to record
-/// it.
+/// A change of one key that is not resolved yet, as its marker shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PendingMarker {
-    pub user: String,
-    pub quantity: i64,
-    pub ledger: String,
+pub enum Unresolved {
+    /// An admission still pending: who, how many, and the attempt that admitted it
+    /// (or took it over).
+    Admission {
+        user: String,
+        quantity: i64,
+        attempt: String,
+        /// When it is overdue (its `overdueAt`), in Redis's ms.
+        due_ms: i64,
+    },
+    /// A confirm or cancel prepared by `attempt`, moving the reservation to `to`.
+    Settle {
+        attempt: String,
+        to: State,
+        /// When it is overdue (its `settleBy`).
+        due_ms: i64,
+    },
 }
 
-/// The pending admission of `key` as it stands, if the key holds one.
-pub async fn pending_marker(
+/// The unresolved change of `key` as it stands, if the key holds one.
+pub async fn unresolved(
     conn: &mut Connection,
     keys: &DropKeys,
     key: &str,
-) -> RedisResult<Option<PendingMarker>> {
-    let (state, user, quantity, ledger): (
+) -> RedisResult<Option<Unresolved>> {
+    // state, user, quantity, attempt, overdueAt; settling, settleAttempt, settleBy
+    type Fields = (
         Option<String>,
         Option<String>,
         Option<i64>,
         Option<String>,
-    ) = redis::cmd("HMGET")
-        .arg(keys.reservation(key))
-        .arg("state")
-        .arg("user")
-        .arg("quantity")
-        .arg("ledger")
-        .query_async(conn)
-        .await?;
-    Ok(match (state.as_deref(), user, quantity) {
-        (Some("pending"), Some(user), Some(quantity)) => Some(PendingMarker {
+        Option<i64>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let (state, user, quantity, attempt, overdue_at, settling, settle_attempt, settle_by): Fields =
+        redis::cmd("HMGET")
+            .arg(keys.reservation(key))
+            .arg("state")
+            .arg("user")
+            .arg("quantity")
+            .arg("attempt")
+            .arg("overdueAt")
+            .arg("settling")
+            .arg("settleAttempt")
+            .arg("settleBy")
+            .query_async(conn)
+            .await?;
+    Ok(
+        match (
+            state.as_deref(),
             user,
             quantity,
-            ledger: ledger.unwrap_or_default(),
-        }),
-        _ => None,
-    })
+            settling.as_deref(),
+            settle_attempt,
+        ) {
+            (Some("pending"), Some(user), Some(quantity), _, _) => Some(Unresolved::Admission {
+                user,
+                quantity,
+                attempt: attempt.unwrap_or_default(),
+                due_ms: overdue_at.unwrap_or(0),
+            }),
+            (_, _, _, Some(to), Some(attempt)) => State::parse(to)
+                .filter(|to| matches!(to, State::Confirmed | State::Cancelled))
+                .map(|to| Unresolved::Settle {
+                    attempt,
+                    to,
+                    due_ms: settle_by.unwrap_or(0),
+                }),
+            _ => None,
+        },
+    )
 }
 
-/// Keys of pending admissions overdue at `now_ms`, at most `limit`.
+/// Keys whose admission or settle is overdue at `now_ms`, at most `limit`.
 pub async fn overdue(
     conn: &mut Connection,
     keys: &DropKeys,
@@ -213,27 +267,82 @@ async fn scored_until(
         .await
 }
 
-pub async fn confirm(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Reply> {
-    run(&CONFIRM, conn, keys, key, &[])
-        .await?
-        .reply(Call::Confirm)
+/// Prepares a confirm (`to` Confirmed) or a cancel (`to` Cancelled) of `key` by
+/// `attempt`: nothing changes for the buyer until [`finish`] (once the ledger
+/// recorded it) or [`abort`]; one not finished `bound_ms` later is overdue and
+/// resolved by a sweeper from the ledger's record.
+pub async fn prepare(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+    to: State,
+    attempt: &str,
+    bound_ms: u64,
+) -> RedisResult<Prepare> {
+    let (script, call) = match to {
+        State::Cancelled => (&CANCEL, Call::Cancel),
+        _ => (&CONFIRM, Call::Confirm),
+    };
+    run(
+        script,
+        conn,
+        keys,
+        ledger,
+        key,
+        &[attempt, &bound_ms.to_string()],
+    )
+    .await?
+    .prepared(call)
 }
 
-pub async fn cancel(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Reply> {
-    run(&CANCEL, conn, keys, key, &[])
+/// Makes the confirm or cancel `attempt` prepared take effect (the ledger recorded
+/// it): a cancel returns its units.
+pub async fn finish(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+    attempt: &str,
+) -> RedisResult<Finished> {
+    run(&FINISH, conn, keys, ledger, key, &[attempt])
         .await?
-        .reply(Call::Cancel)
+        .finished()
 }
 
-pub async fn lookup(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Reply> {
-    run(&LOOKUP, conn, keys, key, &[])
+/// Undoes the preparation of the confirm or cancel `attempt` (the ledger did not
+/// record it): the reservation is as it was.
+pub async fn abort(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+    attempt: &str,
+) -> RedisResult<()> {
+    run(&ABORT, conn, keys, ledger, key, &[attempt])
+        .await
+        .map(|_| ())
+}
+
+pub async fn lookup(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+) -> RedisResult<Reply> {
+    run(&LOOKUP, conn, keys, ledger, key, &[])
         .await?
         .reply(Call::Lookup)
 }
 
 /// Expires the hold of `key` if its deadline has passed (the sweeper's step).
-pub async fn expire(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisResult<Step> {
-    run(&EXPIRE, conn, keys, key, &[]).await?.step()
+pub async fn expire(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+) -> RedisResult<Step> {
+    run(&EXPIRE, conn, keys, ledger, key, &[]).await?.step()
 }
 
 /// Turns the pending admission `attempt` of `key` into an active reservation, or
@@ -241,10 +350,11 @@ pub async fn expire(conn: &mut Connection, keys: &DropKeys, key: &str) -> RedisR
 pub async fn activate(
     conn: &mut Connection,
     keys: &DropKeys,
+    ledger: &str,
     key: &str,
     attempt: &str,
 ) -> RedisResult<(Activation, Step)> {
-    run(&ACTIVATE, conn, keys, key, &[attempt])
+    run(&ACTIVATE, conn, keys, ledger, key, &[attempt])
         .await?
         .activation()
 }
@@ -254,10 +364,35 @@ pub async fn activate(
 pub async fn undo(
     conn: &mut Connection,
     keys: &DropKeys,
+    ledger: &str,
     key: &str,
     attempt: &str,
 ) -> RedisResult<()> {
-    run(&UNDO, conn, keys, key, &[attempt]).await.map(|_| ())
+    run(&UNDO, conn, keys, ledger, key, &[attempt, ""])
+        .await
+        .map(|_| ())
+}
+
+/// [`undo`] by the rebuild at `epoch` (an admission the ledger never recorded, of
+/// an epoch that is over): only while that rebuild still holds the gate closed.
+pub async fn undo_for_rebuild(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+    attempt: &str,
+    epoch: i64,
+) -> RedisResult<()> {
+    run(
+        &UNDO,
+        conn,
+        keys,
+        ledger,
+        key,
+        &[attempt, &epoch.to_string()],
+    )
+    .await
+    .map(|_| ())
 }
 
 /// Brings the reservation `key` in Redis forward to the ledger's record of it.
@@ -266,6 +401,7 @@ pub async fn undo(
 pub async fn replay(
     conn: &mut Connection,
     keys: &DropKeys,
+    ledger: &str,
     row: &Recorded,
     ledger_key: &str,
 ) -> RedisResult<Replay> {
@@ -278,6 +414,7 @@ pub async fn replay(
         &REPLAY,
         conn,
         keys,
+        ledger,
         &row.key,
         &[
             &row.user,
@@ -286,6 +423,7 @@ pub async fn replay(
             &expires,
             &seq,
             dropgate_api::keys::ledger_sale(ledger_key),
+            row.variant.as_deref().unwrap_or(""),
         ],
     )
     .await?
@@ -296,28 +434,81 @@ pub async fn replay(
 pub async fn open(
     conn: &mut Connection,
     keys: &DropKeys,
+    ledger: &str,
     epoch: i64,
     seq_floor: i64,
 ) -> RedisResult<Opened> {
     let (epoch, floor) = (epoch.to_string(), seq_floor.to_string());
-    run(&OPEN, conn, keys, "", &[&epoch, &floor])
+    run(&OPEN, conn, keys, ledger, "", &[&epoch, &floor])
         .await?
         .opened()
 }
 
-/// Closes the gate unless it was reopened after `epoch`.
-pub async fn close(conn: &mut Connection, keys: &DropKeys, epoch: i64) -> RedisResult<Closing> {
-    run(&CLOSE, conn, keys, "", &[&epoch.to_string(), ""])
+/// Closes the gate for a move of the authority to `epoch`, unless it was reopened
+/// at a later one; an opening at an older epoch is refused from now on.
+pub async fn close(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    epoch: i64,
+) -> RedisResult<Closing> {
+    run(&CLOSE, conn, keys, ledger, "", &[&epoch.to_string()])
         .await?
         .closing()
 }
 
-/// Closes the gate for good: Redis lost a sale whose record is spread over per-pod
-/// ledgers, none of which can rebuild it.
-pub async fn condemn(conn: &mut Connection, keys: &DropKeys) -> RedisResult<()> {
-    run(&CLOSE, conn, keys, "", &["0", "lost"])
-        .await
-        .map(|_| ())
+/// Makes `candidate` the sale's ledger if the sale has none yet (the caller's own
+/// `ledger`, or the one its ledger remembers Redis naming), and says whose the sale
+/// is, as seen by a sidecar of `ledger` (see [`DropKeys::ledger`]).
+pub async fn claim(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    candidate: &str,
+) -> RedisResult<Claim> {
+    run(&CLAIM, conn, keys, ledger, "", &[candidate])
+        .await?
+        .claim()
+}
+
+/// What a drop has left, as one of its gates counts it (unclamped).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Left {
+    pub drop: i64,
+    /// Per variant (by name), for a drop with variants.
+    pub variants: std::collections::HashMap<String, i64>,
+}
+
+/// Whether the gate is open, and what the drop (and each variant) has left in
+/// Redis (0 before it was seeded), read together.
+pub async fn open_count(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(bool, Left)> {
+    type Counts = (
+        Option<String>,
+        Option<i64>,
+        std::collections::HashMap<String, i64>,
+    );
+    let (gate, remaining, fields): Counts = redis::pipe()
+        .atomic()
+        .get(keys.gate())
+        .get(keys.remaining())
+        .hgetall(keys.variants())
+        .query_async(conn)
+        .await?;
+    let variants = fields
+        .into_iter()
+        .filter_map(|(field, left)| {
+            field
+                .strip_prefix("r:")
+                .map(|name| (name.to_string(), left))
+        })
+        .collect();
+    Ok((
+        GateKey::parse(gate)?.open_at.is_some(),
+        Left {
+            drop: remaining.unwrap_or(0),
+            variants,
+        },
+    ))
 }
 
 /// What the drop has left in Redis; `None` before it was seeded.
@@ -328,61 +519,55 @@ pub async fn remaining(conn: &mut Connection, keys: &DropKeys) -> RedisResult<Op
         .await
 }
 
-/// Where Redis's gate stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gate {
-    Closed,
-    Open(i64),
-    /// The tombstone (see [`condemn`]).
-    Lost,
+/// The gate key as Redis holds it (see prelude.lua).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GateKey {
+    /// The epoch the gate is open at; `None` while it is closed.
+    pub open_at: Option<i64>,
+    /// The epoch the last close was for (0 when none is known): an opening at an
+    /// older epoch is refused.
+    pub closed_for: i64,
 }
 
-impl Gate {
-    pub fn epoch(self) -> Option<i64> {
-        match self {
-            Gate::Open(epoch) => Some(epoch),
-            _ => None,
+impl GateKey {
+    fn parse(value: Option<String>) -> RedisResult<Self> {
+        let Some(value) = value else {
+            return Ok(Self::default());
+        };
+        let not_an_epoch = |value: &str| {
+            redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "the gate key holds no epoch",
+                value.to_string(),
+            ))
+        };
+        match value.strip_prefix("closed:") {
+            Some(epoch) => Ok(Self {
+                open_at: None,
+                closed_for: epoch.parse().map_err(|_| not_an_epoch(&value))?,
+            }),
+            None => Ok(Self {
+                open_at: Some(value.parse().map_err(|_| not_an_epoch(&value))?),
+                closed_for: 0,
+            }),
         }
+    }
+
+    /// The lowest epoch the gate may next open at, less one: a new epoch must be
+    /// above every epoch Redis has seen, open or closed.
+    pub fn floor(&self) -> i64 {
+        self.open_at.unwrap_or(0).max(self.closed_for)
     }
 }
 
-/// The gate and the change counter, as Redis holds them now.
-pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(Gate, i64)> {
+/// The gate key and the change counter, as Redis holds them now.
+pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(GateKey, i64)> {
     let (gate, seq): (Option<String>, Option<i64>) = redis::pipe()
         .get(keys.gate())
         .get(keys.seq())
         .query_async(conn)
         .await?;
-    let gate = match gate.as_deref() {
-        None => Gate::Closed,
-        Some("lost") => Gate::Lost,
-        Some(epoch) => epoch.parse().map(Gate::Open).map_err(|_| {
-            redis::RedisError::from((
-                redis::ErrorKind::Parse,
-                "the gate key holds neither an epoch nor the tombstone",
-                epoch.to_string(),
-            ))
-        })?,
-    };
-    Ok((gate, seq.unwrap_or(0)))
-}
-
-/// Registers `ledger` among the ledgers of sidecars that serve the drop (see
-/// [`DropKeys::ledgers`]) and returns them all, in one atomic step: of two
-/// sidecars registering, the later one sees the earlier.
-pub async fn register(
-    conn: &mut Connection,
-    keys: &DropKeys,
-    ledger: &str,
-) -> RedisResult<Vec<String>> {
-    let (ledgers,): (Vec<String>,) = redis::pipe()
-        .atomic()
-        .sadd(keys.ledgers(), ledger)
-        .ignore()
-        .smembers(keys.ledgers())
-        .query_async(conn)
-        .await?;
-    Ok(ledgers)
+    Ok((GateKey::parse(gate)?, seq.unwrap_or(0)))
 }
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.

@@ -1,22 +1,31 @@
 -- replay: brings one reservation in Redis forward to the ledger's record of it
 -- (after the fallback path changed it, or to rebuild a Redis that lost writes).
--- ARGV[2] user, ARGV[3] quantity, ARGV[4] the ledger's state, ARGV[5] its deadline
--- (ms), ARGV[6] the ledger's change number for it, ARGV[7] its sale.
+-- ARGV[3] user, ARGV[4] quantity, ARGV[5] the ledger's state, ARGV[6] its deadline
+-- (ms), ARGV[7] the ledger's change number for it, ARGV[8] its sale, ARGV[9] its
+-- variant ('' for none).
 --
--- Only forward: pending < active < confirmed < cancelled / expired. A marker that is
--- as far as the ledger or further is left alone (`in_line`), so an older ledger
+-- Only forward: pending < active < expired < confirmed < cancelled. A marker that
+-- is as far as the ledger or further is left alone (`in_line`), so an older ledger
 -- never turns a confirmed reservation back to active, and replaying twice changes
--- nothing. Units move only when "holds units" changes.
--- ARGV[7] the sale the row belongs to: a row of another sale (the drop was
--- re-created since it was read) is not this sale's business.
-if ARGV[7] ~= SALE then
+-- nothing. A hold expires only while active, so a ledger that has it confirmed or
+-- cancelled is further than a marker that expired it (an expiry Redis made that
+-- the ledger refused: Redis missed the confirm, a failover or a cut). Units move only when "holds units" changes. A confirm or cancel prepared
+-- on the marker is over once the ledger's record is further: the record says how it
+-- ended.
+-- A sidecar whose ledger is not the sale's changes nothing of it.
+if foreign() then
+  return refuse_foreign()
+end
+-- A row of another sale (the drop was re-created since it was read) is not this
+-- sale's business.
+if ARGV[8] ~= SALE then
   return reply('other_sale')
 end
-local rank = {pending = 0, active = 1, confirmed = 2, cancelled = 3, expired = 3}
-local target = ARGV[4]
-local m = {false, false, false}
+local rank = {pending = 0, active = 1, expired = 2, confirmed = 3, cancelled = 4}
+local target = ARGV[5]
+local m = {false, false, false, false}
 if ours() then
-  m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state')
+  m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'variant')
 end
 if m[3] and (rank[m[3]] or 0) >= rank[target] then
   return answer('in_line')
@@ -24,36 +33,41 @@ end
 local function holds(state)
   return state == 'active' or state == 'confirmed' or state == 'pending'
 end
-local user = m[1] or ARGV[2]
-local quantity = tonumber(m[2] or ARGV[3])
--- A marker that is gone while its key is still in the due or pending set (an
+local user = m[1] or ARGV[3]
+local quantity = tonumber(m[2] or ARGV[4])
+local variant = m[4] or ARGV[9]
+-- A marker that is gone while its key is still in the due or unresolved set (an
 -- evicted marker): Redis still counts its units, as for an active hold.
 local before = m[3]
-if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.pending, KEY)) then
+if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.unresolved, KEY)) then
   before = 'active'
 end
 if holds(before) and not holds(target) then
-  give_back(user, quantity)
+  give_back(user, quantity, variant)
 elseif not holds(before) and holds(target) then
-  redis.call('DECRBY', K.remaining, quantity)
-  redis.call('INCRBY', K.held, quantity)
-  redis.call('HINCRBY', K.buyers, user, quantity)
+  take(user, quantity, variant)
 end
 if not m[3] then
   redis.call('DEL', K.marker)
 end
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', target,
-  'expiresAt', ARGV[5], 'sale', SALE, 'seq', ARGV[6])
+  'expiresAt', ARGV[6], 'sale', SALE, 'seq', ARGV[7])
+if variant ~= '' then
+  redis.call('HSET', K.marker, 'variant', variant)
+end
+clear_settling()
 if target == 'active' then
-  redis.call('ZADD', K.holds, ARGV[5], KEY)
+  redis.call('ZADD', K.holds, ARGV[6], KEY)
 else
   redis.call('ZREM', K.holds, KEY)
 end
-redis.call('ZREM', K.pending, KEY)
 local expire_at = redis.call('HGET', K.config, 'expireAt')
 if expire_at and expire_at ~= '' then
-  redis.call('PEXPIREAT', K.marker, expire_at)
+  -- A sale whose end was moved into the past keeps its markers as the seed keeps
+  -- its keys (an hour past now at least): a PEXPIREAT in the past would delete the
+  -- marker it just wrote, and the next replay would count its units again.
+  redis.call('PEXPIREAT', K.marker, math.max(tonumber(expire_at), now_ms() + 3600 * 1000))
 else
-  redis.call('PEXPIREAT', K.marker, tonumber(ARGV[5]) + 7 * 86400 * 1000)
+  redis.call('PEXPIREAT', K.marker, tonumber(ARGV[6]) + 7 * 86400 * 1000)
 end
 return answer('replayed')

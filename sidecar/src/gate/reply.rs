@@ -2,8 +2,9 @@
 //! that knows the scripts' words.
 //!
 //! Every script answers `{outcome, user, quantity, state, expiresAt, remaining, seq,
-//! epoch, expiredSeq, expiredFrom, sale}` as strings, `''` where there is nothing to
-//! say (see `prelude.lua`). Refusals reuse slots: `per_user_limit_exceeded` carries
+//! epoch, expiredSeq, expiredFrom, sale, limit, generation, variant, variants}` as strings, `''` where
+//! there is nothing to say (see `prelude.lua`). `foreign` (the caller's ledger is not
+//! the sale's) names the sale's ledger in `state`. Refusals reuse slots: `per_user_limit_exceeded` carries
 //! the buyer's held units in `quantity` and the limit in `expiresAt`, `not_open` /
 //! `ended` the window's edge in `expiresAt`, `mode` the drop's mode in `state`;
 //! confirm and cancel answer a state they cannot change with the state itself
@@ -14,7 +15,7 @@
 use dropgate_api::Mode;
 use redis::{ErrorKind, RedisError, RedisResult};
 
-use crate::reservation::{Outcome, Reservation, State, View};
+use crate::reservation::{Outcome, Reservation, State, VariantRefusal, View};
 
 /// What a call on the gate did besides its outcome.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -30,6 +31,14 @@ pub struct Step {
     /// The sale the drop's config names in Redis as the script ran: the one its
     /// change belongs to, whatever the caller's cached config says.
     pub sale: Option<String>,
+    /// The limit and generation the config held as the script ran (reserve reads
+    /// them): the stock the ledger checks an admission against, however stale the
+    /// caller's own copy of the config is.
+    pub limit: Option<i64>,
+    pub generation: Option<i64>,
+    /// The config's variants as the script read them (reserve reads them); `None`
+    /// when the script did not read them.
+    pub variants: Option<Vec<dropgate_api::Variant>>,
 }
 
 /// A hold a script expired on the way.
@@ -64,35 +73,74 @@ pub enum Activation {
 }
 
 /// How a replay of one ledger row ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Replay {
     Replayed,
     /// Redis was already as far or further.
     InLine,
     /// The row belongs to another sale than the one Redis holds now.
     OtherSale,
+    /// The caller's ledger is not the sale's (named).
+    Foreign(String),
 }
 
 /// How opening the gate ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Opened {
     Opened,
     /// It already was open at that epoch or a later one.
     AlreadyOpen,
     /// The drop's config is not in Redis.
     Unpublished,
-    /// The tombstone is there.
-    Lost,
+    /// The caller's ledger is not the sale's (named).
+    Foreign(String),
+    /// The gate was closed for a move of the authority to a later epoch than the
+    /// caller's: the caller's opening is stale.
+    Fenced,
 }
 
 /// How closing the gate ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Closing {
     Closed,
     /// It was reopened after the epoch the caller closes.
     Reopened,
-    /// The tombstone is there.
-    Lost,
+    /// The caller's ledger is not the sale's (named).
+    Foreign(String),
+}
+
+/// Whose the sale is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller's ledger is the sale's (now, or since earlier).
+    Mine,
+    /// Another ledger's (named; '' while another's claim is not recorded yet).
+    Foreign(String),
+    /// The caller's ledger claimed it, and the operator has not recorded the claim
+    /// yet: nothing of the sale may change until it has.
+    Awaiting,
+    /// The drop's config is not in Redis.
+    Unpublished,
+}
+
+/// How preparing a confirm or cancel ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prepare {
+    /// Prepared: the reservation as it stands before the change, and the change's
+    /// number. The ledger records it next, then [`super::finish`] or [`super::abort`].
+    Prepared { view: View, step: Step },
+    /// Nothing to prepare: the answer as it is (already confirmed, expired, another
+    /// change in flight, ...).
+    Answered(Reply),
+}
+
+/// How finishing a prepared confirm or cancel ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// It took effect: the reservation as it now stands.
+    Done(View),
+    /// The preparation is no longer there (a rebuild replayed the ledger's record).
+    Gone,
 }
 
 /// Which script answered: the same word means different things in different
@@ -118,6 +166,10 @@ pub(super) struct Wire {
     expired: String,
     expired_from: String,
     sale: String,
+    limit: String,
+    generation: String,
+    variant: String,
+    variants: String,
 }
 
 fn unexpected(what: &'static str, got: impl std::fmt::Debug) -> RedisError {
@@ -145,7 +197,11 @@ impl Wire {
             expired,
             expired_from,
             sale,
-        ]: [String; 11] = parts
+            limit,
+            generation,
+            variant,
+            variants,
+        ]: [String; 15] = parts
             .try_into()
             .map_err(|got| unexpected("gate script answered with the wrong arity", got))?;
         Ok(Self {
@@ -160,6 +216,10 @@ impl Wire {
             expired,
             expired_from,
             sale,
+            limit,
+            generation,
+            variant,
+            variants,
         })
     }
 
@@ -179,6 +239,7 @@ impl Wire {
             quantity: int(&self.quantity).unwrap_or(0),
             state,
             expires_at_ms: int(&self.when).unwrap_or(0),
+            variant: (!self.variant.is_empty()).then(|| self.variant.clone()),
         }))
     }
 
@@ -220,12 +281,19 @@ impl Wire {
             epoch: int(&self.epoch),
             expired,
             sale: (!self.sale.is_empty()).then(|| self.sale.clone()),
+            limit: int(&self.limit),
+            generation: int(&self.generation),
+            variants: int(&self.generation)
+                .map(|_| dropgate_api::config::parse_variants(&self.variants).unwrap_or_default()),
         })
     }
 
     pub(super) fn reply(self, call: Call) -> RedisResult<Reply> {
         let outcome = match (call, self.outcome.as_str()) {
             (_, "closed") => Outcome::Closed,
+            (_, "foreign") => Outcome::ForeignLedger {
+                ledger: self.state.clone(),
+            },
             (Call::Reserve, "not_found") => Outcome::UnknownDrop,
             (_, "not_found") => Outcome::NotFound,
             (Call::Reserve, "admitted") => Outcome::Admitted(self.view()?),
@@ -239,6 +307,13 @@ impl Wire {
                 limit: int(&self.when).unwrap_or(0),
             },
             (Call::Reserve, "idempotency_key_reused") => Outcome::KeyReused,
+            (Call::Reserve, "variant_missing") => Outcome::VariantRefused(VariantRefusal::Missing),
+            (Call::Reserve, "variant_unexpected") => {
+                Outcome::VariantRefused(VariantRefusal::Unexpected(self.variant.clone()))
+            }
+            (Call::Reserve, "unknown_variant") => {
+                Outcome::VariantRefused(VariantRefusal::Unknown(self.variant.clone()))
+            }
             (Call::Reserve, "not_open") => Outcome::NotOpen {
                 starts_at_ms: int(&self.when),
             },
@@ -250,11 +325,11 @@ impl Wire {
                 Outcome::OffGate(Mode::parse(&self.state).unwrap_or(Mode::Closed))
             }
             (Call::Lookup, "found") => Outcome::Found(self.view()?),
+            (Call::Lookup | Call::Reserve, "settling") => Outcome::Unsettled(self.view()?),
+            (Call::Confirm | Call::Cancel, "settling") | (_, "pending") => Outcome::Pending,
             (Call::Confirm | Call::Cancel, "expired") => Outcome::Expired(self.view()?),
-            (Call::Confirm, "confirmed") => Outcome::Confirmed(self.view()?),
             (Call::Confirm, "already_confirmed") => Outcome::AlreadyConfirmed(self.view()?),
             (Call::Confirm, "cancelled") => Outcome::WasCancelled(self.view()?),
-            (Call::Cancel, "cancelled") => Outcome::Cancelled(self.view()?),
             (Call::Cancel, "already_cancelled") => Outcome::AlreadyCancelled(self.view()?),
             (call, word) => {
                 return Err(unexpected(
@@ -282,11 +357,31 @@ impl Wire {
         Ok((activation, step))
     }
 
+    /// A confirm's or cancel's preparation.
+    pub(super) fn prepared(self, call: Call) -> RedisResult<Prepare> {
+        match (call, self.outcome.as_str()) {
+            (Call::Confirm, "confirming") | (Call::Cancel, "cancelling") => Ok(Prepare::Prepared {
+                view: self.view()?,
+                step: self.step()?,
+            }),
+            _ => self.reply(call).map(Prepare::Answered),
+        }
+    }
+
+    pub(super) fn finished(self) -> RedisResult<Finished> {
+        match self.outcome.as_str() {
+            "confirmed" | "cancelled" => Ok(Finished::Done(self.view()?)),
+            "gone" => Ok(Finished::Gone),
+            word => Err(unexpected("finish answered", word)),
+        }
+    }
+
     pub(super) fn replay(&self) -> RedisResult<Replay> {
         match self.outcome.as_str() {
             "replayed" => Ok(Replay::Replayed),
             "in_line" => Ok(Replay::InLine),
             "other_sale" => Ok(Replay::OtherSale),
+            "foreign" => Ok(Replay::Foreign(self.state.clone())),
             word => Err(unexpected("replay answered", word)),
         }
     }
@@ -296,7 +391,8 @@ impl Wire {
             "opened" => Ok(Opened::Opened),
             "open" => Ok(Opened::AlreadyOpen),
             "not_found" => Ok(Opened::Unpublished),
-            "lost" => Ok(Opened::Lost),
+            "foreign" => Ok(Opened::Foreign(self.state.clone())),
+            "fenced" => Ok(Opened::Fenced),
             word => Err(unexpected("open answered", word)),
         }
     }
@@ -305,8 +401,18 @@ impl Wire {
         match self.outcome.as_str() {
             "closed" => Ok(Closing::Closed),
             "open" => Ok(Closing::Reopened),
-            "lost" => Ok(Closing::Lost),
+            "foreign" => Ok(Closing::Foreign(self.state.clone())),
             word => Err(unexpected("close answered", word)),
+        }
+    }
+
+    pub(super) fn claim(&self) -> RedisResult<Claim> {
+        match self.outcome.as_str() {
+            "mine" => Ok(Claim::Mine),
+            "awaiting" => Ok(Claim::Awaiting),
+            "foreign" => Ok(Claim::Foreign(self.state.clone())),
+            "not_found" => Ok(Claim::Unpublished),
+            word => Err(unexpected("claim answered", word)),
         }
     }
 }

@@ -1,45 +1,71 @@
--- reserve: ARGV[2] user, ARGV[3] quantity, ARGV[4] attempt id, ARGV[5] ledger id,
--- ARGV[6] the pending bound (ms): how long an admission may stay pending before it
--- is overdue (its permit wait plus the ledger's commit).
+-- reserve: ARGV[3] user, ARGV[4] quantity, ARGV[5] attempt id, ARGV[6] the pending
+-- bound (ms): how long an admission may stay pending before it is overdue (its
+-- permit wait plus the ledger's commit deadline), ARGV[7] the variant ('' for a
+-- drop without variants): its stock and the drop's must both hold the quantity.
 --
--- In one atomic step: the mode and the gate, the idempotency marker, the sale
--- window, the per-user limit, the stock; then decrement, count the buyer, write the
--- marker. The marker starts 'pending': the sidecar still has to get a throttle
--- permit and make the admission durable, and then activates it (activate.lua) or
--- takes it back (undo.lua). A duplicate that finds it pending is told so and asks
--- again, so no one is promised a unit that is then undone.
+-- In one atomic step: the mode and the gate, the sale's ledger, the idempotency
+-- marker, the sale window, the per-user limit, the stock; then decrement, count the
+-- buyer, write the marker. The marker starts 'pending': the sidecar still has to get
+-- a throttle permit and make the admission durable, and then activates it
+-- (activate.lua) or takes it back (undo.lua). A duplicate that finds it pending is
+-- told so and asks again, so no one is promised a unit that is then undone.
 local cfg = redis.call('HMGET', K.config,
-  'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt')
+  'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt', 'limit', 'generation',
+  'variants')
 if not cfg[1] then
   return reply('not_found')
 end
+LIMIT, GENERATION, VARIANTS = cfg[7] or '', cfg[8] or '', cfg[9] or ''
 if cfg[1] ~= 'gate' then
   return reply('mode', '', '', cfg[1])
 end
 if EPOCH == '' then
   return reply('closed')
 end
-local user, quantity, attempt = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+if foreign() then
+  return refuse_foreign()
+end
+local user, quantity, attempt, bound = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local variant = ARGV[7]
 local now = now_ms()
 
 if ours() then
-  local owner = redis.call('HMGET', K.marker, 'user', 'quantity')
-  if owner[1] == user and tonumber(owner[2]) == quantity then
+  local owner = redis.call('HMGET', K.marker, 'user', 'quantity', 'variant')
+  if owner[1] == user and tonumber(owner[2]) == quantity and (owner[3] or '') == variant then
     expire_if_due(now)
     if not granted() then
       if redis.call('HGET', K.marker, 'state') == 'pending'
         and tonumber(redis.call('HGET', K.marker, 'overdueAt')) <= now then
         -- Its sidecar never finished it (it died): this retry of the same buyer
         -- takes the admission over, with the unit it already holds.
-        redis.call('HSET', K.marker, 'attempt', attempt, 'overdueAt', now + tonumber(ARGV[6]))
-        redis.call('ZADD', K.pending, now + tonumber(ARGV[6]), KEY)
+        redis.call('HSET', K.marker, 'attempt', attempt, 'overdueAt', now + bound)
+        redis.call('ZADD', K.unresolved, now + bound, KEY)
         return answer('admitted')
       end
       return answer('pending')
     end
+    if settling() then
+      -- Its confirm or cancel is prepared: whether it happened is the ledger's to
+      -- say, as for a look-up (the marker's state may be one step behind).
+      return answer('settling')
+    end
     return answer('already_reserved')
   end
   return reply('idempotency_key_reused', '', '', '', '', tostring(remaining()))
+end
+
+-- The variant as the config names it now (the caller's copy may be older): one
+-- the drop does not have (any more), or none where it has variants, is refused.
+-- (After the key: a retry of a reservation hears what it holds whatever the
+-- variants are now.)
+if variant == '' and VARIANTS ~= '' then
+  return reply('variant_missing')
+end
+if variant ~= '' and VARIANTS == '' then
+  return reply('variant_unexpected', '', '', '', '', '', variant)
+end
+if variant ~= '' and not string.find(',' .. VARIANTS, ',' .. variant .. '=', 1, true) then
+  return reply('unknown_variant', '', '', '', '', '', variant)
 end
 
 if cfg[3] ~= '' and now < tonumber(cfg[3]) then
@@ -55,28 +81,30 @@ if bought + quantity > tonumber(cfg[2]) then
     tostring(remaining()))
 end
 
-local left = remaining()
+-- The drop's count pays a cut back first; with a variant, the variant's too.
+local left = remaining(variant)
 if left < quantity then
-  return reply('sold_out', '', '', '', '', tostring(left))
+  return reply('sold_out', '', '', '', '', tostring(left), variant)
 end
 
 local deadline = now + tonumber(cfg[5]) * 1000
-redis.call('DECRBY', K.remaining, quantity)
-redis.call('INCRBY', K.held, quantity)
-redis.call('HINCRBY', K.buyers, user, quantity)
+take(user, quantity, variant)
 redis.call('ZADD', K.holds, deadline, KEY)
 redis.call('DEL', K.marker)
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
-  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE,
-  'overdueAt', now + tonumber(ARGV[6]), 'ledger', ARGV[5])
-redis.call('ZADD', K.pending, now + tonumber(ARGV[6]), KEY)
+  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound)
+if variant ~= '' then
+  redis.call('HSET', K.marker, 'variant', variant)
+end
+redis.call('ZADD', K.unresolved, now + bound, KEY)
 bump()
-redis.call('SADD', K.ledgers, ARGV[5])
 -- The marker outlives the hold so that a late retry still reads already_reserved;
 -- the drop's other keys expire with the config when the sale has an end.
 if cfg[6] ~= '' then
-  for _, key in ipairs({K.held, K.buyers, K.holds, K.pending, K.marker, K.seq, K.ledgers}) do
-    redis.call('PEXPIREAT', key, cfg[6])
+  -- Never in the past (an end moved back): that would delete them at once.
+  local expire_at = math.max(tonumber(cfg[6]), now + 3600 * 1000)
+  for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.marker, K.seq, K.variants}) do
+    redis.call('PEXPIREAT', key, expire_at)
   end
 else
   redis.call('PEXPIREAT', K.marker, deadline + 7 * 86400 * 1000)

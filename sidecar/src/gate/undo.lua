@@ -1,10 +1,18 @@
 -- undo: takes back an admission as if it never happened — stock, buyer count, the
--- marker itself — so a retry of the same key can be admitted. ARGV[2] is the attempt
+-- marker itself — so a retry of the same key can be admitted. ARGV[3] is the attempt
 -- id written by reserve: only that admission is undone, and only while it is still
 -- pending (an expiry that came first already returned it). Its change number stays
 -- used: the ledger never recorded it, so the gap means nothing.
+-- ARGV[4], when not empty: the epoch of the rebuild that takes the admission back
+-- (the ledger never recorded it and its epoch is over). Only while that rebuild
+-- still holds the gate closed for its epoch: one overtaken by another sidecar's
+-- rebuild (the gate reopened, or closed for a later epoch) would take back a live
+-- admission of the new epoch.
 local m = redis.call('HMGET', K.marker, 'attempt', 'state', 'user', 'quantity')
-if not ours() or m[1] ~= ARGV[2] or m[2] ~= 'pending' then
+if not ours() or m[1] ~= ARGV[3] or m[2] ~= 'pending' then
+  return answer('gone')
+end
+if ARGV[4] ~= '' and (EPOCH ~= '' or CLOSED_AT ~= tonumber(ARGV[4])) then
   return answer('gone')
 end
 take_back(m[3], tonumber(m[4]))

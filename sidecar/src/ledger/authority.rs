@@ -15,6 +15,7 @@ use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
 use super::{Backend, Ledger, LedgerError, RecordError, ensure_stock};
+use crate::reservation::Stock;
 
 /// Who decides admissions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,17 +146,19 @@ impl Ledger {
         Ok(authority)
     }
 
-    /// Hands the drop to the ledger's fallback gate at the next epoch, and returns
-    /// the authority after. With `quiet_since` (a Redis outage seen by this sidecar)
-    /// only if no sidecar sharing this ledger reached Redis since then: one sidecar's
-    /// partition does not move the others off a working gate; the authority is then
-    /// returned unchanged.
+    /// Hands the drop to the ledger's fallback gate at the epoch after `seen` (the
+    /// authority the caller read, and closed the gate in Redis for), and returns
+    /// the authority after. Refused when the authority moved since `seen` was read:
+    /// the gate may have been reopened at a later epoch than the caller closed. With
+    /// `quiet_since` (a Redis outage seen by this sidecar) only if no sidecar sharing
+    /// this ledger reached Redis since then: one sidecar's partition does not move
+    /// the others off a working gate; the authority is then returned unchanged.
     pub async fn hand_to_ledger(
         &self,
         drop_key: &str,
-        limit: i64,
-        generation: i64,
+        stock: &Stock,
         now: i64,
+        seen: Option<&Authority>,
         quiet_since: Option<i64>,
     ) -> Result<Authority, LedgerError> {
         let mut tx = self.pool.begin().await?;
@@ -163,6 +166,14 @@ impl Ledger {
         if let Some(current) = current.as_ref().filter(|a| a.holder == Holder::Ledger) {
             tx.commit().await?;
             return Ok(current.clone());
+        }
+        let moved = |a: Option<&Authority>| a.map(|a| (a.holder, a.epoch));
+        if moved(current.as_ref()) != moved(seen) {
+            tx.commit().await?;
+            return Err(LedgerError::NotAuthority(format!(
+                "it moved to {} since it was read: retry",
+                current.map_or_else(|| "nobody".into(), |a| a.to_string())
+            )));
         }
         if let Some(since) = quiet_since {
             let seen: i64 = sqlx::query(
@@ -180,7 +191,7 @@ impl Ledger {
                 return Ok(current);
             }
         }
-        ensure_stock(&mut tx, drop_key, limit, generation).await?;
+        ensure_stock(&mut tx, drop_key, stock).await?;
         let epoch = current.as_ref().map_or(0, |a| a.epoch) + 1;
         put(
             &mut tx,
@@ -258,30 +269,44 @@ impl Ledger {
         Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
     }
 
-    /// Remembers the other ledgers seen admitting for the drop.
-    pub async fn note_peers(&self, drop_key: &str, ids: &[String]) -> Result<(), LedgerError> {
-        for id in ids.iter().filter(|id| **id != self.id) {
-            sqlx::query(
-                "INSERT INTO ledger_peers (drop_key, ledger_id) VALUES ($1, $2) \
-                 ON CONFLICT (drop_key, ledger_id) DO NOTHING",
-            )
-            .bind(drop_key)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        }
+    /// Notes which ledger Redis named the sale's (see
+    /// [`dropgate_api::DropKeys::ledger`]). Redis's latest answer stands: a different
+    /// one than before is a Redis that lost the key, claimed anew by a ledger new to
+    /// the sale, which now decides on the gate; this ledger may then no longer fall
+    /// back for the sale on its own word (see [`Self::owns`]), or two ledgers would
+    /// sell it.
+    pub async fn note_sale_ledger(
+        &self,
+        drop_key: &str,
+        ledger: &str,
+        now: i64,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO sales (drop_key, ledger_id, noted_at_ms) VALUES ($1, $2, $3) \
+             ON CONFLICT (drop_key) DO UPDATE SET ledger_id = excluded.ledger_id, \
+             noted_at_ms = excluded.noted_at_ms WHERE sales.ledger_id <> excluded.ledger_id",
+        )
+        .bind(drop_key)
+        .bind(ledger)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
-    /// Whether another ledger was ever seen admitting for the drop: then this one
-    /// does not hold the whole sale.
-    pub async fn has_peers(&self, drop_key: &str) -> Result<bool, LedgerError> {
-        let count: i64 = sqlx::query("SELECT COUNT(*) FROM ledger_peers WHERE drop_key = $1")
+    /// The sale's ledger as Redis once named it to this ledger's sidecars.
+    pub async fn sale_ledger(&self, drop_key: &str) -> Result<Option<String>, LedgerError> {
+        let row = sqlx::query("SELECT ledger_id FROM sales WHERE drop_key = $1")
             .bind(drop_key)
-            .fetch_one(&self.pool)
-            .await?
-            .try_get(0)?;
-        Ok(count > 0)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
+    }
+
+    /// Whether Redis once named this ledger the sale's: then no other ledger ever
+    /// changed the sale, and this one holds all of it.
+    pub async fn owns(&self, drop_key: &str) -> Result<bool, LedgerError> {
+        Ok(self.sale_ledger(drop_key).await?.as_deref() == Some(self.id.as_str()))
     }
 }
 

@@ -19,7 +19,9 @@ use super::{
     EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation, transition,
     write_event,
 };
-use crate::reservation::{Change, Outcome, Reservation, Settle, State, Stock, View};
+use crate::reservation::{
+    Ask, Change, Outcome, Reservation, Settle, State, Stock, Terms, VariantRefusal, View,
+};
 
 /// A reservation as the ledger holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,6 +33,8 @@ pub struct Recorded {
     pub expires_at_ms: i64,
     /// Redis's number for its last change on the gate (0 for fallback changes).
     pub seq: i64,
+    /// The variant it holds units of.
+    pub variant: Option<String>,
 }
 
 impl Recorded {
@@ -40,8 +44,20 @@ impl Recorded {
             quantity: self.quantity,
             state: self.state,
             expires_at_ms: self.expires_at_ms,
+            variant: self.variant.clone(),
         }
     }
+}
+
+/// Whether an admission whose commit had an unknown outcome is in the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Landed {
+    /// Its row is the attempt's.
+    Yes,
+    /// It is not, and can no longer be.
+    No,
+    /// The key's row is another attempt's (an earlier one that landed, in `state`).
+    Other(State),
 }
 
 /// What a fallback transaction came to.
@@ -57,6 +73,9 @@ enum TxError {
     /// It lost a race to a concurrent transaction (the row it was to move moved):
     /// run it again.
     Raced,
+    /// The ledger holds a newer generation of the drop than the caller's config
+    /// (and not its terms): the caller reads the config again.
+    Stale(i64),
 }
 
 impl From<sqlx::Error> for TxError {
@@ -70,43 +89,81 @@ impl From<sqlx::Error> for TxError {
 const ATTEMPTS: usize = 5;
 
 fn stock(config: &DropConfig) -> Stock {
-    Stock {
-        limit: config.limit,
-        generation: config.generation,
+    Stock::of(config)
+}
+
+/// The terms a fallback admission is decided on: the newest the ledger has seen,
+/// which are the caller's own when its config is as new. A caller whose config is
+/// older than a generation the ledger knows no terms of is told to read it again.
+fn effective_terms(
+    config: &DropConfig,
+    (generation, terms): (i64, Option<Terms>),
+) -> Result<Terms, TxError> {
+    if generation <= config.generation {
+        return Ok(Terms::of(config));
     }
+    terms.ok_or(TxError::Stale(generation))
 }
 
 impl Ledger {
+    /// Reserve on the ledger's gate, in one transaction: the key (a retry hears what
+    /// it holds), the sale window, the per-user limit and the stock, decided on the
+    /// newest terms any sidecar sharing the ledger has read.
     pub async fn fallback_reserve(
         &self,
         drop_key: &str,
         config: &DropConfig,
-        key: &str,
-        user: &str,
-        quantity: i64,
+        ask: Ask<'_>,
         now: i64,
     ) -> Result<Outcome, LedgerError> {
-        let held = Reservation {
-            user: user.to_string(),
+        let Ask {
+            key,
+            user,
             quantity,
-            state: State::Active,
-            expires_at_ms: now + config.hold_seconds * 1000,
-        };
-        let change = Change::new(drop_key, stock(config), key, &held, State::Active);
+            variant,
+        } = ask;
         retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
+            let terms = effective_terms(config, ensure_stock(&mut tx, drop_key, &stock(config)).await?)?;
+            let held = Reservation {
+                user: user.to_string(),
+                quantity,
+                state: State::Active,
+                expires_at_ms: now + terms.hold_seconds * 1000,
+                variant: variant.map(str::to_string),
+            };
+            let attempt = format!("{:016x}", rand::random::<u64>());
+            let change = Change::new(drop_key, stock(config), key, &held, State::Active)
+                .by(&attempt, i64::MAX);
             if !insert_reservation(&mut tx, &change, "fallback", false, now).await? {
                 let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
-                let outcome = match retry_answer(&mut tx, drop_key, existing, user, quantity).await? {
+                let outcome = match retry_answer(&mut tx, drop_key, existing, user, quantity, variant).await? {
                     Some(outcome) => outcome,
                     None => Outcome::KeyReused,
                 };
                 tx.commit().await?;
                 return Ok(Decision::Done(outcome));
+            }
+            // The variant as the config read afresh names it: the ledger keeps a
+            // stock row for each variant a change told it of.
+            if let Some(refusal) = VariantRefusal::of(variant, &config.variants) {
+                tx.rollback().await?;
+                return Ok(Decision::Done(Outcome::VariantRefused(refusal)));
+            }
+            if terms.starts_at_ms.is_some_and(|start| now < start) {
+                tx.rollback().await?;
+                return Ok(Decision::Done(Outcome::NotOpen {
+                    starts_at_ms: terms.starts_at_ms,
+                }));
+            }
+            if terms.ends_at_ms.is_some_and(|end| now >= end) {
+                tx.rollback().await?;
+                return Ok(Decision::Done(Outcome::Ended {
+                    ends_at_ms: terms.ends_at_ms,
+                }));
             }
             sqlx::query(
                 "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
@@ -123,7 +180,7 @@ impl Ledger {
             .bind(drop_key)
             .bind(user)
             .bind(quantity)
-            .bind(config.per_user_limit)
+            .bind(terms.per_user_limit)
             .execute(&mut *tx)
             .await?
             .rows_affected()
@@ -136,7 +193,7 @@ impl Ledger {
                     .await?
                     .try_get(0)?;
                 tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::PerUserLimit { held, limit: config.per_user_limit }));
+                return Ok(Decision::Done(Outcome::PerUserLimit { held, limit: terms.per_user_limit }));
             }
             let in_stock = sqlx::query("UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3")
                 .bind(quantity)
@@ -150,6 +207,24 @@ impl Ledger {
                 let remaining = available(&mut tx, drop_key).await?;
                 tx.rollback().await?;
                 return Ok(Decision::Done(Outcome::SoldOut { remaining }));
+            }
+            if let Some(variant) = variant {
+                let in_variant_stock = sqlx::query(
+                    "UPDATE variant_stock SET available = available - $1 WHERE drop_key = $2 AND variant = $3 AND available >= $4",
+                )
+                .bind(quantity)
+                .bind(drop_key)
+                .bind(variant)
+                .bind(quantity)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                    == 1;
+                if !in_variant_stock {
+                    let remaining = variant_available(&mut tx, drop_key, variant).await?;
+                    tx.rollback().await?;
+                    return Ok(Decision::Done(Outcome::SoldOut { remaining }));
+                }
             }
             let mut ids = EventIds::for_events(1);
             write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
@@ -168,19 +243,24 @@ impl Ledger {
         &self,
         drop_key: &str,
         config: &DropConfig,
-        key: &str,
-        user: &str,
-        quantity: i64,
+        ask: Ask<'_>,
         now: i64,
     ) -> Result<Option<Outcome>, LedgerError> {
+        let Ask {
+            key,
+            user,
+            quantity,
+            variant,
+        } = ask;
         retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
+            ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
-            let outcome = retry_answer(&mut tx, drop_key, existing, user, quantity).await?;
+            let outcome =
+                retry_answer(&mut tx, drop_key, existing, user, quantity, variant).await?;
             tx.commit().await?;
             Ok(Decision::Done(outcome))
         })
@@ -201,7 +281,7 @@ impl Ledger {
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            ensure_stock(&mut tx, drop_key, config.limit, config.generation).await?;
+            ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             // A hold past its deadline expires first, whatever was asked.
             let Some(row) = expire_if_due(&mut tx, drop_key, config, key, now).await? else {
                 tx.commit().await?;
@@ -307,8 +387,8 @@ impl Ledger {
         batch: i64,
     ) -> Result<Vec<Recorded>, LedgerError> {
         let rows = sqlx::query(
-            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq FROM reservations \
-             WHERE drop_key = $1 AND replayed = 0 ORDER BY updated_at_ms LIMIT $2",
+            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq, variant FROM reservations \
+             WHERE drop_key = $1 AND replayed = 0 AND state <> 'abandoned' ORDER BY updated_at_ms LIMIT $2",
         )
         .bind(drop_key)
         .bind(batch)
@@ -328,8 +408,8 @@ impl Ledger {
         batch: i64,
     ) -> Result<Vec<Recorded>, LedgerError> {
         let rows = sqlx::query(
-            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq FROM reservations \
-             WHERE drop_key = $1 AND res_key > $2 ORDER BY res_key LIMIT $3",
+            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq, variant FROM reservations \
+             WHERE drop_key = $1 AND res_key > $2 AND state <> 'abandoned' ORDER BY res_key LIMIT $3",
         )
         .bind(drop_key)
         .bind(after)
@@ -341,23 +421,26 @@ impl Ledger {
             .collect()
     }
 
-    /// Claims `key` for an admission judged dead before it was recorded: a
-    /// placeholder row (expired, no units, no event) so that its commit, should it
-    /// land after all, finds the key used and is refused. False when the key has a
-    /// record already (the commit came first).
+    /// Claims `key` for the admission `attempt`, judged dead before it was
+    /// recorded: an `abandoned` row (no reservation: no units, no event, invisible to
+    /// look-ups) so that the attempt's own commit, should it land after all, is
+    /// refused, while any other attempt of the key may still be admitted. False when
+    /// the key holds a reservation (a commit came first).
     pub async fn claim_abandoned(
         &self,
         drop_key: &str,
         key: &str,
         user: &str,
         quantity: i64,
+        attempt: &str,
         now: i64,
     ) -> Result<bool, LedgerError> {
         let claimed = sqlx::query(
             "INSERT INTO reservations \
-             (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq) \
-             VALUES ($1, $2, $3, $4, 'expired', 'gate', $5, $6, 1, NULL) \
-             ON CONFLICT (drop_key, res_key) DO NOTHING",
+             (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt) \
+             VALUES ($1, $2, $3, $4, 'abandoned', 'gate', $5, $6, 1, NULL, $7) \
+             ON CONFLICT (drop_key, res_key) DO UPDATE SET attempt = excluded.attempt, updated_at_ms = excluded.updated_at_ms \
+             WHERE reservations.state = 'abandoned'",
         )
         .bind(drop_key)
         .bind(key)
@@ -365,9 +448,74 @@ impl Ledger {
         .bind(quantity)
         .bind(now)
         .bind(now)
+        .bind(attempt)
         .execute(&self.pool)
         .await?;
         Ok(claimed.rows_affected() == 1)
+    }
+
+    /// Whether `attempt`'s admission of `key`, whose commit failed without saying
+    /// whether it landed, is in the ledger; final from here on: the key is claimed
+    /// for the attempt first (waiting for a commit of it still in flight, and
+    /// refusing it from then on), then its row read.
+    pub async fn admission_landed(
+        &self,
+        drop_key: &str,
+        key: &str,
+        user: &str,
+        quantity: i64,
+        attempt: &str,
+        now: i64,
+    ) -> Result<Landed, LedgerError> {
+        if self
+            .claim_abandoned(drop_key, key, user, quantity, attempt, now)
+            .await?
+        {
+            return Ok(Landed::No);
+        }
+        let row = sqlx::query(
+            "SELECT state, attempt FROM reservations WHERE drop_key = $1 AND res_key = $2",
+        )
+        .bind(drop_key)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(match row {
+            Some(row) => {
+                let state: String = row.try_get(0)?;
+                let landed_by: Option<String> = row.try_get(1)?;
+                match (state.as_str(), State::parse(&state)) {
+                    ("abandoned", _) | (_, None) => Landed::No,
+                    (_, Some(_)) if landed_by.as_deref() == Some(attempt) => Landed::Yes,
+                    (_, Some(state)) => Landed::Other(state),
+                }
+            }
+            None => Landed::No,
+        })
+    }
+
+    /// Fences off the confirm or cancel `attempt` of `key`, judged dead before it
+    /// was recorded: from now on its commit is refused. Returns the reservation's
+    /// state after, in the same transaction: the attempt's target when its commit
+    /// came first.
+    pub async fn fence_settle(
+        &self,
+        drop_key: &str,
+        key: &str,
+        attempt: &str,
+    ) -> Result<Option<State>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "UPDATE reservations SET fenced_attempt = $1 WHERE drop_key = $2 AND res_key = $3",
+        )
+        .bind(attempt)
+        .bind(drop_key)
+        .bind(key)
+        .execute(&mut *tx)
+        .await?;
+        let row = read(&mut tx, drop_key, key).await?;
+        tx.commit().await?;
+        Ok(row.map(|row| row.state))
     }
 
     /// Marks a change as one Redis has not seen (its activation failed).
@@ -408,6 +556,33 @@ impl Ledger {
         Ok(row)
     }
 
+    /// The fallback gate's stock for the drop (if it has a row) and per variant,
+    /// by name (the variants it has rows for), read in one statement: one moment's
+    /// counts, never the drop's before a sale and a variant's after it.
+    pub async fn counts(
+        &self,
+        drop_key: &str,
+    ) -> Result<(Option<i64>, std::collections::HashMap<String, i64>), LedgerError> {
+        let rows = sqlx::query(
+            "SELECT '' AS variant, available, 0 AS is_variant FROM stock WHERE drop_key = $1 \
+             UNION ALL SELECT variant, available, 1 FROM variant_stock WHERE drop_key = $2",
+        )
+        .bind(drop_key)
+        .bind(drop_key)
+        .fetch_all(&self.pool)
+        .await?;
+        let (mut drop, mut variants) = (None, std::collections::HashMap::new());
+        for row in rows {
+            let available: i64 = row.try_get(1)?;
+            if row.try_get::<i64, _>(2)? == 0 {
+                drop = Some(available);
+            } else {
+                variants.insert(row.try_get(0)?, available);
+            }
+        }
+        Ok((drop, variants))
+    }
+
     /// The fallback gate's stock for the drop, if it has a row.
     pub async fn available(&self, drop_key: &str) -> Result<Option<i64>, LedgerError> {
         let row = sqlx::query("SELECT available FROM stock WHERE drop_key = $1")
@@ -427,13 +602,18 @@ async fn retry_answer(
     row: Option<Recorded>,
     user: &str,
     quantity: i64,
+    variant: Option<&str>,
 ) -> Result<Option<Outcome>, sqlx::Error> {
     Ok(match row {
         None => None,
-        Some(row) if row.user == user && row.quantity == quantity => {
+        Some(row)
+            if row.user == user
+                && row.quantity == quantity
+                && row.variant.as_deref() == variant =>
+        {
             Some(Outcome::AlreadyReserved(View {
+                remaining: left_for(tx, drop_key, row.variant.as_deref()).await?,
                 reservation: row.reservation(),
-                remaining: available(tx, drop_key).await?,
             }))
         }
         Some(_) => Some(Outcome::KeyReused),
@@ -458,6 +638,7 @@ where
             Ok(Decision::Done(done)) => return Ok(done),
             Ok(Decision::NotAuthority(why)) => return Err(LedgerError::NotAuthority(why)),
             Err(TxError::Raced) => {}
+            Err(TxError::Stale(generation)) => return Err(LedgerError::StaleConfig(generation)),
             Err(TxError::Sql(sqlx::Error::Database(db)))
                 if matches!(db.code().as_deref(), Some("23505" | "40001" | "40P01")) => {}
             Err(TxError::Sql(e)) => return Err(e.into()),
@@ -466,19 +647,93 @@ where
     Err(LedgerError::Contended(ATTEMPTS))
 }
 
+/// The reservation of `key`, if the ledger holds one (an `abandoned` claim is none).
 pub(super) async fn read(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     key: &str,
 ) -> Result<Option<Recorded>, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT res_key, user_id, quantity, state, expires_at_ms, seq FROM reservations WHERE drop_key = $1 AND res_key = $2",
+        "SELECT res_key, user_id, quantity, state, expires_at_ms, seq, variant FROM reservations \
+         WHERE drop_key = $1 AND res_key = $2 AND state <> 'abandoned'",
     )
     .bind(drop_key)
     .bind(key)
     .fetch_optional(&mut **tx)
     .await?;
     row.as_ref().map(to_row).transpose()
+}
+
+/// Whether `key`'s row is the claim of `attempt` as abandoned (so that attempt's
+/// admission must not be recorded).
+pub(super) async fn abandoned_by(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    key: &str,
+    attempt: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    row_names(tx, drop_key, key, attempt, Named::Abandoned).await
+}
+
+/// The attempt that wrote `key`'s row, if any.
+pub(super) async fn attempt_of(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    key: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    let row = sqlx::query("SELECT attempt FROM reservations WHERE drop_key = $1 AND res_key = $2")
+        .bind(drop_key)
+        .bind(key)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(row.and_then(|row| row.try_get::<Option<String>, _>(0).ok().flatten()))
+}
+
+/// Whether the confirm or cancel `attempt` of `key` was fenced off.
+pub(super) async fn fenced_off(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    key: &str,
+    attempt: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    row_names(tx, drop_key, key, attempt, Named::Fenced).await
+}
+
+/// Where a row names an attempt that was judged dead.
+#[derive(Clone, Copy)]
+enum Named {
+    /// Its admission was claimed as abandoned.
+    Abandoned,
+    /// Its confirm or cancel was fenced off.
+    Fenced,
+}
+
+/// Whether `key`'s row names `attempt` as `named`; never for no attempt.
+async fn row_names(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    key: &str,
+    attempt: Option<&str>,
+    named: Named,
+) -> Result<bool, sqlx::Error> {
+    let Some(attempt) = attempt else {
+        return Ok(false);
+    };
+    let query = match named {
+        Named::Abandoned => {
+            "SELECT 1 FROM reservations WHERE drop_key = $1 AND res_key = $2 AND state = 'abandoned' AND attempt = $3"
+        }
+        Named::Fenced => {
+            "SELECT 1 FROM reservations WHERE drop_key = $1 AND res_key = $2 AND fenced_attempt = $3"
+        }
+    };
+    let row = sqlx::query(query)
+        .bind(drop_key)
+        .bind(key)
+        .bind(attempt)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(row.is_some())
 }
 
 fn to_row(row: &sqlx::any::AnyRow) -> Result<Recorded, sqlx::Error> {
@@ -491,6 +746,7 @@ fn to_row(row: &sqlx::any::AnyRow) -> Result<Recorded, sqlx::Error> {
             .ok_or_else(|| sqlx::Error::Decode(format!("unknown state {state:?}").into()))?,
         expires_at_ms: row.try_get(4)?,
         seq: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
+        variant: Some(row.try_get::<String, _>(6)?).filter(|v| !v.is_empty()),
     })
 }
 
@@ -524,6 +780,32 @@ async fn expire_if_due(
     read(tx, drop_key, key).await
 }
 
+/// What an answer about a reservation shows as left: its variant's stock, or the
+/// drop's.
+async fn left_for(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    variant: Option<&str>,
+) -> Result<i64, sqlx::Error> {
+    let drop = available(tx, drop_key).await?;
+    match variant {
+        // No more than the drop as a whole has left (what a reserve admits).
+        Some(variant) => Ok(variant_available(tx, drop_key, variant).await?.min(drop)),
+        None => Ok(drop),
+    }
+}
+
+/// What a variant's stock row holds for sale (0 without a row).
+async fn variant_available(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    variant: &str,
+) -> Result<i64, sqlx::Error> {
+    Ok(super::variant_row(tx, drop_key, variant)
+        .await?
+        .unwrap_or(0))
+}
+
 async fn available(tx: &mut Transaction<'static, Any>, drop_key: &str) -> Result<i64, sqlx::Error> {
     sqlx::query("SELECT available FROM stock WHERE drop_key = $1")
         .bind(drop_key)
@@ -543,7 +825,7 @@ async fn view(
         .map(|row| row.reservation())
         .ok_or_else(|| sqlx::Error::RowNotFound)?;
     Ok(View {
+        remaining: left_for(tx, drop_key, reservation.variant.as_deref()).await?,
         reservation,
-        remaining: available(tx, drop_key).await?,
     })
 }

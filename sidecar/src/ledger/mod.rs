@@ -26,7 +26,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 
 use crate::clock::now_ms;
-use crate::reservation::{Change, State};
+use crate::reservation::{Change, State, Stock, Terms};
 use sqlx::{Any, AnyPool, Row, Transaction};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
@@ -51,6 +51,9 @@ pub enum LedgerError {
     NotAuthority(String),
     #[error("the ledger lost a race {0} times in a row")]
     Contended(usize),
+    /// The ledger holds a newer generation of the drop than the caller's config.
+    #[error("the ledger holds generation {0} of the drop, newer than this sidecar's config")]
+    StaleConfig(i64),
 }
 
 /// Why a change the Redis gate made was not recorded. Each is about that change
@@ -76,6 +79,20 @@ pub enum RecordError {
     /// acknowledged writes.
     #[error("Redis handed out change number {0} a second time: it lost acknowledged writes")]
     SeqReused(i64),
+    /// The change's attempt was judged dead before it was recorded (its admission
+    /// taken back, or its confirm or cancel fenced off): recording it now would make
+    /// a change that nobody holds in Redis.
+    #[error("this attempt was given up before the ledger recorded it")]
+    GivenUp,
+    /// The change reached the ledger's writer after its deadline: whoever resolves
+    /// the key decides its fate, not a commit this late.
+    #[error("the ledger could not record the change within its deadline")]
+    Late,
+    /// The commit failed where its outcome cannot be known (at COMMIT, or it did not
+    /// finish within the deadline): it may have landed. Nothing may be undone on its
+    /// word; the key is resolved from the ledger once its bound passes.
+    #[error("the ledger's commit failed without saying whether it landed ({0})")]
+    Unknown(String),
     #[error("the ledger failed: {0}")]
     Failed(String),
 }
@@ -131,10 +148,30 @@ pub struct Ledger {
 }
 
 pub use authority::{Authority, Holder};
-pub use fallback::Recorded;
+pub use fallback::{Landed, Recorded};
 
 /// Most changes one group commit takes.
 const BATCH: usize = 512;
+
+/// How long the ledger's commit of a change may take (its deadline): past an
+/// admission's permit wait plus this, a pending admission is one its sidecar never
+/// finished (it died, or the ledger stalled), a retry of the same key takes it over,
+/// and a sweeper resolves it from the ledger; a prepared confirm or cancel likewise
+/// past this alone. The writer refuses a change whose deadline has passed.
+pub const COMMIT_DEADLINE_MS: u64 = 2_000;
+
+/// How long a statement may wait for a lock, and run, and how long a caller waits
+/// for a connection: within [`COMMIT_DEADLINE_MS`], so that a stalled ledger fails a
+/// change in time for it to be refused and undone, instead of committing it after
+/// its admission was judged dead.
+const LOCK_TIMEOUT_MS: u64 = 1_200;
+const STATEMENT_TIMEOUT_MS: u64 = 1_500;
+/// How long PostgreSQL keeps a transaction whose client went quiet: a commit this
+/// process gave up on (see `commit_in_time`) releases its locks then.
+const IDLE_IN_TRANSACTION_MS: u64 = 10_000;
+const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(1_500);
+const _: () =
+    assert!(LOCK_TIMEOUT_MS < STATEMENT_TIMEOUT_MS && STATEMENT_TIMEOUT_MS < COMMIT_DEADLINE_MS);
 
 impl Ledger {
     /// Opens the ledger (creating a SQLite file), runs the migrations, and starts
@@ -168,16 +205,30 @@ impl Ledger {
         };
         let pool = AnyPoolOptions::new()
             .max_connections(connections)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
             .after_connect(|conn, _| {
                 Box::pin(async move {
-                    if conn.backend_name() == "SQLite" {
-                        for pragma in [
-                            "PRAGMA journal_mode = WAL",
-                            "PRAGMA synchronous = FULL",
-                            "PRAGMA busy_timeout = 5000",
-                        ] {
-                            sqlx::query(pragma).execute(&mut *conn).await?;
-                        }
+                    let settings = if conn.backend_name() == "SQLite" {
+                        vec![
+                            "PRAGMA journal_mode = WAL".to_string(),
+                            "PRAGMA synchronous = FULL".to_string(),
+                            format!("PRAGMA busy_timeout = {LOCK_TIMEOUT_MS}"),
+                        ]
+                    } else {
+                        vec![
+                            format!("SET lock_timeout = {LOCK_TIMEOUT_MS}"),
+                            format!("SET statement_timeout = {STATEMENT_TIMEOUT_MS}"),
+                            // A commit given up on mid-way (the network cut without a
+                            // reset) must not hold the drop's rows for hours.
+                            format!(
+                                "SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}"
+                            ),
+                        ]
+                    };
+                    for setting in settings {
+                        sqlx::query(sqlx::AssertSqlSafe(setting))
+                            .execute(&mut *conn)
+                            .await?;
                     }
                     Ok(())
                 })
@@ -213,7 +264,8 @@ impl Ledger {
         &self.pool
     }
 
-    /// This ledger's identity (see [`dropgate_api::DropKeys::ledgers`]).
+    /// This ledger's identity: what Redis's [`dropgate_api::DropKeys::ledger`] names
+    /// for a sale this ledger records.
     pub fn id(&self) -> &str {
         &self.id
     }
@@ -258,7 +310,7 @@ impl Ledger {
         .await;
         // A refusal (sold out, not the authority, ...) is the ledger doing its job;
         // only a commit that could not be made is an error.
-        if let Err(RecordError::Failed(_)) = &recorded {
+        if let Err(RecordError::Failed(_) | RecordError::Unknown(_)) = &recorded {
             span.record("otel.status_code", "ERROR");
         }
         recorded
@@ -284,6 +336,9 @@ enum CommitError {
     Sql(sqlx::Error),
     /// The batch's admissions do not fit the ledger's count of this drop's stock.
     Overdrawn(String),
+    /// COMMIT itself failed, or the commit outlasted the deadline: it may have
+    /// landed.
+    Unknown(String),
 }
 
 impl From<sqlx::Error> for CommitError {
@@ -310,6 +365,19 @@ async fn group_commit(
                 Err(_) => break,
             }
         }
+        // A change past its deadline is not begun: its key is someone else's to
+        // resolve by now (see `RecordError::Late`).
+        let now = now_ms();
+        let (late, on_time): (Vec<Pending>, Vec<Pending>) = batch
+            .into_iter()
+            .partition(|(change, ..)| change.deadline_ms.is_some_and(|due| due <= now));
+        for (_, done, _) in late {
+            let _ = done.send(Err(RecordError::Late));
+        }
+        let mut batch = on_time;
+        if batch.is_empty() {
+            continue;
+        }
         // Which group commit took each waiting request's change, for its trace: a
         // number of this process's writer (it starts at 1 with the process), and
         // how many changes that commit held.
@@ -319,7 +387,7 @@ async fn group_commit(
         }
         let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
         let started = std::time::Instant::now();
-        let committed = commit(&pool, backend, &changes).await;
+        let committed = commit_in_time(&pool, backend, &changes).await;
         commit_seconds.observe(started.elapsed().as_secs_f64());
         match committed {
             Ok(verdicts) => {
@@ -327,11 +395,24 @@ async fn group_commit(
                     let _ = done.send(verdict);
                 }
             }
+            // The batch may have landed: re-committing its changes one by one
+            // could not tell them apart from changes of others.
+            Err(CommitError::Unknown(why)) => {
+                for (_, done, _) in batch {
+                    let _ = done.send(Err(RecordError::Unknown(why.clone())));
+                }
+            }
             Err(_) if batch.len() > 1 => {
                 for (change, done, span) in batch {
+                    // The retries take time: one whose deadline passed meanwhile is
+                    // not begun either.
+                    if change.deadline_ms.is_some_and(|due| due <= now_ms()) {
+                        let _ = done.send(Err(RecordError::Late));
+                        continue;
+                    }
                     number += 1;
                     name_batch(&span, number, 1);
-                    let verdict = match commit(&pool, backend, &[&change]).await {
+                    let verdict = match commit_in_time(&pool, backend, &[&change]).await {
                         Ok(mut verdicts) => verdicts.pop().unwrap_or(Ok(())),
                         Err(e) => Err(single_failure(&pool, &change, e).await),
                     };
@@ -377,6 +458,24 @@ async fn single_failure(pool: &AnyPool, change: &Change, error: CommitError) -> 
             RecordError::SeqReused(change.seq.unwrap_or(0))
         }
         CommitError::Sql(e) => RecordError::Failed(e.to_string()),
+        CommitError::Unknown(why) => RecordError::Unknown(why),
+    }
+}
+
+/// [`commit`] within [`COMMIT_DEADLINE_MS`]: the ledger's own timeouts fail a
+/// statement well within it, but a connection that stops answering (a network cut
+/// with no reset) fails nothing. A commit given up on this way may have landed.
+async fn commit_in_time(
+    pool: &AnyPool,
+    backend: Backend,
+    changes: &[&Change],
+) -> Result<Vec<Result<(), RecordError>>, CommitError> {
+    let deadline = std::time::Duration::from_millis(COMMIT_DEADLINE_MS);
+    match tokio::time::timeout(deadline, commit(pool, backend, changes)).await {
+        Ok(committed) => committed,
+        Err(_) => Err(CommitError::Unknown(format!(
+            "the commit did not finish within {COMMIT_DEADLINE_MS} ms"
+        ))),
     }
 }
 
@@ -405,18 +504,13 @@ async fn commit(
         }
     }
     for (drop_key, _, newest) in &drops {
-        ensure_stock(
-            &mut tx,
-            drop_key,
-            newest.stock.limit,
-            newest.stock.generation,
-        )
-        .await?;
+        ensure_stock(&mut tx, drop_key, &newest.stock).await?;
     }
     // At most one event per change.
     let mut ids = EventIds::for_events(changes.len());
     let mut verdicts = Vec::with_capacity(changes.len());
     let mut units: Vec<(&str, i64)> = Vec::new();
+    let mut variant_units: Vec<(&str, &str, i64)> = Vec::new();
     let mut buyers: Vec<(&str, &str, i64)> = Vec::new();
     for change in changes {
         let authority = drops
@@ -438,6 +532,15 @@ async fn commit(
             match units.iter_mut().find(|(key, _)| *key == change.drop_key) {
                 Some(entry) => entry.1 += moved,
                 None => units.push((&change.drop_key, moved)),
+            }
+            if let Some(variant) = change.variant.as_deref() {
+                match variant_units
+                    .iter_mut()
+                    .find(|(key, v, _)| *key == change.drop_key && *v == variant)
+                {
+                    Some(entry) => entry.2 += moved,
+                    None => variant_units.push((&change.drop_key, variant, moved)),
+                }
             }
             match buyers
                 .iter_mut()
@@ -466,12 +569,35 @@ async fn commit(
             return Err(CommitError::Overdrawn(drop_key.to_string()));
         }
     }
+    for (drop_key, variant, moved) in variant_units {
+        // As for the drop; a variant the ledger has no row for yet (no change knew
+        // its quantity) is not checked here: Redis's count decided it.
+        let applied = sqlx::query(
+            "UPDATE variant_stock SET available = available + $1 \
+             WHERE drop_key = $2 AND variant = $3 AND ($4 >= 0 OR available + $5 >= 0)",
+        )
+        .bind(moved)
+        .bind(drop_key)
+        .bind(variant)
+        .bind(moved)
+        .bind(moved)
+        .execute(&mut *tx)
+        .await?;
+        if applied.rows_affected() != 1
+            && moved < 0
+            && variant_row(&mut tx, drop_key, variant).await?.is_some()
+        {
+            return Err(CommitError::Overdrawn(drop_key.to_string()));
+        }
+    }
     for (drop_key, user, held) in buyers {
         move_buyer(&mut tx, drop_key, user, held).await?;
     }
     crate::faults::check(crate::faults::Fault::BeforeLedgerCommit)
         .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-    tx.commit().await?;
+    tx.commit()
+        .await
+        .map_err(|e| CommitError::Unknown(e.to_string()))?;
     Ok(verdicts)
 }
 
@@ -491,15 +617,25 @@ async fn apply_gate_change(
             write_event(tx, ids, change, "gate", now).await?;
             return Ok(Ok(-change.quantity));
         }
-        // The key has a record. The same admission recorded again (a retry that
-        // took over a dead sidecar's admission carries no number of its own) is
-        // nothing new; anything else is another reservation under a used key.
+        if fallback::abandoned_by(tx, &change.drop_key, &change.key, change.attempt.as_deref())
+            .await?
+        {
+            return Ok(Err(RecordError::GivenUp));
+        }
+        // The key has a record. The same attempt's admission recorded again is
+        // nothing new; anything else (another reservation under a used key, or the
+        // same reservation made durable by another attempt, one that took this one
+        // over or that this one took over) is the key's record: its answer is that
+        // record's (`already_reserved`), not a second 201.
         let existing = fallback::read(tx, &change.drop_key, &change.key).await?;
+        let attempt = fallback::attempt_of(tx, &change.drop_key, &change.key).await?;
         let same = existing.as_ref().is_some_and(|row| {
             row.user == change.user
                 && row.quantity == change.quantity
+                && row.variant == change.variant
                 && row.state.holds_units()
                 && change.seq.is_none_or(|seq| row.seq == seq)
+                && (change.attempt.is_none() || attempt == change.attempt)
         });
         return Ok(if same {
             Ok(0)
@@ -516,6 +652,9 @@ async fn apply_gate_change(
         } else {
             change.quantity
         }));
+    }
+    if fallback::fenced_off(tx, &change.drop_key, &change.key, change.attempt.as_deref()).await? {
+        return Ok(Err(RecordError::GivenUp));
     }
     match fallback::read(tx, &change.drop_key, &change.key).await? {
         // Recorded before (a healing record of an earlier answer): nothing new.
@@ -536,53 +675,227 @@ async fn apply_gate_change(
 }
 
 /// Creates the drop's stock row (limit minus what is held) or moves it to the
-/// limit of a newer generation by the difference. A change carrying an older
-/// generation (a sidecar whose config is stale) never moves it.
+/// limit of a newer generation by the difference, keeping that generation's terms
+/// when the change knows them. A change carrying an older generation (a sidecar
+/// whose config is stale) never moves it. Returns the row's generation and terms
+/// after: the newest the ledger has seen.
 async fn ensure_stock(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
-    limit: i64,
-    generation: i64,
-) -> Result<(), sqlx::Error> {
+    stock: &Stock,
+) -> Result<(i64, Option<Terms>), sqlx::Error> {
+    let (limit, generation) = (stock.limit, stock.generation);
+    let terms = stock.terms;
     // The row exists on every call but the first: a key look-up, not a scan.
-    let current: Option<AnyRow> = sqlx::query("SELECT generation FROM stock WHERE drop_key = $1")
-        .bind(drop_key)
-        .fetch_optional(&mut **tx)
-        .await?;
-    if let Some(row) = current {
-        let stored: i64 = row.try_get(0)?;
+    let current = stock_row(tx, drop_key).await?;
+    // A change from an older generation than the ledger's describes variants that
+    // may be gone: it neither creates nor moves their rows. A drop without variants
+    // looks for rows to retire only when its generation moves (it had some before).
+    let fresh = current.is_none_or(|(stored, _)| generation >= stored);
+    let moving = current.is_some_and(|(stored, _)| generation > stored);
+    let has_variants = stock.variants.as_ref().is_some_and(|v| !v.is_empty());
+    if fresh && (has_variants || moving) {
+        ensure_variant_stock(tx, drop_key, stock).await?;
+    }
+    if let Some((stored, stored_terms)) = current {
         if generation > stored {
             sqlx::query(
-                "UPDATE stock SET available = available + ($1 - lim), lim = $2, generation = $3 \
-                 WHERE drop_key = $4 AND generation < $5",
+                "UPDATE stock SET available = available + ($1 - lim), lim = $2, generation = $3, \
+                 starts_at_ms = $4, ends_at_ms = $5, per_user_limit = $6, hold_seconds = $7 \
+                 WHERE drop_key = $8 AND generation < $9",
             )
             .bind(limit)
             .bind(limit)
             .bind(generation)
+            .bind(terms.and_then(|t| t.starts_at_ms))
+            .bind(terms.and_then(|t| t.ends_at_ms))
+            .bind(terms.map(|t| t.per_user_limit))
+            .bind(terms.map(|t| t.hold_seconds))
             .bind(drop_key)
             .bind(generation)
             .execute(&mut **tx)
             .await?;
+            return Ok((generation, terms));
         }
-        return Ok(());
+        if generation == stored && stored_terms.is_none() && terms.is_some() {
+            set_terms(tx, drop_key, generation, terms).await?;
+            return Ok((stored, terms));
+        }
+        return Ok((stored, stored_terms));
     }
     sqlx::query(
-        "INSERT INTO stock (drop_key, lim, available, generation) \
-         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4 FROM reservations \
-         WHERE drop_key = $5 AND state IN ('active', 'confirmed') \
+        "INSERT INTO stock (drop_key, lim, available, generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds) \
+         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4, $5, $6, $7, $8 FROM reservations \
+         WHERE drop_key = $9 AND state IN ('active', 'confirmed') \
          ON CONFLICT (drop_key) DO NOTHING",
     )
     .bind(drop_key)
     .bind(limit)
     .bind(limit)
     .bind(generation)
+    .bind(terms.and_then(|t| t.starts_at_ms))
+    .bind(terms.and_then(|t| t.ends_at_ms))
+    .bind(terms.map(|t| t.per_user_limit))
+    .bind(terms.map(|t| t.hold_seconds))
     .bind(drop_key)
+    .execute(&mut **tx)
+    .await?;
+    Ok(stock_row(tx, drop_key)
+        .await?
+        .unwrap_or((generation, terms)))
+}
+
+/// The variants' stock rows, as [`ensure_stock`] keeps the drop's: created (limit
+/// minus what the variant's reservations hold) for a variant the ledger has not
+/// seen, moved by the difference to a newer generation's quantity; a variant the
+/// newer generation no longer has keeps its holds at limit 0 (it sells nothing
+/// more). A change that does not know the variants (`stock.variants` is `None`)
+/// moves none of them.
+async fn ensure_variant_stock(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    stock: &Stock,
+) -> Result<(), sqlx::Error> {
+    let Some(variants) = stock.variants.as_deref() else {
+        return Ok(());
+    };
+    if stock.generation == 0 {
+        return Ok(());
+    }
+    let rows: Vec<AnyRow> =
+        sqlx::query("SELECT variant, lim, generation FROM variant_stock WHERE drop_key = $1")
+            .bind(drop_key)
+            .fetch_all(&mut **tx)
+            .await?;
+    let mut stored = Vec::with_capacity(rows.len());
+    for row in &rows {
+        stored.push((
+            row.try_get::<String, _>(0)?,
+            row.try_get::<i64, _>(1)?,
+            row.try_get::<i64, _>(2)?,
+        ));
+    }
+    for variant in variants {
+        match stored.iter().find(|(name, ..)| *name == variant.name) {
+            Some((_, _, at)) if *at < stock.generation => {
+                sqlx::query(
+                    "UPDATE variant_stock SET available = available + ($1 - lim), lim = $2, generation = $3 \
+                     WHERE drop_key = $4 AND variant = $5 AND generation < $6",
+                )
+                .bind(variant.quantity)
+                .bind(variant.quantity)
+                .bind(stock.generation)
+                .bind(drop_key)
+                .bind(&variant.name)
+                .bind(stock.generation)
+                .execute(&mut **tx)
+                .await?;
+            }
+            Some(_) => {}
+            None => {
+                sqlx::query(
+                    "INSERT INTO variant_stock (drop_key, variant, lim, available, generation) \
+                     SELECT $1, $2, $3, $4 - COALESCE(SUM(quantity), 0), $5 FROM reservations \
+                     WHERE drop_key = $6 AND variant = $7 AND state IN ('active', 'confirmed') \
+                     ON CONFLICT (drop_key, variant) DO NOTHING",
+                )
+                .bind(drop_key)
+                .bind(&variant.name)
+                .bind(variant.quantity)
+                .bind(variant.quantity)
+                .bind(stock.generation)
+                .bind(drop_key)
+                .bind(&variant.name)
+                .execute(&mut **tx)
+                .await?;
+            }
+        }
+    }
+    for (name, _, at) in &stored {
+        if *at < stock.generation && !variants.iter().any(|v| v.name == *name) {
+            sqlx::query(
+                "UPDATE variant_stock SET available = available - lim, lim = 0, generation = $1 \
+                 WHERE drop_key = $2 AND variant = $3 AND generation < $4",
+            )
+            .bind(stock.generation)
+            .bind(drop_key)
+            .bind(name)
+            .bind(stock.generation)
+            .execute(&mut **tx)
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+/// What the ledger's stock row for `variant` of the drop holds for sale; `None`
+/// when it keeps none (no change told it of the variant yet).
+pub(super) async fn variant_row(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    variant: &str,
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query("SELECT available FROM variant_stock WHERE drop_key = $1 AND variant = $2")
+        .bind(drop_key)
+        .bind(variant)
+        .fetch_optional(&mut **tx)
+        .await?
+        .map(|row| row.try_get(0))
+        .transpose()
+}
+
+/// The stock row's generation and terms (`None` terms: not known at it).
+async fn stock_row(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+) -> Result<Option<(i64, Option<Terms>)>, sqlx::Error> {
+    let row: Option<AnyRow> = sqlx::query(
+        "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds FROM stock WHERE drop_key = $1",
+    )
+    .bind(drop_key)
+    .fetch_optional(&mut **tx)
+    .await?;
+    row.map(|row| {
+        let per_user_limit: Option<i64> = row.try_get(3)?;
+        let hold_seconds: Option<i64> = row.try_get(4)?;
+        let terms = match (per_user_limit, hold_seconds) {
+            (Some(per_user_limit), Some(hold_seconds)) => Some(Terms {
+                starts_at_ms: row.try_get(1)?,
+                ends_at_ms: row.try_get(2)?,
+                per_user_limit,
+                hold_seconds,
+            }),
+            _ => None,
+        };
+        Ok((row.try_get(0)?, terms))
+    })
+    .transpose()
+}
+
+async fn set_terms(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    generation: i64,
+    terms: Option<Terms>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE stock SET starts_at_ms = $1, ends_at_ms = $2, per_user_limit = $3, hold_seconds = $4 \
+         WHERE drop_key = $5 AND generation = $6",
+    )
+    .bind(terms.and_then(|t| t.starts_at_ms))
+    .bind(terms.and_then(|t| t.ends_at_ms))
+    .bind(terms.map(|t| t.per_user_limit))
+    .bind(terms.map(|t| t.hold_seconds))
+    .bind(drop_key)
+    .bind(generation)
     .execute(&mut **tx)
     .await?;
     Ok(())
 }
 
-/// Inserts a reservation unless its key exists; true when inserted.
+/// Inserts a reservation unless its key holds one; true when inserted. A row
+/// another attempt left `abandoned` (no reservation: the claim of an admission
+/// judged dead) is replaced; one the change's own attempt left is not.
 async fn insert_reservation(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
@@ -592,8 +905,12 @@ async fn insert_reservation(
 ) -> Result<bool, sqlx::Error> {
     let inserted = sqlx::query(
         "INSERT INTO reservations \
-         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (drop_key, res_key) DO NOTHING",
+         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt, variant) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (drop_key, res_key) DO UPDATE SET \
+         user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
+         expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, \
+         replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
+         WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt",
     )
     .bind(&change.drop_key)
     .bind(&change.key)
@@ -605,14 +922,17 @@ async fn insert_reservation(
     .bind(now)
     .bind(i64::from(replayed))
     .bind(change.seq)
+    .bind(change.attempt.as_deref())
+    .bind(change.variant.as_deref().unwrap_or(""))
     .execute(&mut **tx)
     .await?;
     Ok(inserted.rows_affected() == 1)
 }
 
 /// Moves a reservation to the change's state if it is in a state that allows it
-/// (confirm and expire from active, cancel from active or confirmed); true when
-/// moved. Only forward, so a late or repeated change moves nothing.
+/// (confirm and expire from active, cancel from active or confirmed), unless the
+/// change's attempt was fenced off (judged dead); true when moved. Only forward, so
+/// a late or repeated change moves nothing.
 async fn transition(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
@@ -623,11 +943,13 @@ async fn transition(
         State::Active | State::Pending => return Ok(false),
         State::Confirmed | State::Expired => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
-             WHERE drop_key = $5 AND res_key = $6 AND state = 'active'"
+             WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
+             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7)"
         }
         State::Cancelled => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
-             WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed')"
+             WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed') \
+             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7)"
         }
     };
     let query = sqlx::query(sql)
@@ -636,7 +958,8 @@ async fn transition(
         .bind(i64::from(replayed))
         .bind(change.seq)
         .bind(&change.drop_key)
-        .bind(&change.key);
+        .bind(&change.key)
+        .bind(change.attempt.as_deref());
     Ok(query.execute(&mut **tx).await?.rows_affected() == 1)
 }
 
@@ -653,7 +976,29 @@ async fn adjust_holdings(
         .bind(&change.drop_key)
         .execute(&mut **tx)
         .await?;
+    if let Some(variant) = &change.variant {
+        move_variant(tx, &change.drop_key, variant, units).await?;
+    }
     move_buyer(tx, &change.drop_key, &change.user, -units).await
+}
+
+/// Moves a variant's stock by `units` unconditionally (a row not there yet is
+/// created by the next change that knows the variant's quantity).
+async fn move_variant(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    variant: &str,
+    units: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE variant_stock SET available = available + $1 WHERE drop_key = $2 AND variant = $3",
+    )
+    .bind(units)
+    .bind(drop_key)
+    .bind(variant)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Moves what `user` holds of a drop by `held` units (one upsert).
@@ -726,7 +1071,7 @@ async fn write_event(
     let event_id = format!("{}/{}/{}", change.drop_key, change.key, event(change.state));
     let drop = dropgate_api::keys::ledger_drop(&change.drop_key);
     let sale = dropgate_api::keys::ledger_sale(&change.drop_key);
-    let payload = outbox::canonical(&serde_json::json!({
+    let mut event_body = serde_json::json!({
         "at": now,
         "drop": drop,
         "eventId": event_id,
@@ -736,8 +1081,12 @@ async fn write_event(
         "sale": sale,
         "type": event(change.state),
         "user": change.user,
-    }))
-    .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+    });
+    // A drop with variants: the event names the reservation's.
+    if let (Some(variant), Some(fields)) = (&change.variant, event_body.as_object_mut()) {
+        fields.insert("variant".into(), variant.as_str().into());
+    }
+    let payload = outbox::canonical(&event_body).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let id = ids.take(tx).await?;
     sqlx::query(
         "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, sent_at_ms, seq) \

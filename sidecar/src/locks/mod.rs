@@ -1,10 +1,11 @@
 //! Fencing-token locks: a lease in Redis plus a fence that only grows, so storage
 //! can refuse a holder whose lease ran out while it was paused.
 //!
-//! Acquire is one Lua script (SET NX PX with a random token and INCR of the fence);
-//! renew and release compare the token in Lua. The ledger keeps each lock's highest
-//! fence ([`crate::ledger::fences`]): the next fence is above both it and the Redis
-//! counter, also after a failover that lost the counter.
+//! Acquire is one Lua script (SET NX PX with a random token and the next fence);
+//! renew and release compare the token in Lua. A fence is above the lock's last one,
+//! above the highest the ledger recorded ([`crate::ledger::fences`]), and never below
+//! Redis's clock in microseconds, so fences keep growing across a Redis that lost the
+//! counter, whichever pod asks (per-pod ledgers included).
 
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
@@ -40,23 +41,12 @@ pub enum LockError {
     Redis(#[from] redis::RedisError),
     #[error("ledger: {0}")]
     Ledger(#[from] sqlx::Error),
-    /// Sidecars with per-pod ledgers share this lock: no ledger holds the fence
-    /// high-water mark of all of them, so after Redis lost the counter a fence could
-    /// repeat. Refused rather than risked.
-    #[error(
-        "sidecars with per-pod ledgers share this lock, so its fences could repeat after Redis loses its counter: give them a shared PostgreSQL ledger"
-    )]
-    PerPodLedgers,
 }
 
 /// The ledger a lock's fences are recorded in.
 #[derive(Clone, Copy, Debug)]
 pub struct FenceLedger<'a> {
     pub pool: &'a AnyPool,
-    /// The ledger's id (see [`LockKeys::ledgers`]).
-    pub id: &'a str,
-    /// Whether it is a per-pod (SQLite) ledger.
-    pub per_pod: bool,
 }
 
 /// Tries to take the lock until `wait` is spent, sleeping between attempts with
@@ -116,21 +106,15 @@ async fn take(
         *attempts += 1;
         // Read on every attempt: another holder may have raised it meanwhile.
         let floor = fences::high_water(ledger.pool, ledger_name).await?;
-        let (granted, fence, when, ledgers): (i64, i64, i64, i64) = ACQUIRE
+        let (granted, fence, when): (i64, i64, i64) = ACQUIRE
             .key(keys.lock())
             .key(keys.fence())
-            .key(keys.ledgers())
             .arg(&token)
             .arg(ttl_ms)
             .arg(floor)
-            .arg(ledger.id)
             .invoke_async(conn)
             .await?;
         if granted == 1 {
-            if ledger.per_pod && ledgers > 1 {
-                let _ = release(conn, keys, &token).await;
-                return Err(LockError::PerPodLedgers);
-            }
             // The fence is durable, and above every fence recorded before it, before
             // anyone may use it; one that is not (a Redis that lost its counter
             // raced a holder whose fence the ledger has) is given back and the

@@ -27,7 +27,21 @@ async fn describe(app: &App, raw_drop: &str) -> Answer {
     };
     let config = shown.config;
     let time = |ms: Option<i64>| ms.map_or(serde_json::Value::Null, rfc3339);
-    Answer::new(StatusCode::OK, "found")
+    let found = Answer::new(StatusCode::OK, "found");
+    // A drop with variants shows each: its name, limit and what is left of it.
+    let found = if shown.variants.is_empty() {
+        found
+    } else {
+        let variants: Vec<serde_json::Value> = shown
+            .variants
+            .iter()
+            .map(|(name, limit, left)| {
+                serde_json::json!({"name": name, "limit": limit, "remaining": (*left).max(0)})
+            })
+            .collect();
+        found.with("variants", variants)
+    };
+    found
         .with("drop", name.as_str())
         .with("namespace", app.drops.namespace())
         .with("sku", config.sku)

@@ -93,8 +93,6 @@ async fn take(app: &App, raw: &str, body: &[u8]) -> Result<Answer, Answer> {
     let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
     let ledger = locks::FenceLedger {
         pool: app.ledger.pool(),
-        id: app.ledger.id(),
-        per_pod: app.ledger.is_per_pod(),
     };
     match locks::acquire(&mut conn, ledger, &keys, &ledger_name, ttl_ms, wait).await {
         Ok(Some(held)) => {

@@ -22,7 +22,7 @@ use crate::app::App;
 use crate::service::{Failure, Throttled};
 
 /// Largest request body accepted: the bodies are a few short fields.
-const MAX_BODY_BYTES: usize = 16 * 1024;
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// Every route of the API.
 pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {

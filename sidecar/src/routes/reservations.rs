@@ -12,7 +12,7 @@ use super::{CANCEL, CONFIRM, Caller, LOOKUP, RESERVE, failed, name_buyer, retry_
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
 use crate::input::{self, Reserve};
-use crate::reservation::{Outcome, Settle, View};
+use crate::reservation::{Outcome, Settle, VariantRefusal, View};
 use crate::service::{self, Path, Served};
 
 pub async fn reserve(
@@ -59,6 +59,7 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
         key: &request.key,
         user: Some(&request.user),
         quantity: request.quantity,
+        variant: request.variant.as_deref(),
     };
     match service::reserve(app, &drop, &request).await {
         Ok(served) => asked.answer(served),
@@ -80,6 +81,7 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle) -> Ans
         key: &key,
         user: None,
         quantity: 0,
+        variant: None,
     };
     match service::settle(app, &drop, &key, settle).await {
         Ok(served) => asked.answer(served),
@@ -92,9 +94,10 @@ struct Asked<'a> {
     app: &'a App,
     drop: &'a str,
     key: &'a str,
-    /// The buyer and quantity of a reserve.
+    /// The buyer, quantity and variant of a reserve.
     user: Option<&'a str>,
     quantity: i64,
+    variant: Option<&'a str>,
 }
 
 impl Asked<'_> {
@@ -116,15 +119,28 @@ impl Asked<'_> {
             Outcome::AlreadyCancelled(view) => {
                 self.reservation(StatusCode::OK, "already_cancelled", &view, path)
             }
-            Outcome::SoldOut { remaining } => Answer::refusal(
-                StatusCode::CONFLICT,
-                "sold_out",
-                format!(
-                    "drop {drop} is sold out: {} left, {} asked for",
-                    remaining.max(0),
-                    self.quantity
+            Outcome::SoldOut { remaining } => match self.variant {
+                // A size sold out: the answer names it, and what it has left.
+                Some(variant) => Answer::refusal(
+                    StatusCode::CONFLICT,
+                    "sold_out",
+                    format!(
+                        "variant {variant} of drop {drop} is sold out: {} left, {} asked for",
+                        remaining.max(0),
+                        self.quantity
+                    ),
+                )
+                .with("variant", variant),
+                None => Answer::refusal(
+                    StatusCode::CONFLICT,
+                    "sold_out",
+                    format!(
+                        "drop {drop} is sold out: {} left, {} asked for",
+                        remaining.max(0),
+                        self.quantity
+                    ),
                 ),
-            )
+            }
             .with("remaining", remaining.max(0)),
             Outcome::PerUserLimit { held, limit } => Answer::refusal(
                 StatusCode::CONFLICT,
@@ -137,7 +153,7 @@ impl Asked<'_> {
             Outcome::KeyReused => Answer::refusal(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency_key_reused",
-                format!("key {key} was already used in drop {drop} for a different user or quantity"),
+                format!("key {key} was already used in drop {drop} for a different user, quantity or variant"),
             ),
             Outcome::NotOpen { starts_at_ms } => Answer::refusal(
                 StatusCode::FORBIDDEN,
@@ -191,8 +207,24 @@ impl Asked<'_> {
                 format!("no reservation with key {key} in drop {drop}"),
             ),
             Outcome::UnknownDrop => super::unknown_drop(self.app, drop),
+            Outcome::VariantRefused(VariantRefusal::Missing) => Answer::invalid(format!(
+                "missing field `variant`: drop {drop} is sold in variants (GET /v1/drops/{drop} lists them)"
+            )),
+            Outcome::VariantRefused(VariantRefusal::Unexpected(_)) => Answer::invalid(format!(
+                "`variant` is given, but drop {drop} has no variants: leave it out"
+            )),
+            Outcome::VariantRefused(VariantRefusal::Unknown(variant)) => Answer::refusal(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("drop {drop} has no variant {variant}: nothing was reserved"),
+            )
+            .with("variant", variant),
             // The service acts on these itself; one reaching here is its bug.
-            unacted @ (Outcome::Closed | Outcome::OffGate(_) | Outcome::Pending) => {
+            unacted @ (Outcome::Closed
+            | Outcome::OffGate(_)
+            | Outcome::Pending
+            | Outcome::Unsettled(_)
+            | Outcome::ForeignLedger { .. }) => {
                 Answer::unavailable(format!("the gate answered {unacted:?}, which was not acted on"))
             }
         };
@@ -202,7 +234,7 @@ impl Asked<'_> {
     /// An answer that shows the reservation.
     fn reservation(&self, status: StatusCode, outcome: &str, view: &View, path: Path) -> Answer {
         let reservation = &view.reservation;
-        Answer::new(status, outcome)
+        let answer = Answer::new(status, outcome)
             .with("drop", self.drop)
             .with("key", self.key)
             .with("user", reservation.user.as_str())
@@ -217,7 +249,12 @@ impl Asked<'_> {
                     Path::Gate => "gate",
                     Path::Fallback => "fallback",
                 },
-            )
+            );
+        // A drop with variants: every answer names the reservation's.
+        match &reservation.variant {
+            Some(variant) => answer.with("variant", variant.as_str()),
+            None => answer,
+        }
     }
 }
 

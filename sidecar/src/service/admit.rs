@@ -7,7 +7,8 @@ use dropgate_api::{DropConfig, Mode};
 use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::{
-    Call, Choice, Failure, Served, Throttled, Turn, closed, decide, on_ledger, redis_failed,
+    Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Served, Throttled, Turn, closed, decide,
+    foreign_ledger, on_ledger, pending_bound_ms, published_now, redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -15,21 +16,8 @@ use crate::drops::Drop;
 use crate::faults::{self, Fault};
 use crate::gate::{self, Activation};
 use crate::input::Reserve;
-use crate::ledger::RecordError;
+use crate::ledger::{Landed, RecordError};
 use crate::reservation::{Outcome, Reservation, State, View};
-
-/// How soon a request first re-reads a key whose admission another request holds
-/// pending; each further wait doubles, up to [`PENDING_POLL_MAX`]. Most pending
-/// admissions settle within a few ms (a group commit); a slow one is not worth a
-/// script call every 2 ms.
-const PENDING_POLL: Duration = Duration::from_millis(2);
-const PENDING_POLL_MAX: Duration = Duration::from_millis(50);
-/// Slack beyond the permit wait for that other request to activate or undo.
-const PENDING_GRACE: Duration = Duration::from_millis(250);
-/// How long the ledger's commit of an admission may take before the admission is
-/// overdue: past its permit wait plus this, a pending admission is one its sidecar
-/// never finished (it died), and a retry of the same key takes it over.
-const PENDING_COMMIT_MS: u64 = 2_000;
 
 /// Reserves `request.quantity` units of drop `drop_name` for `request.user` under
 /// `request.key`, on whichever gate decides the drop now.
@@ -49,21 +37,23 @@ pub(super) async fn on_gate(
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
     let permit_wait = Duration::from_millis(config.acquire_timeout_ms);
-    // A duplicate of this key that is still waiting for its permit settles within
-    // the permit wait; until then this request asks again rather than promise a
-    // unit that may be undone.
-    let settle_by = Instant::now() + permit_wait + PENDING_GRACE;
-    let mut poll = PENDING_POLL;
+    // A duplicate of this key still in flight is asked again for its permit wait
+    // (and some slack) rather than promise a unit that may be undone; one that is
+    // still pending then (its commit is slow) answers throttled, and the buyer's
+    // retry asks again.
+    let settle_by = Instant::now() + permit_wait + IN_FLIGHT_GRACE;
+    let mut backoff = Backoff::new();
     let reply = loop {
         let reply = match gate::reserve(
             &mut conn,
             &drop.keys,
+            app.ledger.id(),
             &request.key,
             &request.user,
             request.quantity,
+            request.variant.as_deref(),
             &attempt,
-            app.ledger.id(),
-            config.acquire_timeout_ms + PENDING_COMMIT_MS,
+            pending_bound_ms(config),
         )
         .await
         {
@@ -77,19 +67,23 @@ pub(super) async fn on_gate(
         tracing::debug!(
             drop = %drop.name,
             key = %request.key,
-            wait_ms = poll.as_millis() as u64,
             "waiting for another attempt's pending admission of this key to be activated or undone"
         );
-        tokio::time::sleep(poll.min(settle_by.saturating_duration_since(Instant::now()))).await;
-        poll = (poll * 2).min(PENDING_POLL_MAX);
+        backoff.wait(settle_by).await;
     };
+    // The admission's answer is due by the end of its pending bound: its commit
+    // may not land later (a sweeper resolves the key by then).
+    let deadline = now_ms() + pending_bound_ms(config) as i64;
     record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {
         Outcome::Admitted(_) if reply.step.sale.as_deref() != Some(config.sale.as_str()) => {
-            // The drop was re-created since this sidecar read its config: admit
-            // again with the new sale's config, never record under the old one.
-            let _ = gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await;
-            return Turn::Reopen { suspect: false };
+            // The drop was re-created since this sidecar read its config: never
+            // record under the old sale. Taken back and answered as the 503 it is
+            // (the admission was seen by others meanwhile); the retry reads the new
+            // sale's config.
+            let _ = undo(app, drop, &request.key, &attempt).await;
+            let _ = app.drops.refresh(&mut conn, &drop.name).await;
+            return Turn::Done(Err(moved_on(drop)));
         }
         // Pending until activated below; also a retry's take-over of an admission
         // its dead sidecar never finished (that one carries no change number).
@@ -100,18 +94,56 @@ pub(super) async fn on_gate(
         Outcome::Pending => {
             return Turn::Done(Err(Failure::throttled(config, Throttled::KeyInFlight)));
         }
+        // No ledger named (Redis lost the key, or a claim waits to be recorded):
+        // claim it again, or hear that it waits.
+        Outcome::ForeignLedger { ledger } if ledger.is_empty() => {
+            return Turn::Reopen { suspect: false };
+        }
+        Outcome::ForeignLedger { ledger } => {
+            return Turn::Done(Err(foreign_ledger(app, drop, &ledger).await));
+        }
+        // The config of a drop this sidecar serves is gone from Redis: deleted (then
+        // the refresh forgets the drop) or lost with Redis's data (then the operator
+        // publishes it again). Neither is decided here.
+        Outcome::UnknownDrop => {
+            return Turn::Done(Err(Failure::retry(format!(
+                "drop {}'s config is not in Redis right now (being deleted, or lost with Redis's data and published again soon): nothing was reserved; retry",
+                drop.name
+            ))));
+        }
+        // A duplicate of a reservation whose confirm or cancel is being recorded:
+        // answered as it stands in the ledger once the ledger has it.
+        Outcome::Unsettled(view) => {
+            return Turn::Done(
+                match app
+                    .ledger
+                    .reservation(&drop.ledger_key(), &request.key)
+                    .await
+                {
+                    Ok(Some(row)) if row.state != view.reservation.state => {
+                        Ok(Outcome::AlreadyReserved(View {
+                            reservation: row.reservation(),
+                            remaining: view.remaining,
+                        }))
+                    }
+                    Ok(_) => Ok(Outcome::AlreadyReserved(view)),
+                    Err(e) => Err(Failure::retry(format!(
+                        "a confirm or cancel of reservation {} is being recorded and the ledger could not be asked ({e}): retry",
+                        request.key
+                    ))),
+                },
+            );
+        }
         refused => return Turn::Done(Ok(refused)),
     };
 
     let Some(permit) = drop.throttle.acquire(permit_wait).await else {
-        return Turn::Done(
-            match gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await {
-                Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
-                Err(e) => Err(Failure::unavailable(format!(
-                    "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
-                ))),
-            },
-        );
+        return Turn::Done(match undo(app, drop, &request.key, &attempt).await {
+            Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
+            Err(e) => Err(Failure::unavailable(format!(
+                "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
+            ))),
+        });
     };
     // A 201 means the admission is durable in the ledger: record it before the
     // reservation is activated, and take it back if that fails. The ledger refuses
@@ -124,23 +156,26 @@ pub(super) async fn on_gate(
         &reply.step,
         &admitted.reservation,
         State::Active,
-    );
+    )
+    .by(&attempt, deadline);
+    let ledger_key = change_key(drop, &reply.step);
     let recorded = match faults::check(Fault::AfterRedisAdmit) {
+        Ok(()) if faults::check(Fault::SkipLedgerOnAdmit).is_err() => Ok(()),
         Ok(()) => app.ledger.record(change).await,
         Err(injected) => Err(RecordError::Failed(injected.to_string())),
     };
-    let ledger_key = change_key(drop, &reply.step);
     if let Err(RecordError::KeyUsed { .. }) = recorded
         && let Ok(Some(row)) = app.ledger.reservation(&ledger_key, &request.key).await
         && row.user == request.user
         && row.quantity == request.quantity
+        && row.variant == request.variant
         && row.state.holds_units()
     {
         // The ledger already holds this buyer's reservation under the key (an
         // earlier attempt's commit landed after this one was admitted afresh):
         // this pending marker becomes that reservation, the unit it holds is its.
         return Turn::Done(
-            match gate::replay(&mut conn, &drop.keys, &row, &ledger_key).await {
+            match gate::replay(&mut conn, &drop.keys, app.ledger.id(), &row, &ledger_key).await {
                 Ok(_) => {
                     drop.throttle.hold(&request.key, permit, row.expires_at_ms);
                     Ok(Outcome::AlreadyReserved(View {
@@ -152,22 +187,61 @@ pub(super) async fn on_gate(
             },
         );
     }
+    // A commit that may have landed is asked about until the ledger says, so that
+    // the answer is true either way: taking back a durable admission would lose
+    // it, answering 503 for one would change what an error may not.
+    let recorded = match recorded {
+        Err(RecordError::Unknown(why)) => {
+            match admission_landed(app, &ledger_key, request, &attempt).await {
+                Some(Landed::Yes) => Ok(()),
+                Some(Landed::No) => Err(RecordError::Failed(why)),
+                // An earlier attempt's reservation of the key: answered from it
+                // below, as when the ledger refuses the key as used.
+                Some(Landed::Other(state)) => Err(RecordError::KeyUsed { state }),
+                None => {
+                    // The ledger cannot be asked: the marker stays pending, and the
+                    // key is resolved from the ledger past its bound (a retry's
+                    // takeover or the sweeper), whichever way it went.
+                    std::mem::drop(permit);
+                    tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
+                    return Turn::Done(Err(Failure::retry(format!(
+                        "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry the same key",
+                        pending_bound_ms(config)
+                    ))));
+                }
+            }
+        }
+        other => other,
+    };
     if let Err(refusal) = recorded {
         std::mem::drop(permit);
-        let undone = gate::undo(&mut conn, &drop.keys, &request.key, &attempt).await;
+        let undone = undo(app, drop, &request.key, &attempt).await;
         tracing::warn!(drop = %drop.name, %refusal, undone = undone.is_ok(), "the ledger refused an admission");
         return match refusal {
-            RecordError::NotAuthority { .. } => Turn::Reopen { suspect: false },
-            RecordError::SeqReused(_) => Turn::Reopen { suspect: true },
-            RecordError::SoldOut { available } => Turn::Done(Ok(Outcome::SoldOut {
-                remaining: available,
-            })),
+            // The gate moved to another epoch, or Redis lost writes, while this was
+            // recorded: the gate is brought in line, and the buyer, whose admission
+            // others may have seen held meanwhile, hears the 503 it is: retry.
+            RecordError::NotAuthority { .. } | RecordError::SeqReused(_) => {
+                let suspect = matches!(refusal, RecordError::SeqReused(_));
+                let _ = super::handover::open_gate(app, drop, suspect).await;
+                Turn::Done(Err(moved_on(drop)))
+            }
+            // The ledger counts fewer units left than Redis (a return it has not
+            // recorded yet, or a Redis behind it): neither says sold out for sure.
+            RecordError::SoldOut { available } => Turn::Done(Err(Failure::retry(format!(
+                "the ledger counts {available} units left where Redis admitted this one: nothing was reserved; retry the same key"
+            )))),
             RecordError::KeyUsed { .. } => {
                 Turn::Done(from_ledger_record(app, &ledger_key, request).await)
             }
-            RecordError::Failed(error) => Turn::Done(Err(Failure::unavailable(format!(
-                "the ledger could not record the reservation ({error}); nothing was reserved: retry the same key"
-            )))),
+            RecordError::GivenUp | RecordError::Late => Turn::Done(Err(Failure::retry(
+                "the ledger did not record the reservation within its deadline; nothing was reserved: retry the same key",
+            ))),
+            RecordError::Failed(error) | RecordError::Unknown(error) => {
+                Turn::Done(Err(Failure::unavailable(format!(
+                    "the ledger could not record the reservation ({error}); nothing was reserved: retry the same key"
+                ))))
+            }
         };
     }
     // Durable from here on: whatever Redis does next, the buyer hears 201.
@@ -179,7 +253,16 @@ pub(super) async fn on_gate(
         remaining: admitted.remaining,
     };
     let activated = match faults::check(Fault::AfterLedgerCommit) {
-        Ok(()) => gate::activate(&mut conn, &drop.keys, &request.key, &attempt).await,
+        Ok(()) => {
+            gate::activate(
+                &mut conn,
+                &drop.keys,
+                app.ledger.id(),
+                &request.key,
+                &attempt,
+            )
+            .await
+        }
         Err(injected) => Err(redis::RedisError::from((
             redis::ErrorKind::Client,
             "injected",
@@ -267,6 +350,34 @@ pub(super) async fn on_gate(
     Turn::Done(Ok(Outcome::Admitted(view)))
 }
 
+/// The answer for an admission taken back because its gate moved on under it.
+fn moved_on(drop: &Drop) -> Failure {
+    Failure::retry(format!(
+        "drop {}'s gate moved on while this admission was being recorded (a rebuild, a hand-over, or the drop re-created): nothing was reserved; retry the same key",
+        drop.name
+    ))
+}
+
+/// Takes the pending admission `attempt` of `key` back, asking Redis again a few
+/// times when it fails: a 503 must leave nothing held behind it. (One Redis never
+/// took back is resolved by a sweeper once it is overdue: its commit never came.)
+async fn undo(app: &App, drop: &Drop, key: &str, attempt: &str) -> redis::RedisResult<()> {
+    let mut conn = app.redis.clone();
+    let mut pause = Duration::from_millis(20);
+    let mut tries = 0;
+    loop {
+        match gate::undo(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await {
+            Ok(()) => return Ok(()),
+            Err(error) if tries >= 4 => return Err(error),
+            Err(_) => {
+                tries += 1;
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+        }
+    }
+}
+
 /// The answer for a reserve whose key the ledger already holds for a reservation
 /// Redis no longer knows (its marker outlived its TTL): the ledger's word.
 async fn from_ledger_record(
@@ -275,7 +386,11 @@ async fn from_ledger_record(
     request: &Reserve,
 ) -> Result<Outcome, Failure> {
     match app.ledger.reservation(ledger_key, &request.key).await {
-        Ok(Some(row)) if row.user == request.user && row.quantity == request.quantity => {
+        Ok(Some(row))
+            if row.user == request.user
+                && row.quantity == request.quantity
+                && row.variant == request.variant =>
+        {
             Ok(Outcome::AlreadyReserved(View {
                 reservation: row.reservation(),
                 remaining: 0,
@@ -289,8 +404,9 @@ async fn from_ledger_record(
     }
 }
 
-/// Reserve on the ledger's gate: same checks, same answers. `None`: the drop is
-/// back on the gate, try there.
+/// Reserve on the ledger's gate: same checks, same answers, decided on the config
+/// the operator published (read afresh when Redis answers) and the newest the
+/// ledger holds. `None`: the drop is back on the gate, try there.
 pub(super) async fn on_fallback(
     app: &App,
     drop: &Drop,
@@ -298,19 +414,18 @@ pub(super) async fn on_fallback(
     request: &Reserve,
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
+    let fresh = published_now(app, drop).await;
+    if reason == Reason::Mode && fresh.as_ref().is_some_and(|c| c.mode == Mode::Gate) {
+        return None;
+    }
+    let config = &fresh.unwrap_or_else(|| config.clone());
     let now = now_ms();
     let ledger_key = drop.ledger_key();
     // A retry first, as on the gate: it hears what its key holds, whatever the
     // window, the permits or the stock say now.
     let retried = on_ledger(app, drop, reason, || {
-        app.ledger.fallback_retry(
-            &ledger_key,
-            config,
-            &request.key,
-            &request.user,
-            request.quantity,
-            now,
-        )
+        app.ledger
+            .fallback_retry(&ledger_key, config, request.ask(), now)
     })
     .await;
     match retried {
@@ -324,32 +439,17 @@ pub(super) async fn on_fallback(
         Ok(None) => return None,
         Err(failure) => return Some(Err(failure)),
     }
-    if config.starts_at_ms.is_some_and(|start| now < start) {
-        return Some(Ok(Outcome::NotOpen {
-            starts_at_ms: config.starts_at_ms,
-        }));
-    }
-    if config.ends_at_ms.is_some_and(|end| now >= end) {
-        return Some(Ok(Outcome::Ended {
-            ends_at_ms: config.ends_at_ms,
-        }));
-    }
     // The permit comes first here: a ledger admission cannot be taken back as if it
     // never happened once its event may have been published, so one that finds no
-    // permit never starts.
+    // permit never starts. (The window, the per-user limit and the stock are
+    // checked in the ledger's transaction, on its newest terms.)
     let wait = Duration::from_millis(config.acquire_timeout_ms);
     let Some(permit) = drop.throttle.acquire(wait).await else {
         return Some(Err(Failure::throttled(config, Throttled::NoPermit)));
     };
     let outcome = match on_ledger(app, drop, reason, || {
-        app.ledger.fallback_reserve(
-            &ledger_key,
-            config,
-            &request.key,
-            &request.user,
-            request.quantity,
-            now,
-        )
+        app.ledger
+            .fallback_reserve(&ledger_key, config, request.ask(), now)
     })
     .await
     {
@@ -362,4 +462,41 @@ pub(super) async fn on_fallback(
             .hold(&request.key, permit, view.reservation.expires_at_ms);
     }
     Some(Ok(outcome))
+}
+
+/// How long a request asks the ledger whether its commit landed.
+const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
+
+/// Whether the admission `attempt` of `request.key`, whose commit had an unknown
+/// outcome, is durable (see [`crate::ledger::Ledger::admission_landed`]); `None`
+/// while the ledger cannot say, for [`ASK_LEDGER_FOR`].
+async fn admission_landed(
+    app: &App,
+    ledger_key: &str,
+    request: &Reserve,
+    attempt: &str,
+) -> Option<Landed> {
+    let until = Instant::now() + ASK_LEDGER_FOR;
+    let mut backoff = Backoff::new();
+    loop {
+        match app
+            .ledger
+            .admission_landed(
+                ledger_key,
+                &request.key,
+                &request.user,
+                request.quantity,
+                attempt,
+                now_ms(),
+            )
+            .await
+        {
+            Ok(landed) => return Some(landed),
+            Err(error) if Instant::now() < until => {
+                tracing::debug!(%error, "asking the ledger whether a commit landed");
+                backoff.wait(until).await;
+            }
+            Err(_) => return None,
+        }
+    }
 }

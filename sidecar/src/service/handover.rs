@@ -17,17 +17,21 @@
 //!   ledger (its gate key gone, its change counter below the ledger's), which
 //!   starts a rebuild; and its note that this sidecar reached Redis.
 //!
-//! A per-pod (SQLite) ledger holds only its own pod's sales: once another ledger has
-//! been seen admitting for the drop, its fallback would oversell and its rebuild would
-//! be partial, so it refuses both and the drop is closed on this sidecar instead.
+//! A sale has one ledger (see [`dropgate_api::DropKeys::ledger`]): the first sidecar
+//! to open its gate or hand it to the ledger claims it for its own ledger, and only
+//! sidecars of that ledger move the drop, rebuild it or fall back for it. A ledger
+//! that is not the sale's holds only part of it (per-pod ledgers on several
+//! replicas, a ledger added mid-sale): its fallback could oversell and its rebuild
+//! would be partial, so it refuses both, and the gate refuses its changes.
 
 use dropgate_api::Mode;
 
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::{Drop, LookupError};
-use crate::gate::{self, Closing, Gate, Opened, Replay};
+use crate::gate::{self, Claim, Closing, Opened, Replay};
 use crate::ledger::{Authority, Holder, LedgerError};
+use crate::reservation::Stock;
 
 /// Why the gate could not be opened or checked.
 #[derive(Debug, thiserror::Error)]
@@ -40,9 +44,14 @@ pub enum HandoverError {
     Config(#[from] LookupError),
     #[error("drop {0} is no longer published")]
     Unpublished(String),
-    /// Redis lost a sale that no ledger can rebuild (see [`lost_sale`]).
-    #[error("{}", lost_sale(.0))]
-    LostSale(String),
+    /// The sale is recorded by another ledger than this sidecar's.
+    #[error("{}", foreign_sale(.drop, .ledger))]
+    Foreign { drop: String, ledger: String },
+    /// This ledger's claim of the sale is not recorded by the operator yet.
+    #[error(
+        "drop {0}'s sale waits for the operator to record its ledger (the first seconds of a sale): retry"
+    )]
+    Awaiting(String),
     /// Redis's config changed under a rebuild (re-created, or lost and re-seeded):
     /// opening now could skip rows; the next attempt starts over afresh.
     #[error("drop {0}'s config changed in Redis during its rebuild: retrying")]
@@ -62,6 +71,9 @@ pub enum Opening {
     NotGate(Mode),
     /// Another sidecar is bringing Redis in line right now.
     Busy,
+    /// This ledger's claim of the sale waits for the operator to record it (the
+    /// first seconds of a sale): ask again soon.
+    Awaiting,
     /// It cannot be opened from here; the sentence says why.
     Refused(String),
 }
@@ -77,8 +89,18 @@ const REPLAY_ABANDONED_MS: i64 = 10_000;
 /// its counter looks in line.
 pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
     let _one_at_a_time = drop.handover.lock().await;
+    let era = app.redis_era(drop);
     match try_open(app, drop, suspect).await {
+        Ok(Opening::Open) => {
+            drop.verified
+                .store(era, std::sync::atomic::Ordering::Release);
+            Opening::Open
+        }
         Ok(opening) => opening,
+        Err(HandoverError::Awaiting(_)) => {
+            tracing::debug!(drop = %drop.name, "the sale's ledger claim waits for the operator to record it");
+            Opening::Awaiting
+        }
         Err(why) => {
             tracing::warn!(drop = %drop.name, %why, "the gate could not be opened");
             Opening::Refused(why.to_string())
@@ -98,10 +120,13 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Hand
         return Ok(Opening::NotGate(config.mode));
     }
     let key = drop.ledger_key();
+    // Only the sale's ledger opens its gate; the first to get here makes it its own.
+    require_sale(app, drop, &key).await?;
     let Standing {
         authority,
         ledger_seq,
         gate,
+        gate_floor,
         redis_seq,
     } = standing(app, drop, &key).await?;
     let redis_behind = suspect || redis_seq < ledger_seq;
@@ -123,55 +148,42 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Hand
         && a.holder == Holder::Replaying
         && now - a.changed_at_ms < REPLAY_ABANDONED_MS
         && gate != Some(a.epoch)
+        // A replay whose epoch Redis was closed past can never open: not busy.
+        && gate_floor <= a.epoch
     {
         return Ok(Opening::Busy);
     }
     let lost = authority.is_some() && (gate.is_none() || redis_behind);
-    if lost && app.ledger.is_per_pod() && app.ledger.has_peers(&key).await? {
-        // No ledger can rebuild the sale; a ledger new to it could not even tell
-        // that it was lost. The tombstone keeps every sidecar's gate closed.
-        gate::condemn(&mut conn, &drop.keys).await?;
-        return Err(HandoverError::LostSale(drop.name.clone()));
-    }
-
-    // A gate opened by a sidecar with another ledger (per-pod ledgers), on a Redis
-    // that lost nothing: join its epoch after replaying this ledger's own rows.
-    if let Some(g) = gate
-        && authority.as_ref().is_none_or(|a| a.epoch < g)
-        && !redis_behind
-    {
-        let begun = app
-            .ledger
-            .begin_replay(&key, authority.as_ref(), g - 1, now)
-            .await?;
-        let Some(epoch) = begun else {
-            return Ok(Opening::Busy);
-        };
-        rebuild(app, drop, &key).await?;
-        app.ledger.finish_replay(&key, epoch).await?;
-        return Ok(Opening::Open);
-    }
-
-    let floor = gate.unwrap_or(0);
     let Some(epoch) = app
         .ledger
-        .begin_replay(&key, authority.as_ref(), floor, now)
+        .begin_replay(&key, authority.as_ref(), gate_floor, now)
         .await?
     else {
         return Ok(Opening::Busy);
     };
     tracing::info!(drop = %drop.name, epoch, lost, ?gate, redis_seq, ledger_seq, ?authority, "bringing Redis in line with the ledger");
-    if gate::close(&mut conn, &drop.keys, epoch).await? == Closing::Lost {
-        return Err(HandoverError::LostSale(drop.name.clone()));
+    if let Closing::Foreign(ledger) =
+        gate::close(&mut conn, &drop.keys, app.ledger.id(), epoch).await?
+    {
+        return Err(foreign(drop, ledger));
     }
-    rebuild(app, drop, &key).await?;
+    rebuild(app, drop, &key, epoch).await?;
     let ledger_seq = app.ledger.max_seq(&key).await?;
-    match gate::open(&mut conn, &drop.keys, epoch, ledger_seq).await? {
+    match gate::open(&mut conn, &drop.keys, app.ledger.id(), epoch, ledger_seq).await? {
         Opened::Unpublished => return Err(HandoverError::Unpublished(drop.name.clone())),
-        Opened::Lost => return Err(HandoverError::LostSale(drop.name.clone())),
+        Opened::Foreign(ledger) => return Err(foreign(drop, ledger)),
+        // The authority moved past this replay's epoch meanwhile (the fallback
+        // took the drop): this opening is stale, and the next starts afresh.
+        Opened::Fenced => return Ok(Opening::Busy),
         Opened::Opened | Opened::AlreadyOpen => {}
     }
-    app.ledger.finish_replay(&key, epoch).await?;
+    if !app.ledger.finish_replay(&key, epoch).await? {
+        // The authority moved past this replay meanwhile (another sidecar took the
+        // drop over, or the fallback did): the gate opened here is stale. Closed
+        // again for this epoch; the next attempt starts afresh.
+        gate::close(&mut conn, &drop.keys, app.ledger.id(), epoch).await?;
+        return Ok(Opening::Busy);
+    }
     Ok(Opening::Open)
 }
 
@@ -182,43 +194,109 @@ struct Standing {
     ledger_seq: i64,
     /// The epoch the gate is open at in Redis.
     gate: Option<i64>,
+    /// The lowest epoch the gate may next open at, less one (see
+    /// [`gate::GateKey::floor`]).
+    gate_floor: i64,
     /// Redis's change counter.
     redis_seq: i64,
 }
 
 /// Reads where the drop stands, the ledger first: every number it holds was handed
 /// out by Redis before it was recorded, so Redis read afterwards is at least as far
-/// unless it lost writes. The tombstone refuses.
+/// unless it lost writes.
 async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, HandoverError> {
     let authority = app.ledger.authority(key).await?;
     let ledger_seq = app.ledger.max_seq(key).await?;
     let mut conn = app.redis.clone();
     let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys).await?;
-    if gate == Gate::Lost {
-        return Err(HandoverError::LostSale(drop.name.clone()));
-    }
     Ok(Standing {
         authority,
         ledger_seq,
-        gate: gate.epoch(),
+        gate: gate.open_at,
+        gate_floor: gate.floor(),
         redis_seq,
     })
 }
 
-fn lost_sale(drop: &str) -> String {
+/// Makes this sidecar's ledger the sale's if the sale has none yet, or finds that it
+/// is another's. The ledger remembers whose it is: to fall back when Redis cannot be
+/// asked, and to give the answer back to a Redis that lost it.
+async fn claim_sale(app: &App, drop: &Drop, key: &str) -> Result<Claim, HandoverError> {
+    let remembered = app.ledger.sale_ledger(key).await?;
+    let candidate = remembered.as_deref().unwrap_or(app.ledger.id());
+    let mut conn = app.redis.clone();
+    let claimed = gate::claim(&mut conn, &drop.keys, app.ledger.id(), candidate).await?;
+    note_claim(app, drop, &claimed);
+    match &claimed {
+        Claim::Mine => {
+            app.ledger
+                .note_sale_ledger(key, app.ledger.id(), now_ms())
+                .await?
+        }
+        Claim::Foreign(ledger) if !ledger.is_empty() => {
+            app.ledger.note_sale_ledger(key, ledger, now_ms()).await?
+        }
+        Claim::Foreign(_) | Claim::Awaiting | Claim::Unpublished => {}
+    }
+    Ok(claimed)
+}
+
+/// [`claim_sale`], as the gate may be opened: only when it is this ledger's.
+async fn require_sale(app: &App, drop: &Drop, key: &str) -> Result<(), HandoverError> {
+    match claim_sale(app, drop, key).await? {
+        Claim::Mine => Ok(()),
+        // Another ledger's claim not recorded yet: whose the sale is shows soon.
+        Claim::Foreign(ledger) if ledger.is_empty() => {
+            Err(HandoverError::Awaiting(drop.name.clone()))
+        }
+        Claim::Foreign(ledger) => Err(foreign(drop, ledger)),
+        Claim::Awaiting => Err(HandoverError::Awaiting(drop.name.clone())),
+        Claim::Unpublished => Err(HandoverError::Unpublished(drop.name.clone())),
+    }
+}
+
+/// What this sidecar learnt of whose the sale is: for `/metrics`, and said once in
+/// the log when it finds the sale another ledger's.
+pub(crate) fn note_claim(app: &App, drop: &Drop, claim: &Claim) {
+    // A claim by another ledger that is not recorded yet names nobody.
+    let foreign = matches!(claim, Claim::Foreign(ledger) if !ledger.is_empty());
+    let gauge = app
+        .metrics
+        .foreign_ledger
+        .get_or_create(&crate::metrics::DropLabel {
+            drop: drop.name.clone(),
+        });
+    if gauge.set(i64::from(foreign)) == 0
+        && let Claim::Foreign(ledger) = claim
+    {
+        tracing::error!(drop = %drop.name, sale_ledger = %ledger, ledger = %app.ledger.id(), "{}", foreign_sale(&drop.name, ledger));
+    }
+}
+
+fn foreign(drop: &Drop, ledger: String) -> HandoverError {
+    HandoverError::Foreign {
+        drop: drop.name.clone(),
+        ledger,
+    }
+}
+
+pub(super) fn foreign_sale(drop: &str, ledger: &str) -> String {
     format!(
-        "Redis lost writes of drop {} and its record is spread over per-pod ledgers, none of which \
-         holds the whole sale: its gate stays closed rather than sell units it may not have \
-         (settle its reservations from the ledgers, then re-create the drop as a new sale; \
-         use a shared PostgreSQL ledger to survive this)",
-        drop
+        "drop {drop}'s sale is recorded by another ledger ({ledger}) than this sidecar's: a ledger \
+         that sees only part of a sale could neither rebuild it nor fall back for it without \
+         overselling, so nothing of it is changed here (give every replica that serves the drop \
+         the same PostgreSQL ledger; a per-pod SQLite ledger serves a sale from one pod only)"
     )
 }
 
 /// Replays every reservation the ledger recorded for the drop into Redis, forward
-/// only: what Redis already has as far or further is left alone.
+/// only: what Redis already has as far or further is left alone. Then takes back
+/// the admissions Redis holds as pending that the ledger does not have: the epoch
+/// moved, so their commits are refused from now on, and a Redis that came back with
+/// them (a restart, a failover to a replica that missed their undo) would otherwise
+/// hold their units until their bound.
 #[tracing::instrument(level = "debug", name = "rebuild", skip_all, fields(dropgate.drop = %drop.name))]
-async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, HandoverError> {
+async fn rebuild(app: &App, drop: &Drop, key: &str, epoch: i64) -> Result<usize, HandoverError> {
     let mut conn = app.redis.clone();
     let mut after = String::new();
     let mut replayed = 0;
@@ -228,18 +306,48 @@ async fn rebuild(app: &App, drop: &Drop, key: &str) -> Result<usize, HandoverErr
             .recorded_after(key, &after, REBUILD_BATCH)
             .await?;
         let Some(last) = rows.last() else {
+            take_back_unrecorded(app, drop, key, epoch).await?;
             return Ok(replayed);
         };
         after = last.key.clone();
         for row in &rows {
-            match gate::replay(&mut conn, &drop.keys, row, key).await? {
+            match gate::replay(&mut conn, &drop.keys, app.ledger.id(), row, key).await? {
                 Replay::OtherSale => return Err(HandoverError::ConfigChanged(drop.name.clone())),
+                Replay::Foreign(ledger) => return Err(foreign(drop, ledger)),
                 Replay::Replayed => replayed += 1,
                 Replay::InLine => {}
             }
             app.ledger.mark_replayed(key, &row.key, row.state).await?;
         }
     }
+}
+
+/// Takes back every pending admission Redis holds that the ledger has no
+/// reservation for (see [`rebuild`]).
+async fn take_back_unrecorded(
+    app: &App,
+    drop: &Drop,
+    key: &str,
+    epoch: i64,
+) -> Result<(), HandoverError> {
+    let mut conn = app.redis.clone();
+    for pending in gate::overdue(&mut conn, &drop.keys, i64::MAX, REBUILD_BATCH as isize).await? {
+        if let Some(gate::Unresolved::Admission { attempt, .. }) =
+            gate::unresolved(&mut conn, &drop.keys, &pending).await?
+            && app.ledger.reservation(key, &pending).await?.is_none()
+        {
+            gate::undo_for_rebuild(
+                &mut conn,
+                &drop.keys,
+                app.ledger.id(),
+                &pending,
+                &attempt,
+                epoch,
+            )
+            .await?;
+        }
+    }
+    Ok(())
 }
 
 /// Replays the ledger's changes Redis has not seen (an activation that failed
@@ -249,7 +357,11 @@ pub async fn replay_unseen(app: &App, drop: &Drop) -> Result<usize, HandoverErro
     let mut conn = app.redis.clone();
     let rows = app.ledger.unreplayed(&key, REBUILD_BATCH).await?;
     for row in &rows {
-        gate::replay(&mut conn, &drop.keys, row, &key).await?;
+        if let Replay::Foreign(ledger) =
+            gate::replay(&mut conn, &drop.keys, app.ledger.id(), row, &key).await?
+        {
+            return Err(foreign(drop, ledger));
+        }
         app.ledger.mark_replayed(&key, &row.key, row.state).await?;
     }
     Ok(rows.len())
@@ -274,62 +386,72 @@ pub enum Refusal {
 }
 
 /// Makes the ledger the drop's authority, or says why it may not be. The ledger
-/// may decide only when it holds the whole sale (not a per-pod ledger among
-/// others); for the operator's mode, only when the config read afresh still says
-/// so; for an outage, only when no sidecar sharing the ledger reached Redis lately.
+/// may decide only when it is the sale's ledger (Redis says so, or said so before
+/// when Redis cannot be asked now); for the operator's mode, only when the config read
+/// afresh still says so; for an outage, only when no sidecar sharing the ledger
+/// reached Redis lately.
 pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Authority, Refusal> {
     let refused = |e: &dyn std::fmt::Display| Refusal::Refused(e.to_string());
     let _one_at_a_time = drop.handover.lock().await;
     let key = drop.ledger_key();
     let mut conn = app.redis.clone();
     let current = app.ledger.authority(&key).await.map_err(|e| refused(&e))?;
-    if app.ledger.is_per_pod() {
-        // A per-pod ledger holds the whole sale only if its sidecar sells alone: no
-        // other ledger ever registered for the drop, as seen by a registration
-        // now (of two sidecars registering, the later sees the earlier).
-        let registered = match gate::register(&mut conn, &drop.keys, app.ledger.id()).await {
-            Ok(ledgers) => {
-                say_per_pod_peers(app, drop, &ledgers);
-                app.ledger
-                    .note_peers(&key, &ledgers)
-                    .await
-                    .map_err(|e| refused(&e))?;
-                true
-            }
-            Err(_) => false,
-        };
-        // Without a registration now (Redis unreachable) a per-pod ledger cannot
-        // know that no pod joined the sale since its last look: a Redis outage
-        // closes the drop on it rather than risk selling beside a gate.
-        let alone = registered
-            && reason == Reason::Mode
-            && !app.ledger.has_peers(&key).await.map_err(|e| refused(&e))?;
-        if !alone {
+    match require_sale(app, drop, &key).await {
+        Ok(()) => {}
+        Err(HandoverError::Redis(_)) if app.ledger.owns(&key).await.map_err(|e| refused(&e))? => {
+            // Redis cannot be asked: a ledger Redis once named the sale's holds all
+            // of it (no other ledger can have changed it since).
+        }
+        Err(HandoverError::Redis(error)) => {
             return Err(Refusal::Refused(format!(
-                "this sidecar's ledger is per pod and it cannot know that it sells drop {} alone: \
-                 its fallback gate could oversell, so nothing is sold here until Redis gates again \
-                 (use a shared PostgreSQL ledger)",
+                "Redis is unreachable ({error}) and this sidecar's ledger was never named drop {}'s: \
+                 it cannot tell whether another ledger holds part of the sale, so it sells nothing \
+                 until Redis answers",
                 drop.name
             )));
         }
+        Err(other) => return Err(refused(&other)),
     }
     if let Some(current) = current.as_ref().filter(|a| a.holder == Holder::Ledger) {
         return Ok(current.clone());
     }
     let now = now_ms();
+    // A sidecar that reaches Redis is bringing it in line right now: its rebuild may
+    // outlast the quiet period, and the gate it opens would not hold the changes
+    // the fallback made meanwhile.
+    if reason == Reason::Outage
+        && let Some(replaying) = current.as_ref().filter(|a| {
+            a.holder == Holder::Replaying && now - a.changed_at_ms < REPLAY_ABANDONED_MS
+        })
+    {
+        return Err(Refusal::Refused(format!(
+            "drop {} is being brought in line in Redis by another sidecar ({replaying}): nothing is sold until it is done or given up",
+            drop.name
+        )));
+    }
     let quiet_since = match reason {
         Reason::Mode => match app.drops.refresh(&mut conn, &drop.name).await {
             Ok(Some(fresh)) if fresh.config().mode == Mode::Gate => {
                 return Err(Refusal::BackOnGate);
             }
             Ok(_) => {
-                // Stop Redis changing anything before the ledger decides. A gate
-                // reopened at a later epoch than the ledger knows is left open, and
-                // the hand-over below is then refused by the ledger's row.
-                let epoch = current.as_ref().map_or(0, |a| a.epoch);
-                gate::close(&mut conn, &drop.keys, epoch)
-                    .await
-                    .map_err(|e| refused(&e))?;
+                // Stop Redis changing anything before the ledger decides, closed for
+                // the epoch the ledger takes below, so that no sidecar that began
+                // reopening the gate before this move can open it after. A gate
+                // reopened at a later epoch than that is left open, and this
+                // hand-over is refused (the ledger's row moved on too).
+                let epoch = current.as_ref().map_or(0, |a| a.epoch) + 1;
+                match gate::close(&mut conn, &drop.keys, app.ledger.id(), epoch).await {
+                    Ok(Closing::Closed) => {}
+                    Ok(Closing::Reopened) => {
+                        return Err(Refusal::Refused(format!(
+                            "drop {}'s gate was reopened by another sidecar meanwhile: retry",
+                            drop.name
+                        )));
+                    }
+                    Ok(Closing::Foreign(ledger)) => return Err(refused(&foreign(drop, ledger))),
+                    Err(e) => return Err(refused(&e)),
+                }
                 None
             }
             // Redis cannot be asked: the outage rule decides.
@@ -349,7 +471,13 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
     let config = drop.config();
     let after = app
         .ledger
-        .hand_to_ledger(&key, config.limit, config.generation, now, quiet_since)
+        .hand_to_ledger(
+            &key,
+            &Stock::of(&config),
+            now,
+            current.as_ref(),
+            quiet_since,
+        )
         .await
         .map_err(|e| refused(&e))?;
     if after.holder != Holder::Ledger {
@@ -362,62 +490,72 @@ pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Au
     Ok(after)
 }
 
-/// The refresh loop's look at one drop on the gate: notes that this sidecar reached
-/// Redis, registers its ledger and remembers the other ones serving the drop,
-/// replays what Redis has not seen, and rebuilds Redis when it is behind the
-/// ledger.
-pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
+/// How Redis stands against the ledger for one drop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verified {
+    /// The gate is open at the ledger's epoch and Redis's change counter is not
+    /// below the ledger's highest number.
+    InLine,
+    /// Redis's change counter is below the ledger's highest number: it lost writes.
+    Behind,
+    /// The gate is not open at the ledger's epoch (closed, being opened, or moved
+    /// on): opening it decides.
+    NotOpen,
+}
+
+/// How Redis stands against the ledger for `drop`; in line, the drop counts as
+/// checked for the Redis era this began in.
+pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
+    let era = app.redis_era(drop);
     let key = drop.ledger_key();
-    let mut conn = app.redis.clone();
-    let now = now_ms();
-    app.ledger
-        .note_gate_seen(&key, &app.sidecar_id, now)
-        .await?;
-    let ledgers = gate::register(&mut conn, &drop.keys, app.ledger.id()).await?;
-    say_per_pod_peers(app, drop, &ledgers);
-    app.ledger.note_peers(&key, &ledgers).await?;
     let Standing {
         authority,
         ledger_seq,
         gate,
         redis_seq,
+        ..
+    } = standing(app, drop, &key).await?;
+    if redis_seq < ledger_seq {
+        return Ok(Verified::Behind);
+    }
+    if !matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g)
+    {
+        return Ok(Verified::NotOpen);
+    }
+    drop.verified
+        .store(era, std::sync::atomic::Ordering::Release);
+    Ok(Verified::InLine)
+}
+
+/// The refresh loop's look at one drop on the gate: notes that this sidecar reached
+/// Redis, replays what Redis has not seen, and rebuilds Redis when it is behind the
+/// ledger (or opens it, claiming the sale, when it was never opened).
+pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
+    let key = drop.ledger_key();
+    let now = now_ms();
+    let era = app.redis_era(drop);
+    app.ledger
+        .note_gate_seen(&key, &app.sidecar_id, now)
+        .await?;
+    let Standing {
+        authority,
+        ledger_seq,
+        gate,
+        redis_seq,
+        ..
     } = standing(app, drop, &key).await?;
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
     if redis_seq < ledger_seq || !in_line {
-        if let Opening::Refused(why) = open_gate(app, drop, redis_seq < ledger_seq).await {
-            return Err(HandoverError::NotOpened(why));
+        match open_gate(app, drop, redis_seq < ledger_seq).await {
+            Opening::Refused(why) => return Err(HandoverError::NotOpened(why)),
+            Opening::Awaiting => return Err(HandoverError::Awaiting(drop.name.clone())),
+            _ => {}
         }
         return Ok(());
     }
-    if in_line {
-        replay_unseen(app, drop).await?;
-    }
+    // Standing was read after `era` began: Redis is in line for it.
+    drop.verified
+        .store(era, std::sync::atomic::Ordering::Release);
+    replay_unseen(app, drop).await?;
     Ok(())
-}
-
-/// A per-pod (SQLite) ledger that finds other ledgers registered for the drop
-/// says so loudly, once per change of their number, and in the metric
-/// `dropgate_sidecar_per_pod_ledger_peers`: other replicas sell the drop (or this
-/// pod sold it before a restart that lost its emptyDir), and a per-pod fallback
-/// then closes the drop on a Redis outage instead of failing open (use one
-/// PostgreSQL ledger for all replicas).
-fn say_per_pod_peers(app: &App, drop: &Drop, ledgers: &[String]) {
-    if !app.ledger.is_per_pod() {
-        return;
-    }
-    let peers = ledgers.iter().filter(|l| *l != app.ledger.id()).count() as i64;
-    let gauge = app
-        .metrics
-        .per_pod_ledger_peers
-        .get_or_create(&crate::metrics::DropLabel {
-            drop: drop.name.clone(),
-        });
-    let before = gauge.set(peers);
-    if before != peers && peers > 0 {
-        tracing::warn!(
-            drop = %drop.name,
-            peers,
-            "this sidecar keeps a per-pod SQLite ledger, and {peers} other ledger(s) registered for this drop (other replicas, or this pod before a restart that lost its ledger): its fallback path is per pod, so a Redis outage closes the drop instead of failing open; give the replicas one PostgreSQL ledger (--database-url postgres://...)"
-        );
-    }
 }

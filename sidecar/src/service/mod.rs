@@ -32,6 +32,38 @@ use crate::gate;
 use crate::reservation::Outcome;
 use handover::{Opening, Reason};
 
+/// How long an admission may stay pending: its permit wait, then the ledger's
+/// commit deadline. Past it the admission is one its sidecar never finished, and a
+/// retry or a sweeper resolves it.
+pub(crate) fn pending_bound_ms(config: &DropConfig) -> u64 {
+    config.acquire_timeout_ms + crate::ledger::COMMIT_DEADLINE_MS
+}
+
+/// Slack beyond a bound for another request's change of the same key to finish.
+const IN_FLIGHT_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Waits between asks while another change of the same key is in flight: 2 ms first
+/// (most finish within a group commit), doubling up to 50 ms (a slow one is not
+/// worth a script call every 2 ms), never past the caller's deadline.
+struct Backoff {
+    next: std::time::Duration,
+}
+
+impl Backoff {
+    const FIRST: std::time::Duration = std::time::Duration::from_millis(2);
+    const MAX: std::time::Duration = std::time::Duration::from_millis(50);
+
+    fn new() -> Self {
+        Self { next: Self::FIRST }
+    }
+
+    async fn wait(&mut self, until: std::time::Instant) {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        tokio::time::sleep(self.next.min(left)).await;
+        self.next = (self.next * 2).min(Self::MAX);
+    }
+}
+
 /// Which gate decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Path {
@@ -160,40 +192,136 @@ pub struct Shown {
     pub config: DropConfig,
     /// What is left, as the gate deciding the drop counts it (unclamped).
     pub remaining: i64,
+    /// Per variant of the config, in its order: name, limit, what is left.
+    pub variants: Vec<(String, i64, i64)>,
 }
 
-/// The drop `name` and what is left of it: Redis's count while Redis gates it, the
-/// ledger's when the ledger does (or Redis failed and the failure policy is Open).
+impl Shown {
+    /// `unsold`: a variant without a count has sold nothing (the ledger keeps a
+    /// row only once a change told it of the variant; Redis seeds every one).
+    fn of(config: DropConfig, left: gate::Left, unsold: bool) -> Self {
+        let variants = config
+            .variants
+            .iter()
+            .map(|v| {
+                let missing = if unsold { v.quantity } else { 0 };
+                // No more than the drop as a whole has left (what a reserve admits).
+                let own = left.variants.get(&v.name).copied().unwrap_or(missing);
+                (v.name.clone(), v.quantity, own.min(left.drop))
+            })
+            .collect();
+        Self {
+            remaining: left.drop,
+            variants,
+            config,
+        }
+    }
+}
+
+/// The drop `name` and what is left of it. Redis's count (pending admissions
+/// included) while its gate is open and in line with the ledger; otherwise the
+/// ledger's count of what is durable, which is the whole truth while nothing can be
+/// admitted outside it: the gate closed (never opened, or being brought in line),
+/// Redis behind the ledger (whatever it admits now is refused at its commit), or the
+/// ledger deciding. A sidecar that cannot reach Redis while the gate may still be
+/// admitting for others cannot say: `unavailable`.
 pub async fn show(app: &App, name: &str) -> Result<Shown, Failure> {
     let drop = find_drop(app, name).await?;
     let config = drop.config();
-    let from_redis = match config.mode {
-        Mode::FailOpen => None,
-        Mode::Gate | Mode::Closed => {
-            let mut conn = app.redis.clone();
-            Some(gate::remaining(&mut conn, &drop.keys).await)
-        }
-    };
-    let remaining = match from_redis {
-        // Not seeded yet: nothing to sell.
-        Some(Ok(remaining)) => remaining.unwrap_or(0),
-        Some(Err(e)) if config.failure_policy == FailurePolicy::Closed => {
-            return Err(redis_down(&drop, &config, &e));
-        }
-        failed => app
+    let ledger_count = async || -> Result<Shown, Failure> {
+        let failed = |e| Failure::unavailable(format!("the ledger failed: {e}"));
+        let (left, variants) = app
             .ledger
-            .available(&drop.ledger_key())
+            .counts(&drop.ledger_key())
             .await
-            .map_err(|le| {
-                Failure::unavailable(match failed {
-                    Some(Err(e)) => format!("neither Redis ({e}) nor the ledger ({le}) answered"),
-                    _ => format!("the ledger failed: {le}"),
-                })
-            })?
+            .map_err(failed)?;
+        let left = gate::Left {
             // No stock row yet: the ledger has sold nothing of it.
-            .unwrap_or(config.limit),
+            drop: left.unwrap_or(config.limit),
+            variants,
+        };
+        Ok(Shown::of(config.clone(), left, true))
     };
-    Ok(Shown { remaining, config })
+    if config.mode == Mode::FailOpen {
+        return ledger_count().await;
+    }
+    let failed = match gate_count(app, &drop).await {
+        Ok(Some(left)) => return Ok(Shown::of(config, left, false)),
+        Ok(None) => return ledger_count().await,
+        Err(e) => e,
+    };
+    app.breaker(Some(&drop)).failed(&failed);
+    let ledger_decides = matches!(
+        app.ledger.authority(&drop.ledger_key()).await,
+        Ok(Some(authority)) if authority.holder == crate::ledger::Holder::Ledger
+    );
+    if config.failure_policy == FailurePolicy::Open && ledger_decides {
+        return ledger_count().await;
+    }
+    Err(redis_down(&drop, &config, &failed))
+}
+
+/// What Redis has left of the drop when its gate is open and in line with the
+/// ledger (checked against the ledger first after a Redis failure or a cluster
+/// change); `None` when Redis's count is not the drop's now.
+async fn gate_count(app: &App, drop: &Drop) -> redis::RedisResult<Option<gate::Left>> {
+    if app.breaker(Some(drop)).tripped().is_some() {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "Redis is unreachable (a connection failed within the last second)",
+        )));
+    }
+    if !is_verified(app, drop) {
+        match handover::verify(app, drop).await {
+            Ok(handover::Verified::InLine) => {}
+            Ok(_) => return Ok(None),
+            Err(handover::HandoverError::Redis(e)) => return Err(e),
+            Err(_) => return Ok(None),
+        }
+    }
+    let mut conn = app.redis.clone();
+    let (open, remaining) = gate::open_count(&mut conn, &drop.keys).await?;
+    app.breaker(Some(drop)).answered();
+    Ok(open.then_some(remaining))
+}
+
+/// Whether Redis was found in line with the ledger for `drop` since its last
+/// failure (or cluster change).
+fn is_verified(app: &App, drop: &Drop) -> bool {
+    drop.verified.load(std::sync::atomic::Ordering::Acquire) == app.redis_era(drop)
+}
+
+/// Whether Redis may act for `drop` on its own (the sweeper's expiries and
+/// resolutions): checked against the ledger since its last failure, checking it
+/// now if not. A Redis that answers after a failover may be a replica that missed
+/// writes; an expiry it made of a hold the ledger has confirmed would stand.
+pub(crate) async fn redis_in_line(app: &App, drop: &Drop) -> bool {
+    is_verified(app, drop)
+        || matches!(
+            handover::verify(app, drop).await,
+            Ok(handover::Verified::InLine)
+        )
+}
+
+/// Before Redis answers for a drop after a failure (the Redis answering may be a
+/// replica promoted in a failover, one that missed writes), it is checked against
+/// the ledger: `None` to go on, else the turn to take (reopen it, or go elsewhere).
+async fn checked<T>(app: &App, drop: &Drop, config: &DropConfig) -> Option<Turn<T>> {
+    if is_verified(app, drop) {
+        return None;
+    }
+    match handover::verify(app, drop).await {
+        Ok(handover::Verified::InLine) => None,
+        Ok(handover::Verified::Behind) => Some(Turn::Reopen { suspect: true }),
+        Ok(handover::Verified::NotOpen) => Some(Turn::Reopen { suspect: false }),
+        Err(handover::HandoverError::Redis(e)) => {
+            Some(Turn::Reroute(redis_failed(app, drop, config, &e)))
+        }
+        Err(other) => Some(Turn::Done(Err(Failure::retry(format!(
+            "drop {} could not be checked against the ledger ({other}): nothing was changed; retry",
+            drop.name
+        ))))),
+    }
 }
 
 /// Which gate decides an attempt.
@@ -327,12 +455,15 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
     loop {
         let config = drop.config();
         let turn = match (choose(app, drop, &config), call) {
-            (Choice::Gate, Call::Reserve(request)) => {
-                admit::on_gate(app, drop, &config, request).await
-            }
-            (Choice::Gate, Call::Settle(key, settle)) => {
-                settle::on_gate(app, drop, &config, key, settle).await
-            }
+            (Choice::Gate, call) => match checked(app, drop, &config).await {
+                Some(turn) => turn,
+                None => match call {
+                    Call::Reserve(request) => admit::on_gate(app, drop, &config, request).await,
+                    Call::Settle(key, settle) => {
+                        settle::on_gate(app, drop, &config, key, settle).await
+                    }
+                },
+            },
             (other, _) => Turn::Reroute(other),
         };
         match turn {
@@ -368,6 +499,11 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
                 match handover::open_gate(app, drop, suspect).await {
                     Opening::Open | Opening::NotGate(_) => {}
                     Opening::Busy => return Err(being_rebuilt(drop)),
+                    Opening::Awaiting => {
+                        return Err(Failure::retry(
+                            handover::HandoverError::Awaiting(drop.name.clone()).to_string(),
+                        ));
+                    }
                     Opening::Refused(why) => return Err(Failure::unavailable(why)),
                 }
             }
@@ -397,6 +533,13 @@ where
             drop.name
         ))
     };
+    let stale = |error: LedgerError| match error {
+        LedgerError::StaleConfig(_) => Failure::retry(format!(
+            "the ledger holds a newer config of drop {} than this sidecar read: nothing was changed; retry",
+            drop.name
+        )),
+        other => failed(other),
+    };
     match call().await {
         Err(LedgerError::NotAuthority(_)) => {
             match handover::hand_to_ledger(app, drop, reason).await {
@@ -404,8 +547,46 @@ where
                 Err(Refusal::BackOnGate) => return Ok(None),
                 Err(Refusal::Refused(why)) => return Err(Failure::unavailable(why)),
             }
-            call().await.map(Some).map_err(failed)
+            call().await.map(Some).map_err(stale)
         }
-        other => other.map(Some).map_err(failed),
+        other => other.map(Some).map_err(stale),
     }
+}
+
+/// The drop's config as the operator published it now, read from Redis when it
+/// answers: what a fallback admission is decided on, so that a limit cut, an endsAt
+/// moved into the past or a pause published a moment ago is obeyed. `None` when
+/// Redis cannot be asked (the last config read stands, and the ledger's newest).
+async fn published_now(app: &App, drop: &Drop) -> Option<DropConfig> {
+    if app.breaker(Some(drop)).tripped().is_some() {
+        return None;
+    }
+    let mut conn = app.redis.clone();
+    match app.drops.refresh(&mut conn, &drop.name).await {
+        Ok(Some(fresh)) => Some(fresh.config()),
+        Ok(None) | Err(_) => None,
+    }
+}
+
+/// The refusal for a sidecar whose ledger is not the sale's (`ledger`), as the gate
+/// answered it.
+async fn foreign_ledger(app: &App, drop: &Drop, ledger: &str) -> Failure {
+    handover::note_claim(app, drop, &crate::gate::Claim::Foreign(ledger.to_string()));
+    // Redis names another ledger the sale's: this one may no longer fall back for
+    // it on its own word (it may have been the sale's before Redis lost the key).
+    if !ledger.is_empty()
+        && let Err(error) = app
+            .ledger
+            .note_sale_ledger(&drop.ledger_key(), ledger, crate::clock::now_ms())
+            .await
+    {
+        tracing::warn!(drop = %drop.name, %error, "could not note the sale's ledger");
+    }
+    if ledger.is_empty() {
+        return Failure::retry(format!(
+            "drop {}'s sale has no recorded ledger in Redis yet (not claimed, or its claim waits for the operator to record it): nothing is changed; retry",
+            drop.name
+        ));
+    }
+    Failure::unavailable(handover::foreign_sale(&drop.name, ledger))
 }

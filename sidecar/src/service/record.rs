@@ -4,8 +4,9 @@ use dropgate_api::DropConfig;
 
 use crate::app::App;
 use crate::drops::Drop;
-use crate::gate::Step;
-use crate::reservation::{Change, Reservation, State, Stock};
+use crate::gate::{self, Step};
+use crate::ledger::RecordError;
+use crate::reservation::{Change, Reservation, State, Stock, Terms};
 
 /// The ledger change moving `reservation` of `key` to `state`, as a gate call's
 /// `step` made it: recorded under the sale Redis named in the same step, so a
@@ -20,14 +21,34 @@ pub fn change_of(
     state: State,
 ) -> Change {
     let sale = step.sale.as_deref().unwrap_or(&config.sale);
-    let stock = Stock {
-        limit: config.limit,
-        // A config of another sale says nothing about this one's limit: generation
-        // 0 never moves the stock row.
-        generation: if sale == config.sale {
-            config.generation
-        } else {
-            0
+    // This sidecar's config describes the stock only at its own sale and generation.
+    let known = |generation: i64| sale == config.sale && generation == config.generation;
+    let stock = match (step.limit, step.generation) {
+        // The config as the script read it, in the same step: however stale this
+        // sidecar's copy, the ledger counts the admission against the stock in force.
+        (Some(limit), Some(generation)) => Stock {
+            limit,
+            generation,
+            terms: known(generation).then(|| Terms::of(config)),
+            // As the script read them, like the limit; else this sidecar's own
+            // when they describe the same generation.
+            variants: match &step.variants {
+                Some(variants) => Some(variants.clone()),
+                None if known(generation) => Some(config.variants.clone()),
+                None => None,
+            },
+        },
+        _ => Stock {
+            limit: config.limit,
+            // A config of another sale says nothing about this one's limit:
+            // generation 0 never moves the stock row.
+            generation: if sale == config.sale {
+                config.generation
+            } else {
+                0
+            },
+            terms: None,
+            variants: (sale == config.sale).then(|| config.variants.clone()),
         },
     };
     Change::new(&drop.ledger_key_of(sale), stock, key, reservation, state)
@@ -65,8 +86,30 @@ pub async fn record_expiry(app: &App, drop: &Drop, config: &DropConfig, key: &st
             State::Expired,
         )
     };
-    if let Err(error) = app.ledger.record(change).await {
-        tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+    match app.ledger.record(change).await {
+        Ok(()) => {}
+        // The ledger's record went elsewhere (the hold was confirmed or cancelled
+        // and Redis missed it): Redis is brought forward to it at once, so that
+        // the expiry it made does not stand.
+        Err(RecordError::KeyUsed { .. }) => {
+            let ledger_key = change_key(drop, step);
+            match app.ledger.reservation(&ledger_key, key).await {
+                Ok(Some(row)) => {
+                    let mut conn = app.redis.clone();
+                    if let Err(error) =
+                        gate::replay(&mut conn, &drop.keys, app.ledger.id(), &row, &ledger_key)
+                            .await
+                    {
+                        tracing::warn!(drop = %drop.name, %error, "an expiry the ledger refused was not undone in Redis yet");
+                        replay_later(app, drop, &ledger_key, key).await;
+                    }
+                }
+                _ => replay_later(app, drop, &ledger_key, key).await,
+            }
+        }
+        Err(error) => {
+            tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+        }
     }
 }
 

@@ -2,13 +2,19 @@
 
 use dropgate_api::DropConfig;
 
+use std::time::{Duration, Instant};
+
 use super::handover::{self, Opening, Reason};
 use super::record::{change_key, change_of, record_expiry, replay_later};
-use super::{Call, Failure, Served, Turn, decide, on_ledger, redis_failed};
+use super::{
+    Backoff, Call, Failure, IN_FLIGHT_GRACE, Served, Throttled, Turn, decide, foreign_ledger,
+    on_ledger, pending_bound_ms, redis_failed,
+};
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::Drop;
-use crate::gate::{self, Reply};
+use crate::gate::{self, Finished, Prepare, Reply};
+use crate::ledger::COMMIT_DEADLINE_MS;
 use crate::ledger::{RecordError, Recorded};
 use crate::reservation::{Outcome, Settle, State, View};
 
@@ -56,9 +62,10 @@ pub(super) async fn on_fallback(
     decided
 }
 
-/// One attempt at the Redis gate: the script, the expiry it made on the way, and
-/// the ledger's record of a confirm or cancel (the ledger's word when Redis has no
-/// marker for the key).
+/// One attempt at the Redis gate. A look-up reads the gate (and the ledger, for a
+/// reservation whose confirm or cancel is in flight); a confirm or cancel is
+/// prepared in Redis, recorded in the ledger, then finished in Redis, so that one
+/// the ledger could not record is undone before its error is answered.
 pub(super) async fn on_gate(
     app: &App,
     drop: &Drop,
@@ -66,37 +73,275 @@ pub(super) async fn on_gate(
     key: &str,
     settle: Settle,
 ) -> Turn<Outcome> {
+    match settle {
+        Settle::Lookup => lookup_on_gate(app, drop, config, key).await,
+        Settle::Confirm => change_on_gate(app, drop, config, key, State::Confirmed).await,
+        Settle::Cancel => change_on_gate(app, drop, config, key, State::Cancelled).await,
+    }
+}
+
+async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) -> Turn<Outcome> {
     let mut conn = app.redis.clone();
-    let reply = match settle {
-        Settle::Confirm => gate::confirm(&mut conn, &drop.keys, key).await,
-        Settle::Cancel => gate::cancel(&mut conn, &drop.keys, key).await,
-        Settle::Lookup => gate::lookup(&mut conn, &drop.keys, key).await,
+    let settle_by = Instant::now() + unresolved_bound(config);
+    let mut backoff = Backoff::new();
+    let reply = loop {
+        let reply = match gate::lookup(&mut conn, &drop.keys, app.ledger.id(), key).await {
+            Ok(reply) => reply,
+            Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
+        };
+        app.breaker(Some(drop)).answered();
+        // An admission of the key not answered yet: its answer is the look-up's,
+        // unless the ledger already has it (it is made; only its activation is left).
+        if reply.outcome != Outcome::Pending {
+            break reply;
+        }
+        if let Ok(Some(row)) = app.ledger.reservation(&drop.ledger_key(), key).await {
+            return Turn::Done(Ok(Outcome::Found(View {
+                reservation: row.reservation(),
+                remaining: 0,
+            })));
+        }
+        if Instant::now() >= settle_by {
+            return Turn::Done(Err(Failure::throttled(config, Throttled::KeyInFlight)));
+        }
+        backoff.wait(settle_by).await;
     };
-    let reply = match reply {
-        Ok(reply) => reply,
-        Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
-    };
-    app.breaker(Some(drop)).answered();
-    if reply.outcome == Outcome::Closed {
-        return Turn::Reopen { suspect: false };
+    match reply.outcome {
+        Outcome::Closed => return Turn::Reopen { suspect: false },
+        // No ledger named (Redis lost the key, or a claim waits to be recorded):
+        // claim it again, or hear that it waits.
+        Outcome::ForeignLedger { ledger } if ledger.is_empty() => {
+            return Turn::Reopen { suspect: false };
+        }
+        Outcome::ForeignLedger { ledger } => {
+            return Turn::Done(Err(foreign_ledger(app, drop, &ledger).await));
+        }
+        _ => {}
     }
     record_expiry(app, drop, config, key, &reply.step).await;
+    let outcome = match reply.outcome {
+        Outcome::NotFound => match from_ledger_or_not_found(app, drop, key, Settle::Lookup).await {
+            Ok(outcome) => outcome,
+            Err(failure) => return Turn::Done(Err(failure)),
+        },
+        // Its confirm or cancel is prepared: it happened once the ledger recorded it.
+        Outcome::Unsettled(view) => match app.ledger.reservation(&drop.ledger_key(), key).await {
+            Ok(Some(row)) if row.state != view.reservation.state => Outcome::Found(View {
+                reservation: row.reservation(),
+                remaining: view.remaining,
+            }),
+            Ok(_) => Outcome::Found(view),
+            Err(e) => {
+                return Turn::Done(Err(Failure::retry(format!(
+                    "a confirm or cancel of reservation {key} is being recorded and the ledger could not be asked ({e}): retry"
+                ))));
+            }
+        },
+        other => other,
+    };
+    free_permit_if_settled(drop, key, &outcome);
+    Turn::Done(Ok(outcome))
+}
+
+/// Confirm (`to` Confirmed) or cancel (`to` Cancelled) on the gate: prepared, then
+/// recorded, then finished; an attempt the ledger does not record is aborted and
+/// changes nothing. Another confirm or cancel of the key in flight is waited for
+/// (its answer is the reservation's next state), within its bound.
+async fn change_on_gate(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    key: &str,
+    to: State,
+) -> Turn<Outcome> {
+    let mut conn = app.redis.clone();
+    let attempt = format!("{:016x}", rand::random::<u64>());
+    let settle_by = Instant::now() + unresolved_bound(config);
+    let mut backoff = Backoff::new();
+    let prepared = loop {
+        let prepared = match gate::prepare(
+            &mut conn,
+            &drop.keys,
+            app.ledger.id(),
+            key,
+            to,
+            &attempt,
+            COMMIT_DEADLINE_MS,
+        )
+        .await
+        {
+            Ok(prepared) => prepared,
+            Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
+        };
+        app.breaker(Some(drop)).answered();
+        match &prepared {
+            Prepare::Answered(reply)
+                if reply.outcome == Outcome::Pending && Instant::now() < settle_by =>
+            {
+                backoff.wait(settle_by).await;
+            }
+            _ => break prepared,
+        }
+    };
+    let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
+    let (view, step) = match prepared {
+        Prepare::Answered(reply) => return answered(app, drop, config, key, to, reply).await,
+        Prepare::Prepared { view, step } => (view, step),
+    };
+    let change = change_of(drop, config, key, &step, &view.reservation, to).by(&attempt, deadline);
+    let abort = |why: &str| {
+        tracing::warn!(drop = %drop.name, key, why, "a confirm or cancel was not recorded: undone");
+    };
+    let undo = async |conn: &mut dropgate_api::Connection| {
+        if let Err(error) = gate::abort(conn, &drop.keys, app.ledger.id(), key, &attempt).await {
+            // Resolved from the ledger (which has nothing) once it is overdue.
+            tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
+        }
+    };
+    match app.ledger.record(change).await {
+        Ok(()) => {}
+        Err(RecordError::KeyUsed { state: recorded }) => {
+            undo(&mut conn).await;
+            abort("the ledger's record went elsewhere");
+            replay_later(app, drop, &change_key(drop, &step), key).await;
+            return Turn::Done(Ok(Outcome::Overruled {
+                recorded,
+                asked: to,
+            }));
+        }
+        Err(RecordError::NotAuthority { .. }) => {
+            undo(&mut conn).await;
+            return Turn::Reopen { suspect: false };
+        }
+        // It may have landed: the attempt is fenced off (its commit refused from
+        // now on) and the ledger's row says which way it went, so that the answer
+        // is true either way.
+        Err(RecordError::Unknown(why)) => {
+            match settle_landed(app, &change_key(drop, &step), key, &attempt, to).await {
+                Some(true) => {}
+                Some(false) => {
+                    undo(&mut conn).await;
+                    abort(&why);
+                    return Turn::Done(Err(Failure::retry(format!(
+                        "the ledger could not record the {} ({why}): nothing was changed; retry",
+                        if to == State::Cancelled {
+                            "cancel"
+                        } else {
+                            "confirm"
+                        }
+                    ))));
+                }
+                None => {
+                    // The ledger cannot be asked: the preparation stays, and past its
+                    // bound the resolver fences the attempt off and finishes or undoes
+                    // it by what the ledger holds.
+                    tracing::warn!(drop = %drop.name, key, %why, "a confirm or cancel's commit has an unknown outcome: left for its resolution");
+                    return Turn::Done(Err(Failure::retry(format!(
+                        "the ledger's commit of this {} failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry",
+                        if to == State::Cancelled {
+                            "cancel"
+                        } else {
+                            "confirm"
+                        },
+                        COMMIT_DEADLINE_MS
+                    ))));
+                }
+            }
+        }
+        Err(RecordError::SeqReused(_)) => {
+            undo(&mut conn).await;
+            return Turn::Reopen { suspect: true };
+        }
+        Err(refusal) => {
+            undo(&mut conn).await;
+            abort(&refusal.to_string());
+            return Turn::Done(Err(Failure::retry(format!(
+                "the ledger could not record the {} ({refusal}): nothing was changed; retry",
+                if to == State::Cancelled {
+                    "cancel"
+                } else {
+                    "confirm"
+                }
+            ))));
+        }
+    }
+    // Durable from here on: whatever Redis does next, the answer is the change.
+    let done = match gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await {
+        Ok(Finished::Done(view)) => view,
+        Ok(Finished::Gone) => with_state(view, to),
+        Err(error) => {
+            // The resolver or the refresh's replay makes Redis follow the ledger.
+            app.breaker(Some(drop)).failed(&error);
+            tracing::warn!(drop = %drop.name, %error, "a recorded confirm or cancel could not be finished in Redis yet");
+            replay_later(app, drop, &change_key(drop, &step), key).await;
+            with_state(view, to)
+        }
+    };
+    drop.throttle.release(key);
+    if to == State::Cancelled
+        && crate::faults::check(crate::faults::Fault::ErrorAfterRedisCancel).is_err()
+    {
+        return Turn::Done(Err(Failure::unavailable(
+            "injected: a cancel answered 503 after Redis made it",
+        )));
+    }
+    Turn::Done(Ok(match to {
+        State::Cancelled => Outcome::Cancelled(done),
+        _ => Outcome::Confirmed(done),
+    }))
+}
+
+/// The reservation of `view` moved to `state`.
+fn with_state(view: View, state: State) -> View {
+    View {
+        reservation: crate::reservation::Reservation {
+            state,
+            ..view.reservation
+        },
+        remaining: view.remaining,
+    }
+}
+
+/// A confirm or cancel that had nothing to prepare: answered as the gate says, or
+/// from the ledger when Redis has no marker for the key.
+async fn answered(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    key: &str,
+    to: State,
+    reply: Reply,
+) -> Turn<Outcome> {
+    match &reply.outcome {
+        Outcome::Closed => return Turn::Reopen { suspect: false },
+        Outcome::ForeignLedger { ledger } if ledger.is_empty() => {
+            return Turn::Reopen { suspect: false };
+        }
+        Outcome::ForeignLedger { ledger } => {
+            return Turn::Done(Err(foreign_ledger(app, drop, ledger).await));
+        }
+        Outcome::Pending => {
+            return Turn::Done(Err(Failure::throttled(config, Throttled::KeyInFlight)));
+        }
+        _ => {}
+    }
+    record_expiry(app, drop, config, key, &reply.step).await;
+    let settle = match to {
+        State::Cancelled => Settle::Cancel,
+        _ => Settle::Confirm,
+    };
     if reply.outcome == Outcome::NotFound {
         // Redis has no granted marker of this sale: an admission still being
         // recorded, or a marker that outlived its TTL. Answer from the ledger's
         // record, moving no unit: replaying it here would take its units a second
         // time.
-        let outcome = match app.ledger.reservation(&drop.ledger_key(), key).await {
-            Ok(Some(row)) => from_ledger(row, settle),
-            Ok(None) => Outcome::NotFound,
-            Err(e) => {
-                return Turn::Done(Err(Failure::unavailable(format!(
-                    "Redis has no reservation {key} and the ledger could not be asked ({e}): nothing was changed"
-                ))));
-            }
-        };
-        free_permit_if_settled(drop, key, &outcome);
-        return Turn::Done(Ok(outcome));
+        return Turn::Done(
+            from_ledger_or_not_found(app, drop, key, settle)
+                .await
+                .inspect(|outcome| {
+                    free_permit_if_settled(drop, key, outcome);
+                }),
+        );
     }
     free_permit_if_settled(drop, key, &reply.outcome);
     match record_settled(app, drop, config, key, &reply).await {
@@ -104,6 +349,28 @@ pub(super) async fn on_gate(
         Ok(Some(overruled)) => Turn::Done(Ok(overruled)),
         Err(failure) => Turn::Done(Err(failure)),
     }
+}
+
+/// The ledger's answer for a key Redis has no marker of.
+async fn from_ledger_or_not_found(
+    app: &App,
+    drop: &Drop,
+    key: &str,
+    settle: Settle,
+) -> Result<Outcome, Failure> {
+    match app.ledger.reservation(&drop.ledger_key(), key).await {
+        Ok(Some(row)) => Ok(from_ledger(row, settle)),
+        Ok(None) => Ok(Outcome::NotFound),
+        Err(e) => Err(Failure::unavailable(format!(
+            "Redis has no reservation {key} and the ledger could not be asked ({e}): nothing was changed"
+        ))),
+    }
+}
+
+/// How long a call waits for another change of its key to be resolved: an
+/// admission's pending bound and some slack.
+fn unresolved_bound(config: &DropConfig) -> Duration {
+    Duration::from_millis(pending_bound_ms(config)) + IN_FLIGHT_GRACE
 }
 
 /// What the ledger's record says when Redis has no marker for the key.
@@ -168,5 +435,32 @@ async fn record_settled(
             "Redis has the reservation {} but the ledger did not record it ({e}): retry",
             state.as_str()
         ))),
+    }
+}
+
+/// How long a request asks the ledger whether its commit landed.
+const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
+
+/// Whether the confirm or cancel `attempt` of `key` (moving it `to`), whose commit
+/// had an unknown outcome, landed; final, as the attempt is fenced off first. `None`
+/// while the ledger cannot say, for [`ASK_LEDGER_FOR`].
+async fn settle_landed(
+    app: &App,
+    ledger_key: &str,
+    key: &str,
+    attempt: &str,
+    to: State,
+) -> Option<bool> {
+    let until = Instant::now() + ASK_LEDGER_FOR;
+    let mut backoff = Backoff::new();
+    loop {
+        match app.ledger.fence_settle(ledger_key, key, attempt).await {
+            Ok(state) => return Some(state == Some(to)),
+            Err(error) if Instant::now() < until => {
+                tracing::debug!(%error, "asking the ledger whether a commit landed");
+                backoff.wait(until).await;
+            }
+            Err(_) => return None,
+        }
     }
 }

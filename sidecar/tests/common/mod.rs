@@ -54,6 +54,7 @@ impl Peer {
         let addr = listener.local_addr().expect("local addr");
         let mut settings = dropgate_sidecar::Settings {
             listen: addr,
+            listen_any: false,
             health_listen: None,
             redis_url: redis_url.into(),
             namespace: NS.into(),
@@ -202,8 +203,13 @@ impl Sidecar {
         let mut conn = self.redis.connection().expect("connect");
         let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
         keys.into_iter()
+            // The gate's bookkeeping (its epoch, the change counter, the sale's
+            // ledger) moves when a sidecar first opens a drop, whatever it answers.
             .filter(|key| {
-                !key.ends_with(":events") && !key.ends_with(":gate") && !key.ends_with(":seq")
+                !key.ends_with(":events")
+                    && !key.ends_with(":gate")
+                    && !key.ends_with(":seq")
+                    && !key.ends_with(":ledger")
             })
             .map(|key| {
                 let dump: Vec<u8> = redis::cmd("DUMP").arg(&key).query(&mut conn).expect("DUMP");

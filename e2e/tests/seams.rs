@@ -1,0 +1,648 @@
+//! The seams a third hostile round found in "never oversell", each against real
+//! processes (redis-server, PostgreSQL, the sidecar and operator binaries): a
+//! fallback deciding on a stale config, ledgers that see only part of a sale, and
+//! errors whose change took effect anyway. Every test failed before its fix.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use dropgate_api::DropKeys;
+use dropgate_e2e::processes::{SidecarProcess, apply, binary, sale_manifest};
+use dropgate_testkit::{DropSpec, HttpClient, PostgresServer, RedisServer, Reply};
+use futures::future::join_all;
+
+/// How long a test waits for something that must happen soon (a ledger back, a
+/// pending admission resolved): far past what it should take, far below the holds'
+/// 600 s, so only a sidecar that does not do it fails.
+const EVENTUALLY: Duration = Duration::from_secs(20);
+
+/// Publishes drop `shop/sale` with `spec`, as `kubectl apply` of a changed manifest
+/// would (the operator's `apply -f`).
+fn publish(dir: &Path, redis: &RedisServer, spec: DropSpec) {
+    let manifest = sale_manifest(dir, &spec.yaml()).expect("manifest");
+    apply(&manifest, &redis.url()).expect("apply");
+}
+
+/// A sidecar process and a client of its API; the process is killed when this is
+/// dropped.
+struct Shop {
+    http: HttpClient,
+    _process: SidecarProcess,
+}
+
+impl std::ops::Deref for Shop {
+    type Target = HttpClient;
+    fn deref(&self) -> &HttpClient {
+        &self.http
+    }
+}
+
+/// A sidecar whose own copy of a drop's config is re-read only every minute: what
+/// it decides must not depend on that copy.
+async fn stale_sidecar(redis: &RedisServer, ledger: &str) -> Shop {
+    sidecar(redis, ledger, &["--refresh-ms", "60000"]).await
+}
+
+async fn sidecar(redis: &RedisServer, ledger: &str, flags: &[&str]) -> Shop {
+    let process = SidecarProcess::start_with(&redis.url(), "shop", ledger, flags)
+        .await
+        .expect("sidecar");
+    Shop {
+        http: HttpClient::new(process.base.clone()),
+        _process: process,
+    }
+}
+
+async fn reserve(http: &HttpClient, key: &str) -> Reply {
+    let body = format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#);
+    http.post("/v1/drops/sale/reservations", &body)
+        .await
+        .expect("the sidecar answers")
+}
+
+async fn settle(http: &HttpClient, key: &str, op: &str) -> Reply {
+    http.post(&format!("/v1/drops/sale/reservations/{key}/{op}"), "")
+        .await
+        .expect("the sidecar answers")
+}
+
+/// `n` buyers at once, spread over `sidecars`, keys `<prefix>-<i>`.
+async fn rush(sidecars: &[&HttpClient], prefix: &str, n: usize) -> Vec<Reply> {
+    join_all((0..n).map(|i| async move {
+        reserve(sidecars[i % sidecars.len()], &format!("{prefix}-{i}")).await
+    }))
+    .await
+}
+
+fn admitted(replies: &[Reply]) -> usize {
+    replies.iter().filter(|r| r.status == 201).count()
+}
+
+fn answers(replies: &[Reply]) -> Vec<String> {
+    replies
+        .iter()
+        .map(|r| format!("{} {}", r.status, r.outcome()))
+        .collect()
+}
+
+fn keys() -> DropKeys {
+    DropKeys::new("shop", "sale")
+}
+
+fn redis_int(redis: &RedisServer, key: String) -> i64 {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("GET")
+        .arg(key)
+        .query::<Option<i64>>(&mut conn)
+        .expect("GET")
+        .unwrap_or(0)
+}
+
+fn marker_state(redis: &RedisServer, key: &str) -> Option<String> {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("HGET")
+        .arg(keys().reservation(key))
+        .arg("state")
+        .query(&mut conn)
+        .expect("HGET")
+}
+
+/// The event types the drop's stream holds for reservation `key`.
+fn events_of(redis: &RedisServer, key: &str) -> Vec<String> {
+    let mut conn = redis.connection().expect("connect");
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(keys().events())
+        .arg("-")
+        .arg("+")
+        .query(&mut conn)
+        .unwrap_or_default();
+    entries
+        .into_iter()
+        .flat_map(|(_, fields)| fields)
+        .filter_map(|(_, payload)| serde_json::from_str::<serde_json::Value>(&payload).ok())
+        .filter(|event| event["key"] == key)
+        .filter_map(|event| event["type"].as_str().map(String::from))
+        .collect()
+}
+
+/// Asks until the answer is not 503 (the ledger coming back), within EVENTUALLY.
+async fn until_answered(mut ask: impl AsyncFnMut() -> Reply) -> Reply {
+    let started = Instant::now();
+    loop {
+        let reply = ask().await;
+        if reply.status != 503 || started.elapsed() > EVENTUALLY {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_limit_cut_on_the_fallback_is_obeyed_by_the_next_buyer() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(
+        dir.path(),
+        &redis,
+        DropSpec::new(20).kill_switch().permits(100),
+    );
+    let a = stale_sidecar(&redis, &postgres.url()).await;
+    let b = stale_sidecar(&redis, &postgres.url()).await;
+    let early = rush(&[&*a, &*b], "early", 5).await;
+    assert_eq!(admitted(&early), 5, "{:?}", answers(&early));
+
+    publish(
+        dir.path(),
+        &redis,
+        DropSpec::new(10).kill_switch().permits(100),
+    );
+    let late = rush(&[&*a, &*b], "late", 20).await;
+    assert_eq!(
+        5 + admitted(&late),
+        10,
+        "the limit in force is 10: {:?}",
+        answers(&late)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_end_moved_into_the_past_on_the_fallback_ends_the_sale_for_the_next_buyer() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(
+        dir.path(),
+        &redis,
+        DropSpec::new(20).kill_switch().permits(100),
+    );
+    let a = stale_sidecar(&redis, &postgres.url()).await;
+    let b = stale_sidecar(&redis, &postgres.url()).await;
+    assert_eq!(admitted(&rush(&[&*a, &*b], "early", 3).await), 3);
+
+    publish(
+        dir.path(),
+        &redis,
+        DropSpec::new(20)
+            .kill_switch()
+            .permits(100)
+            .ends_at("2001-01-01T00:00:00Z"),
+    );
+    let late = rush(&[&*a, &*b], "late", 10).await;
+    assert!(
+        late.iter()
+            .all(|r| r.status == 403 && r.outcome() == "ended"),
+        "the sale has ended: {:?}",
+        answers(&late)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restock_of_a_sold_out_drop_sells_to_the_next_buyer() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(dir.path(), &redis, DropSpec::new(5));
+    let a = stale_sidecar(&redis, &postgres.url()).await;
+    assert_eq!(admitted(&rush(&[&*a], "first", 5).await), 5);
+    assert_eq!(reserve(&a, "one-too-many").await.outcome(), "sold_out");
+
+    publish(dir.path(), &redis, DropSpec::new(10));
+    let restocked = rush(&[&*a], "restocked", 5).await;
+    assert_eq!(
+        admitted(&restocked),
+        5,
+        "5 more units are there: {:?}",
+        answers(&restocked)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refund_or_confirm_the_ledger_cannot_record_changes_nothing() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(dir.path(), &redis, DropSpec::new(2));
+    let shop = sidecar(&redis, &postgres.url(), &[]).await;
+    reserve(&shop, "alice").await.assert_answer(201, "admitted");
+    settle(&shop, "alice", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    reserve(&shop, "carol").await.assert_answer(201, "admitted");
+
+    postgres.stop().expect("PostgreSQL stops");
+    let refund = settle(&shop, "alice", "cancel").await;
+    assert_eq!(refund.status, 503, "{}", refund.text);
+    let confirm = settle(&shop, "carol", "confirm").await;
+    assert_eq!(confirm.status, 503, "{}", confirm.text);
+    // Nothing changed: in Redis, in what the drop shows, for the next buyer.
+    assert_eq!(marker_state(&redis, "alice").as_deref(), Some("confirmed"));
+    assert_eq!(marker_state(&redis, "carol").as_deref(), Some("active"));
+    assert_eq!(redis_int(&redis, keys().remaining()), 0);
+    assert_eq!(redis_int(&redis, keys().held()), 2);
+    let drop = shop.get("/v1/drops/sale").await.expect("answers");
+    assert_eq!(drop.body["remaining"], 0, "{}", drop.text);
+    assert_ne!(reserve(&shop, "bob").await.status, 201);
+
+    postgres.start_again().expect("PostgreSQL starts again");
+    assert!(
+        !events_of(&redis, "alice").contains(&"cancelled".to_string()),
+        "no event of a refund that was not made"
+    );
+    until_answered(async || settle(&shop, "alice", "cancel").await)
+        .await
+        .assert_answer(200, "cancelled");
+    until_answered(async || settle(&shop, "carol", "confirm").await)
+        .await
+        .assert_answer(200, "confirmed");
+    until_answered(async || reserve(&shop, "bob").await)
+        .await
+        .assert_answer(201, "admitted");
+    let started = Instant::now();
+    while !events_of(&redis, "alice").contains(&"cancelled".to_string()) {
+        assert!(
+            started.elapsed() < EVENTUALLY,
+            "the refund's event reaches the stream"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cancelled = events_of(&redis, "alice")
+        .iter()
+        .filter(|t| *t == "cancelled")
+        .count();
+    assert_eq!(cancelled, 1, "one refund, one event");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_slower_than_its_deadline_is_refused_undone_and_retried() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(dir.path(), &redis, DropSpec::new(3));
+    let shop = sidecar(&redis, &postgres.url(), &[]).await;
+    reserve(&shop, "warm").await.assert_answer(201, "admitted");
+
+    // PostgreSQL holds a lock on the ledger's reservations for 4 s.
+    let pool = sqlx::PgPool::connect(&postgres.url())
+        .await
+        .expect("the test's own connection");
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("LOCK TABLE reservations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
+    let holder = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        tx.commit().await.expect("commit");
+    });
+    let first = reserve(&shop, "k").await;
+    assert_eq!(first.status, 503, "refused and undone: {}", first.text);
+    holder.await.expect("the lock is released");
+
+    let retry = until_answered(async || reserve(&shop, "k").await).await;
+    retry.assert_answer(201, "admitted");
+    settle(&shop, "k", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    assert_eq!(redis_int(&redis, keys().held()), 2);
+    let (in_ledger,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND state IN ('active', 'confirmed')",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(in_ledger, 2, "Redis and the ledger agree");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_pods_unfinished_admissions_go_back_within_the_pending_bound() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(
+        dir.path(),
+        &redis,
+        DropSpec::new(300).hold_seconds(600).permits(1000),
+    );
+    let steady = sidecar(&redis, &postgres.url(), &[]).await;
+    let doomed = SidecarProcess::start(&redis.url(), "shop", &postgres.url())
+        .await
+        .expect("sidecar");
+    let doomed_http = HttpClient::new(doomed.base.clone());
+    reserve(&steady, "warm")
+        .await
+        .assert_answer(201, "admitted");
+    let buyers = join_all((0..200).map(|i| {
+        let http = doomed_http.clone();
+        async move {
+            let body = format!(r#"{{"key":"d{i}","user":"d{i}","quantity":1}}"#);
+            http.post("/v1/drops/sale/reservations", &body).await.ok()
+        }
+    }));
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        doomed.kill();
+    };
+    let (replies, ()) = tokio::join!(buyers, killer);
+    let acknowledged = replies
+        .iter()
+        .filter(|r| r.as_ref().is_some_and(|r| r.status == 201))
+        .count() as i64;
+
+    // The pod never comes back; the steady one resolves what it left half done.
+    let mut conn = redis.connection().expect("connect");
+    let pool = sqlx::PgPool::connect(&postgres.url())
+        .await
+        .expect("the test's own connection");
+    let started = Instant::now();
+    loop {
+        let unresolved: i64 = redis::cmd("ZCARD")
+            .arg(keys().pending())
+            .query(&mut conn)
+            .expect("ZCARD");
+        let held = redis_int(&redis, keys().held());
+        let (in_ledger,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND state IN ('active', 'confirmed')",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+        if unresolved == 0 && held == in_ledger {
+            assert!(
+                held > acknowledged,
+                "every acknowledged admission is held ({held} held, {acknowledged} + warm acknowledged)"
+            );
+            break;
+        }
+        assert!(
+            started.elapsed() < EVENTUALLY,
+            "{unresolved} admissions still unresolved, Redis holds {held}, the ledger {in_ledger}: long past the pending bound, far from the 600 s hold"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_garbage_sqlite_ledger_stops_the_sidecar_at_once_saying_why() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("ledger.db");
+    std::fs::write(
+        &file,
+        "this is not a database, it is a shopping list\n".repeat(200),
+    )
+    .expect("write");
+    let port = dropgate_testkit::free_port().expect("port");
+    let mut child = std::process::Command::new(binary("dropgate-sidecar"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--redis-url", &redis.url()])
+        .args(["--database-url", &format!("sqlite://{}", file.display())])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("runs");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waits") {
+            break status;
+        }
+        assert!(
+            started.elapsed() < EVENTUALLY,
+            "still running on a garbage ledger"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    use std::io::Read;
+    if let Some(mut pipe) = child.stderr.take() {
+        let _ = pipe.read_to_string(&mut stderr);
+    }
+    assert!(!status.success());
+    assert!(stderr.contains("ledger"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_pod_ledgers_on_several_pods_sell_through_one_and_survive_a_lossy_failover() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("dir");
+    let sqlite = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
+    publish(dir.path(), &redis, DropSpec::new(40).permits(100));
+    let a = SidecarProcess::start(&redis.url(), "shop", &sqlite("a.db"))
+        .await
+        .expect("sidecar a");
+    let a_http = HttpClient::new(a.base.clone());
+    let b = sidecar(&redis, &sqlite("b.db"), &[]).await;
+    assert_eq!(admitted(&rush(&[&a_http], "a", 20).await), 20);
+    let refused = rush(&[&*b], "b", 10).await;
+    assert!(
+        refused.iter().all(|r| r.status == 503),
+        "a second per-pod ledger sells nothing: {:?}",
+        answers(&refused)
+    );
+    let checkpoint = redis.checkpoint();
+    assert_eq!(admitted(&rush(&[&a_http], "a-late", 20).await), 20);
+
+    // Pod a is scaled in; Redis fails over to a replica that missed a's last 20.
+    a.kill();
+    redis.roll_back_to(&checkpoint).expect("Redis rolls back");
+    let after = rush(&[&*b], "after", 20).await;
+    let c = sidecar(&redis, &sqlite("c.db"), &[]).await;
+    let newcomer = rush(&[&*c], "newcomer", 20).await;
+    assert_eq!(
+        admitted(&after) + admitted(&newcomer),
+        0,
+        "40 sold of 40 before the failover: b {:?}, a new pod {:?}",
+        answers(&after),
+        answers(&newcomer)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mixed_ledgers_never_sell_what_another_sold() {
+    let mut redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    let sqlite = format!("sqlite://{}", dir.path().join("pod.db").display());
+    publish(dir.path(), &redis, DropSpec::new(6).permits(100));
+    let fast = ["--refresh-ms", "100"];
+    let shared_a = sidecar(&redis, &postgres.url(), &fast).await;
+    let shared_b = sidecar(&redis, &postgres.url(), &fast).await;
+    let per_pod = sidecar(&redis, &sqlite, &fast).await;
+    // The shared ledger opens the sale (a buyer told to retry while the first
+    // sidecar opens the gate does).
+    for (i, shop) in [&shared_a, &shared_b, &shared_a].into_iter().enumerate() {
+        until_answered(async || reserve(shop, &format!("shared-{i}")).await)
+            .await
+            .assert_answer(201, "admitted");
+    }
+    let refused = rush(&[&*per_pod], "pod", 5).await;
+    assert_eq!(admitted(&refused), 0, "{:?}", answers(&refused));
+
+    // Redis gone for everyone, failurePolicy Open: only the sale's ledger falls back.
+    redis.stop();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The same buyers ask again and again: a key sold counts once.
+    let mut on_fallback = std::collections::HashSet::new();
+    for _ in 0..10 {
+        let round = rush(&[&*shared_a, &*shared_b, &*per_pod], "outage", 12).await;
+        for (i, reply) in round.iter().enumerate() {
+            if reply.status == 201 {
+                assert_ne!(i % 3, 2, "the per-pod ledger sold on the fallback");
+                on_fallback.insert(i);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(!on_fallback.is_empty(), "the sale's ledger fell back");
+    assert!(
+        3 + on_fallback.len() <= 6,
+        "{} sold of 6",
+        3 + on_fallback.len()
+    );
+}
+
+/// What the operator does for a sale in Kubernetes: publishes claims as `recorded`,
+/// and once a sidecar's claim is in the drop's status, writes the plain id back.
+fn operator_publishes(dir: &Path, redis: &RedisServer, spec: DropSpec, ledger: Option<&str>) {
+    publish(dir, redis, spec);
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("HSET")
+        .arg(keys().config())
+        .arg("claims")
+        .arg("recorded")
+        .query::<()>(&mut conn)
+        .expect("HSET claims");
+    if let Some(ledger) = ledger {
+        redis::cmd("SET")
+            .arg(keys().ledger())
+            .arg(ledger)
+            .query::<()>(&mut conn)
+            .expect("SET ledger");
+    }
+}
+
+fn ledger_key_value(redis: &RedisServer) -> Option<String> {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("GET")
+        .arg(keys().ledger())
+        .query(&mut conn)
+        .expect("GET ledger")
+}
+
+/// The hostile review's sale on per-pod ledgers: a pod sold part of it, Redis lost
+/// its data, and a pod with a ledger new to the sale came first after the re-seed.
+/// Nothing is sold on a claim the operator has not recorded, so the re-seed always
+/// names the sale's ledger, and the new pod sells nothing of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_counts_once_recorded_so_a_redis_that_lost_it_gets_it_back() {
+    let mut redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("dir");
+    let sqlite = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
+    operator_publishes(dir.path(), &redis, DropSpec::new(5), None);
+    let a = sidecar(&redis, &sqlite("a.db"), &[]).await;
+
+    // The first request claims the sale; claimed, not recorded, nothing is sold yet
+    // and the buyer is asked to retry.
+    let first = reserve(&a, "first").await;
+    first.assert_answer(503, "unavailable");
+    let started = Instant::now();
+    let claimed = loop {
+        match ledger_key_value(&redis) {
+            Some(value) if value.starts_with("claimed:") => break value,
+            _ => {
+                assert!(
+                    started.elapsed() < EVENTUALLY,
+                    "the sidecar claims the sale: {:?}",
+                    ledger_key_value(&redis)
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let early = reserve(&a, "early").await;
+    early.assert_answer(503, "unavailable");
+    assert!(early.headers.contains_key("retry-after"), "{}", early.text);
+    assert_eq!(redis_int(&redis, keys().held()), 0);
+
+    // The operator records it (status.ledger) and writes it back plain: the sale opens.
+    let ledger_a = claimed.trim_start_matches("claimed:").to_string();
+    operator_publishes(dir.path(), &redis, DropSpec::new(5), Some(&ledger_a));
+    for key in ["a-1", "a-2", "a-3"] {
+        until_answered(async || reserve(&a, key).await)
+            .await
+            .assert_answer(201, "admitted");
+    }
+
+    // Redis loses everything; the operator re-seeds from status, naming ledger a.
+    redis.restart().expect("redis restarts empty");
+    operator_publishes(dir.path(), &redis, DropSpec::new(5), Some(&ledger_a));
+    let b = sidecar(&redis, &sqlite("b.db"), &[]).await;
+    let mut sold_by_b = 0;
+    let mut sold_by_a = 0;
+    for i in 0..5 {
+        if reserve(&b, &format!("b-{i}")).await.status == 201 {
+            sold_by_b += 1;
+        }
+        let reply = until_answered(async || reserve(&a, &format!("a-more-{i}")).await).await;
+        if reply.status == 201 {
+            sold_by_a += 1;
+        }
+    }
+    assert_eq!(sold_by_b, 0, "a ledger new to the sale sold part of it");
+    assert_eq!(sold_by_a, 2, "the sale's ledger sells what is left: 5 - 3");
+}
+
+/// A confirm Redis lost in a failover (the replica promoted never had it) is not
+/// undone by the sweeper expiring the hold there: Redis is checked against the
+/// ledger before it acts on its own, and a rebuild brings the reservation forward
+/// to the ledger's `confirmed` even from an `expired` marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_confirm_lost_in_a_failover_is_never_expired_by_the_sweeper() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    publish(
+        dir.path(),
+        &redis,
+        DropSpec::new(3).hold_seconds(1).acquire_timeout_ms(50),
+    );
+    // Sweeps every 100 ms; no refresh (which would rebuild Redis) for a minute.
+    let shop = sidecar(
+        &redis,
+        &ledger,
+        &["--sweep-ms", "100", "--refresh-ms", "60000"],
+    )
+    .await;
+    let reserved_at = Instant::now();
+    reserve(&shop, "k1").await.assert_answer(201, "admitted");
+    let before_confirm = redis.checkpoint();
+    settle(&shop, "k1", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+
+    // Past the hold's deadline, the failover: Redis as the replica had it (the hold
+    // active, its deadline passed), and every connection dropped.
+    tokio::time::sleep(Duration::from_millis(1300).saturating_sub(reserved_at.elapsed())).await;
+    redis
+        .roll_back_to(&before_confirm)
+        .expect("Redis rolls back");
+    let mut conn = redis.connection().expect("connect");
+    let _ = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .query::<i64>(&mut conn);
+    // Ten sweeps' time.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    let found = until_answered(async || settle(&shop, "k1", "confirm").await).await;
+    found.assert_answer(200, "already_confirmed");
+    let started = Instant::now();
+    while marker_state(&redis, "k1").as_deref() != Some("confirmed")
+        && started.elapsed() < EVENTUALLY
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(marker_state(&redis, "k1").as_deref(), Some("confirmed"));
+    let refund = settle(&shop, "k1", "cancel").await;
+    refund.assert_answer(200, "cancelled");
+}
