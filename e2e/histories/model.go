@@ -1,6 +1,6 @@
 package histories
 
-// The sequential specification of one drop (DESIGN.md's answers table and
+// The sequential specification of one drop (docs/design.md's answers table and
 // invariants) as a Porcupine model, and the translation of a recorded history into
 // Porcupine operations.
 //
@@ -29,7 +29,7 @@ package histories
 //     Until then the admission is pending: it holds its units, its key answers
 //     not_found to look-ups, confirms and cancels, 422 to another buyer, and a
 //     retry of the same buyer completes it (201 or already_reserved).
-//   - A confirm or cancel answered 503 changed nothing (DESIGN.md: a request that
+//   - A confirm or cancel answered 503 changed nothing (docs/design.md: a request that
 //     answers an error changed nothing): one operation that must leave the state
 //     as it is. One with no answer is two operations with no return time, `do`
 //     (the confirm or cancel, where it applies) and `skip`; the first decides.
@@ -781,7 +781,7 @@ func translate(calls []*call, limit int, variants []int, perUser int, ended bool
 		case kReserve:
 			if failed && strings.Contains(c.Ans.Message, keyInFlight) {
 				// The gate found the key's earlier attempt pending and changed
-				// nothing (DESIGN.md: "an earlier attempt is unresolved"): no
+				// nothing (docs/design.md: "an earlier attempt is unresolved"): no
 				// admission of its own, so nothing to model.
 				continue
 			}

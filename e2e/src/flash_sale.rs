@@ -104,7 +104,7 @@ pub struct VariantSummary {
 }
 
 impl Summary {
-    /// DESIGN.md's invariants, checked on the quiet system.
+    /// docs/design.md's invariants, checked on the quiet system.
     pub fn violations(&self) -> Vec<String> {
         let mut out = Vec::new();
         if self.oversold != 0 {

@@ -6,7 +6,7 @@
 //! - [`processes`]: starts `dropgate-operator apply` and `dropgate-sidecar` as child
 //!   processes, the way a user would.
 //! - [`flash_sale`]: thousands of concurrent buyers with retries, duplicate cancels
-//!   and throttling; counts every answer and checks DESIGN.md's invariants.
+//!   and throttling; counts every answer and checks docs/design.md's invariants.
 //! - [`designs`]: the stock-keeping designs the `bench` binary compares the
 //!   sidecar with (lock-and-counter, the SQL row).
 

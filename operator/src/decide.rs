@@ -15,7 +15,7 @@ use crate::store::{Seeded, Stock};
 /// and the outbox's consumers.
 const KEY_GRACE_MS: i64 = 7 * 24 * 3600 * 1000;
 
-/// The mode rule of DESIGN.md: the kill switch wins; then, where HA is required and
+/// The mode rule of docs/design.md: the kill switch wins; then, where HA is required and
 /// missing, the failure policy decides. `kept` is the mode to keep while the HA
 /// check cannot be made (see [`kept_mode`]): an unanswered check is no verdict.
 pub fn mode(gate: &GateSpec, require_ha: bool, ha: &HaReport, kept: Option<Mode>) -> Mode {

@@ -390,7 +390,7 @@ async fn a_reservation_redis_no_longer_has_takes_no_units_again() {
     assert_eq!(again.outcome(), "per_user_limit_exceeded");
 
     // A confirmed one whose marker lived out its TTL can no longer be refunded
-    // through the gate: answered in DESIGN.md's words, nothing moved.
+    // through the gate: answered in docs/design.md's words, nothing moved.
     assert_eq!(sidecar.reserve("sale", "c", "bob", 1).await.status, 201);
     assert_eq!(
         sidecar.settle("sale", "c", "confirm").await.outcome(),

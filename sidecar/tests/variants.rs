@@ -1,4 +1,4 @@
-//! A release in several sizes (DESIGN.md, "Variants"), through the real HTTP API
+//! A release in several sizes (docs/design.md, "Variants"), through the real HTTP API
 //! against a real Redis and the sidecar's ledger, on the Redis gate and on the
 //! ledger's fallback gate: each size sells exactly its quantity, the per-user limit
 //! counts across sizes, restocks and cuts move one size, and a variant that does

@@ -1172,7 +1172,7 @@ fn rss_kb(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
-/// Whether an answer is one the API promises for the call (DESIGN.md's table).
+/// Whether an answer is one the API promises for the call (docs/design.md's table).
 fn expected(call: &str, status: u16, outcome: &str) -> bool {
     matches!(
         (call, status, outcome),

@@ -179,7 +179,7 @@ impl Asked<'_> {
                     "message",
                     format!("reservation {key} was cancelled and cannot be confirmed"),
                 ),
-            // DESIGN.md has no word for it: `expired` (409), the message says which.
+            // docs/design.md has no word for it: `expired` (409), the message says which.
             Outcome::RecordExpired(view) => self
                 .reservation(StatusCode::CONFLICT, "expired", &view, path)
                 .with(

@@ -218,7 +218,7 @@ impl Sidecar {
             .collect()
     }
 
-    /// DESIGN.md's invariants for a quiet drop: remaining + held == limit, the
+    /// docs/design.md's invariants for a quiet drop: remaining + held == limit, the
     /// buyers' counts add up to held, and so do the live reservations.
     pub fn assert_invariants(&self, drop: &str, limit: i64) {
         let keys = DropKeys::new(NS, drop);
