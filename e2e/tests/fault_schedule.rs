@@ -12,7 +12,7 @@
 //! back), as the buyers were told it and as Redis and the ledger record it; a confirm
 //! or cancel answered 503 changed nothing in Redis; nobody is admitted while the sale
 //! has ended, and no pod but the sale's ledger's sells. After each schedule, once healed and
-//! quiet, DESIGN.md's invariants hold: remaining + held == limit in Redis, the
+//! quiet, docs/design.md's invariants hold: remaining + held == limit in Redis, the
 //! ledger holds what Redis holds, every acknowledged reservation that no
 //! acknowledged cancel ended is held, and every event written since the last loss
 //! of Redis data reached the drop's stream.
@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use dropgate_api::DropKeys;
 use dropgate_e2e::processes::{SidecarProcess, apply};
-use dropgate_testkit::{HttpClient, PostgresServer, RedisServer, Reply};
+use dropgate_testkit::{Checkpoint, HttpClient, PostgresServer, RedisServer, Reply};
 use futures::future::join_all;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -165,7 +165,7 @@ struct World {
     /// what a failure names (which keys the step told of, and what they heard).
     acknowledged_before: HashSet<String>,
     heard: HashMap<String, Vec<String>>,
-    checkpoint: Vec<(String, Vec<u8>)>,
+    checkpoint: Checkpoint,
     /// The units Redis's reservations held when the checkpoint was taken: what a
     /// roll-back to it puts back (stale holds until the rebuild, not sales).
     checkpoint_sold: i64,
@@ -224,7 +224,7 @@ impl World {
             revealed: 0,
             acknowledged_before: HashSet::new(),
             heard: HashMap::new(),
-            checkpoint: Vec::new(),
+            checkpoint: Checkpoint::default(),
             checkpoint_sold: 0,
             lost_at_ms: 0,
             next_key: 0,
@@ -497,7 +497,7 @@ impl World {
             Step::RedisRestart => {
                 self.lab.redis.restart().expect("redis restarts empty");
                 self.lost_at_ms = now_ms();
-                self.checkpoint.clear();
+                self.checkpoint = Checkpoint::default();
                 self.publish();
             }
             Step::Checkpoint => {
@@ -823,7 +823,7 @@ impl World {
         )
     }
 
-    /// Everything healed and quiet: the invariants of DESIGN.md.
+    /// Everything healed and quiet: the invariants of docs/design.md.
     async fn assert_settled(&mut self, seed: u64) {
         self.gate_on = true;
         self.ended = false;

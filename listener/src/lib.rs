@@ -65,6 +65,13 @@ pub struct Limits {
     /// (probes, scrapes), never for the API or the webhook, whose callers reuse
     /// their connections (past `head_timeout` idle, they are closed anyway).
     pub evict_idle: bool,
+    /// How many new connections the kernel queues while every slot is taken (a full
+    /// listener stops accepting). Deep where a burst of the server's own clients
+    /// arrives at once (the app opening a connection per waiting buyer: past the
+    /// queue, handshakes are dropped and on loopback some come back as resets);
+    /// shallow where clients are few and an attacker could queue up ahead of them
+    /// (probes: a queue full of silent connections is served one eviction at a time).
+    pub accept_queue: u32,
     /// How long a connection that has not sent a request yet must have waited before
     /// a full listener may close it: long for the API, whose client may be slow to
     /// write the request it connected for when the app itself is loaded (it is on
@@ -202,17 +209,9 @@ pub async fn serve<H, Fut, B, A, AFut, IO>(
     let _ = tokio::time::timeout(drained, slots.acquire_many(all)).await;
 }
 
-/// How many connections the kernel queues for a listener whose slots are all taken
-/// (the usual `somaxconn` ceiling; the kernel lowers it to its own). A full
-/// listener stops accepting; a burst past the queue has its handshakes dropped and
-/// retried by the client's kernel, and on loopback some of those come back as
-/// resets, so the queue must hold a rush of new connections (a pod's app opening
-/// one per waiting buyer) on top of [`Limits::max_connections`].
-pub const ACCEPT_QUEUE: u32 = 4096;
-
-/// A TCP listener on `addr` with an [`ACCEPT_QUEUE`]-long accept queue (tokio's
-/// `TcpListener::bind` asks for 1024).
-pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+/// A TCP listener on `addr` whose kernel accept queue holds
+/// [`Limits::accept_queue`] connections (the kernel caps it at its `somaxconn`).
+pub fn bind(addr: SocketAddr, limits: &Limits) -> io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
@@ -220,7 +219,7 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
-    socket.listen(ACCEPT_QUEUE)
+    socket.listen(limits.accept_queue)
 }
 
 /// An accepted stream spoken as it is (no TLS).

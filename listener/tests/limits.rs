@@ -23,6 +23,7 @@ const LIMITS: Limits = Limits {
     max_age: Duration::from_secs(60),
     evict_idle: true,
     evict_silent_after: Duration::from_secs(1),
+    accept_queue: 1024,
 };
 
 /// How long a test waits for something that must happen (a close, an answer):

@@ -24,12 +24,13 @@ const LIMITS: Limits = Limits {
     max_age: Duration::from_secs(300),
     evict_idle: true,
     evict_silent_after: Duration::from_secs(1),
+    accept_queue: 1024,
 };
 
 /// Binds the admin port: a port that cannot be bound stops the operator at start-up
 /// rather than leave it running without `/healthz`.
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
-    dropgate_listener::bind(addr)
+    dropgate_listener::bind(addr, &LIMITS)
         .map_err(|e| format!("cannot listen on {addr} for /metrics and /healthz: {e}"))
 }
 

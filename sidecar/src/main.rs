@@ -18,13 +18,14 @@ async fn main() -> ExitCode {
     }
     // rediss:// needs a process-wide rustls crypto provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let listener = match dropgate_listener::bind(settings.listen) {
-        Ok(listener) => listener,
-        Err(e) => {
-            eprintln!("error: cannot listen on {}: {e}", settings.listen);
-            return ExitCode::FAILURE;
-        }
-    };
+    let listener =
+        match dropgate_listener::bind(settings.listen, &dropgate_sidecar::server::API_LIMITS) {
+            Ok(listener) => listener,
+            Err(e) => {
+                eprintln!("error: cannot listen on {}: {e}", settings.listen);
+                return ExitCode::FAILURE;
+            }
+        };
     let served = dropgate_sidecar::run(listener, settings, shutdown_signal()).await;
     telemetry.shutdown().await;
     match served {

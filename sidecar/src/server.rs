@@ -18,7 +18,8 @@ use crate::{Error, maintenance, routes};
 /// waits for a head), so a runaway client holds at most ~12 MiB. Nothing is closed
 /// for room before its head timeout: on an overloaded pod a connection whose
 /// request is already sent can wait seconds to be read, and cutting it would lose
-/// a buyer's request; past the cap, new connections wait in the accept queue.
+/// a buyer's request; past the cap, new connections wait in the accept queue, deep
+/// enough for a rush of the app's new connections (thousands of buyers at once).
 pub const API_LIMITS: Limits = Limits {
     max_connections: 1024,
     max_per_peer: usize::MAX,
@@ -29,6 +30,7 @@ pub const API_LIMITS: Limits = Limits {
     max_age: Duration::from_secs(600),
     evict_idle: false,
     evict_silent_after: Duration::from_secs(10),
+    accept_queue: 4096,
 };
 
 /// The probe and scrape listener, reachable from outside the pod: few clients (the
@@ -44,6 +46,7 @@ pub const HEALTH_LIMITS: Limits = Limits {
     max_age: Duration::from_secs(300),
     evict_idle: true,
     evict_silent_after: Duration::from_secs(1),
+    accept_queue: 1024,
 };
 
 /// The listener's own refusals (a body too large or too slow), as API answers.
@@ -75,7 +78,7 @@ pub async fn run(
     let (stop, stopped) = watch::channel(false);
     let health = match settings.health_listen {
         Some(addr) => {
-            let health_listener = dropgate_listener::bind(addr)?;
+            let health_listener = dropgate_listener::bind(addr, &HEALTH_LIMITS)?;
             tracing::info!(listen = %addr, "serving /healthz, /readyz and /metrics");
             let mut stopped = stopped.clone();
             Some(tokio::spawn(dropgate_listener::serve(

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::{NS, Peer, one_per_buyer, seed};
 use dropgate_api::DropKeys;
-use dropgate_testkit::{PostgresServer, RedisServer, Reply, TcpProxy};
+use dropgate_testkit::{Checkpoint, PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -71,7 +71,7 @@ struct World {
     admitted: HashSet<String>,
     /// Keys whose buyer heard `cancelled`.
     cancelled: HashSet<String>,
-    checkpoint: Vec<(String, Vec<u8>)>,
+    checkpoint: Checkpoint,
     lost_data: bool,
     next_key: usize,
     _dir: tempfile::TempDir,
@@ -88,7 +88,7 @@ impl World {
             gate_on: true,
             admitted: HashSet::new(),
             cancelled: HashSet::new(),
-            checkpoint: Vec::new(),
+            checkpoint: Checkpoint::default(),
             lost_data: false,
             next_key: 0,
             _dir: dir,

@@ -15,7 +15,7 @@ pub use drop_spec::DropSpec;
 pub use http_client::{HttpClient, Reply};
 pub use postgres::PostgresServer;
 pub use proxy::TcpProxy;
-pub use redis_server::{RedisCluster, RedisServer, SlotMove};
+pub use redis_server::{Checkpoint, RedisCluster, RedisServer, SlotMove};
 
 use std::net::TcpListener;
 

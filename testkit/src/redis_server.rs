@@ -164,38 +164,49 @@ impl RedisServer {
             .query(&mut conn)
     }
 
-    /// Every key with its DUMP, as a replica that stops here would hold them (empty
-    /// while the server is unreachable).
-    pub fn checkpoint(&self) -> Vec<(String, Vec<u8>)> {
+    /// Every key with its DUMP and time to live, read in one script, so the copy is
+    /// one moment of the data as a replica that stops there would hold it: copied key
+    /// by key while the sidecars write, it could hold a reservation's marker from
+    /// before a script and the drop's counters from after it, a state no Redis ever
+    /// had. Empty while the server is unreachable.
+    pub fn checkpoint(&self) -> Checkpoint {
         let Ok(mut conn) = self.connection() else {
-            return Vec::new();
+            return Checkpoint::default();
         };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg("*")
-            .query(&mut conn)
-            .unwrap_or_default();
-        keys.into_iter()
-            .filter_map(|key| {
-                let dumped: Option<Vec<u8>> = redis::cmd("DUMP").arg(&key).query(&mut conn).ok()?;
-                dumped.map(|d| (key, d))
-            })
-            .collect()
+        let dumped: Vec<(String, Vec<u8>, i64)> = redis::Script::new(
+            r"local out = {}
+            for _, key in ipairs(redis.call('KEYS', '*')) do
+              local dumped = redis.call('DUMP', key)
+              if dumped then
+                out[#out + 1] = {key, dumped, redis.call('PTTL', key)}
+              end
+            end
+            return out",
+        )
+        .invoke(&mut conn)
+        .unwrap_or_default();
+        Checkpoint(dumped)
     }
 
-    /// Puts the data back to `checkpoint`: everything written since is lost, as in a
-    /// failover to a replica that was behind.
-    pub fn roll_back_to(&self, checkpoint: &[(String, Vec<u8>)]) -> redis::RedisResult<()> {
+    /// Puts the data back to `checkpoint` in one script: everything written since is
+    /// lost, as in a failover to a replica that was behind, and no client sees the
+    /// data half put back.
+    pub fn roll_back_to(&self, checkpoint: &Checkpoint) -> redis::RedisResult<()> {
         let mut conn = self.connection()?;
-        redis::cmd("FLUSHALL").query::<()>(&mut conn)?;
-        for (key, dumped) in checkpoint {
-            redis::cmd("RESTORE")
-                .arg(key)
-                .arg(0)
-                .arg(dumped.as_slice())
-                .arg("REPLACE")
-                .query::<()>(&mut conn)?;
+        let restore = redis::Script::new(
+            r"redis.call('FLUSHALL')
+            for i = 1, #ARGV, 3 do
+              local ttl = tonumber(ARGV[i + 2])
+              if ttl < 0 then ttl = 0 end
+              redis.call('RESTORE', ARGV[i], ttl, ARGV[i + 1], 'REPLACE')
+            end
+            return 1",
+        );
+        let mut script = restore.prepare_invoke();
+        for (key, dumped, ttl) in &checkpoint.0 {
+            script.arg(key).arg(dumped.as_slice()).arg(*ttl);
         }
-        Ok(())
+        script.invoke::<()>(&mut conn)
     }
 
     fn signal(&self, signal: &str) -> std::io::Result<()> {
@@ -529,4 +540,16 @@ fn redis_server_binary() -> std::io::Result<PathBuf> {
             "redis-server not found: run scripts/setup (apt-get install redis-server)",
         )
     })
+}
+
+/// The data of a Redis at one moment ([`RedisServer::checkpoint`]): each key with its
+/// DUMP and its time to live in milliseconds (negative: none).
+#[derive(Clone, Debug, Default)]
+pub struct Checkpoint(Vec<(String, Vec<u8>, i64)>);
+
+impl Checkpoint {
+    /// Whether it holds no key (taken while Redis was unreachable, or empty).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }

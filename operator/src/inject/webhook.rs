@@ -47,6 +47,7 @@ const LIMITS: Limits = Limits {
     max_age: Duration::from_secs(600),
     evict_idle: false,
     evict_silent_after: Duration::from_secs(5),
+    accept_queue: 1024,
 };
 /// How often the certificate files are read again (two small files).
 const RELOAD_EVERY: Duration = Duration::from_secs(2);
@@ -164,7 +165,7 @@ impl Webhook {
             .with_no_client_auth()
             .with_cert_resolver(certificates.clone());
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let listener = dropgate_listener::bind(addr)
+        let listener = dropgate_listener::bind(addr, &LIMITS)
             .map_err(|e| format!("cannot listen on {addr} for the webhook: {e}"))?;
         Ok(Self {
             listener,

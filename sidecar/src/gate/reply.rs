@@ -299,6 +299,7 @@ impl Wire {
             (Call::Reserve, "admitted") => Outcome::Admitted(self.view()?),
             (Call::Reserve, "already_reserved") => Outcome::AlreadyReserved(self.view()?),
             (Call::Reserve, "pending") => Outcome::Pending,
+            (Call::Reserve, "overdue") => Outcome::Overdue,
             (Call::Reserve, "sold_out") => Outcome::SoldOut {
                 remaining: self.remaining(),
             },

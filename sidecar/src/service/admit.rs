@@ -61,6 +61,17 @@ pub(super) async fn on_gate(
             Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
         };
         app.breaker(Some(drop)).answered();
+        if reply.outcome == Outcome::Overdue && Instant::now() < settle_by {
+            // An earlier attempt of this buyer's key that its sidecar never
+            // finished: resolved from the ledger, then this one is decided afresh
+            // (or hears the reservation the ledger holds).
+            if let Err(why) = resolve_key(app, drop, &mut conn, &request.key).await {
+                return Turn::Done(Err(Failure::retry(format!(
+                    "an earlier attempt with this key is unresolved and could not be resolved now ({why}): nothing was reserved; retry the same key"
+                ))));
+            }
+            continue;
+        }
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
             break reply;
         }
@@ -72,7 +83,8 @@ pub(super) async fn on_gate(
         backoff.wait(settle_by).await;
     };
     // The admission's answer is due by the end of its pending bound: its commit
-    // may not land later (a sweeper resolves the key by then).
+    // may not begin later (a sweeper resolves the key by then, and its claim of the
+    // key in the ledger refuses a commit of this attempt still in flight).
     let deadline = now_ms() + pending_bound_ms(config) as i64;
     record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {
@@ -91,7 +103,7 @@ pub(super) async fn on_gate(
         Outcome::Closed => return Turn::Reopen { suspect: false },
         Outcome::OffGate(Mode::FailOpen) => return Turn::Reroute(Choice::Fallback(Reason::Mode)),
         Outcome::OffGate(_) => return Turn::Reroute(Choice::Refused(closed(drop))),
-        Outcome::Pending => {
+        Outcome::Pending | Outcome::Overdue => {
             return Turn::Done(Err(Failure::throttled(config, Throttled::KeyInFlight)));
         }
         // No ledger named (Redis lost the key, or a claim waits to be recorded):
@@ -164,29 +176,6 @@ pub(super) async fn on_gate(
         Ok(()) => app.ledger.record(change).await,
         Err(injected) => Err(RecordError::Failed(injected.to_string())),
     };
-    if let Err(RecordError::KeyUsed { .. }) = recorded
-        && let Ok(Some(row)) = app.ledger.reservation(&ledger_key, &request.key).await
-        && row.user == request.user
-        && row.quantity == request.quantity
-        && row.variant == request.variant
-        && row.state.holds_units()
-    {
-        // The ledger already holds this buyer's reservation under the key (an
-        // earlier attempt's commit landed after this one was admitted afresh):
-        // this pending marker becomes that reservation, the unit it holds is its.
-        return Turn::Done(
-            match gate::replay(&mut conn, &drop.keys, app.ledger.id(), &row, &ledger_key).await {
-                Ok(_) => {
-                    drop.throttle.hold(&request.key, permit, row.expires_at_ms);
-                    Ok(Outcome::AlreadyReserved(View {
-                        reservation: row.reservation(),
-                        remaining: admitted.remaining,
-                    }))
-                }
-                Err(e) => Err(super::redis_down(drop, config, &e)),
-            },
-        );
-    }
     // A commit that may have landed is asked about until the ledger says, so that
     // the answer is true either way: taking back a durable admission would lose
     // it, answering 503 for one would change what an error may not.
@@ -213,6 +202,47 @@ pub(super) async fn on_gate(
         }
         other => other,
     };
+    let earlier = match recorded {
+        Err(RecordError::KeyUsed { .. }) => {
+            match app.ledger.reservation(&ledger_key, &request.key).await {
+                Ok(row) => row,
+                Err(e) => {
+                    // Which reservation holds the key cannot be read: taking this
+                    // marker back could leave Redis without the unit of one the
+                    // ledger holds. It stays pending and is resolved from the
+                    // ledger past its bound.
+                    std::mem::drop(permit);
+                    return Turn::Done(Err(Failure::retry(format!(
+                        "the ledger holds a reservation under this key and could not be read ({e}); it is resolved within {} ms: retry the same key",
+                        pending_bound_ms(config)
+                    ))));
+                }
+            }
+        }
+        _ => None,
+    };
+    if let Some(row) = earlier
+        && row.user == request.user
+        && row.quantity == request.quantity
+        && row.variant == request.variant
+        && row.state.holds_units()
+    {
+        // The ledger already holds this buyer's reservation under the key (an
+        // earlier attempt's commit landed after this one was admitted afresh):
+        // this pending marker becomes that reservation, the unit it holds is its.
+        return Turn::Done(
+            match gate::replay(&mut conn, &drop.keys, app.ledger.id(), &row, &ledger_key).await {
+                Ok(_) => {
+                    drop.throttle.hold(&request.key, permit, row.expires_at_ms);
+                    Ok(Outcome::AlreadyReserved(View {
+                        reservation: row.reservation(),
+                        remaining: admitted.remaining,
+                    }))
+                }
+                Err(e) => Err(super::redis_down(drop, config, &e)),
+            },
+        );
+    }
     if let Err(refusal) = recorded {
         std::mem::drop(permit);
         let undone = undo(app, drop, &request.key, &attempt).await;
@@ -498,5 +528,65 @@ async fn admission_landed(
             }
             Err(_) => return None,
         }
+    }
+}
+
+/// Resolves the admission of `key` left pending past its bound, if it still is.
+async fn resolve_key(
+    app: &App,
+    drop: &Drop,
+    conn: &mut dropgate_api::Connection,
+    key: &str,
+) -> Result<(), String> {
+    match gate::unresolved(conn, &drop.keys, key).await {
+        Ok(Some(gate::Unresolved::Admission {
+            user,
+            quantity,
+            attempt,
+            ..
+        })) => resolve_overdue(app, drop, key, &user, quantity, &attempt, now_ms()).await,
+        // Resolved meanwhile (activated, taken back, settling): asked again.
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Resolves an admission of `key` by `attempt` still pending past its bound (its
+/// sidecar died, or lost its answer), as the ledger says it ended: the key is
+/// claimed in the ledger for that attempt, so that its commit, should it still come,
+/// is refused, and its units go back to stock; or, when the ledger holds the key's
+/// reservation (the commit landed), Redis is brought in line with it. The sweeper
+/// and a retry of the key resolve it alike.
+pub(crate) async fn resolve_overdue(
+    app: &App,
+    drop: &Drop,
+    key: &str,
+    user: &str,
+    quantity: i64,
+    attempt: &str,
+    now: i64,
+) -> Result<(), String> {
+    let mut conn = app.redis.clone();
+    let ledger_key = drop.ledger_key();
+    let ledger = app.ledger.id();
+    let claimed = app
+        .ledger
+        .claim_abandoned(&ledger_key, key, user, quantity, attempt, now)
+        .await
+        .map_err(|e| e.to_string())?;
+    if claimed {
+        return gate::abandon(&mut conn, &drop.keys, ledger, key, attempt)
+            .await
+            .map_err(|e| e.to_string());
+    }
+    match app.ledger.reservation(&ledger_key, key).await {
+        Ok(Some(row)) if row.state.holds_units() => {
+            gate::replay(&mut conn, &drop.keys, ledger, &row, &ledger_key)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+        Ok(_) => Ok(()),
+        Err(error) => Err(error.to_string()),
     }
 }

@@ -14,7 +14,7 @@
 //! - [`handover`]: moving a drop between its two gates (opening the gate after a
 //!   replay or rebuild, handing it to the ledger), and the refresh's check.
 
-mod admit;
+pub(crate) mod admit;
 pub mod handover;
 pub mod record;
 mod settle;
