@@ -66,11 +66,12 @@ pub struct Limits {
     /// their connections (past `head_timeout` idle, they are closed anyway).
     pub evict_idle: bool,
     /// How many new connections the kernel queues while every slot is taken (a full
-    /// listener stops accepting). Deep where a burst of the server's own clients
-    /// arrives at once (the app opening a connection per waiting buyer: past the
-    /// queue, handshakes are dropped and on loopback some come back as resets);
-    /// shallow where clients are few and an attacker could queue up ahead of them
-    /// (probes: a queue full of silent connections is served one eviction at a time).
+    /// listener stops accepting). The sidecar's API: 4096, for a burst of the app's
+    /// own new connections (one per waiting buyer; past the queue, handshakes are
+    /// dropped and on loopback some come back as resets). Ports whose callers are
+    /// few (probes, scrapes, the API server calling the webhook): 1024, since a
+    /// queue full of an attacker's silent connections is served one eviction at a
+    /// time, ahead of the legitimate caller.
     pub accept_queue: u32,
     /// How long a connection that has not sent a request yet must have waited before
     /// a full listener may close it: long for the API, whose client may be slow to
@@ -210,7 +211,8 @@ pub async fn serve<H, Fut, B, A, AFut, IO>(
 }
 
 /// A TCP listener on `addr` whose kernel accept queue holds
-/// [`Limits::accept_queue`] connections (the kernel caps it at its `somaxconn`).
+/// [`Limits::accept_queue`] connections (the kernel caps it at its `somaxconn`):
+/// pass the same `limits` to [`serve`].
 pub fn bind(addr: SocketAddr, limits: &Limits) -> io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?

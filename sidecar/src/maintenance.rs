@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::app::App;
 use crate::clock::now_ms;
-use crate::gate::{self, Unresolved};
+use crate::gate::{self, PendingAdmission, Unresolved};
 use crate::ledger::Holder;
 use crate::metrics::DropLabel;
 use crate::reservation::{Outcome, State};
@@ -278,19 +278,15 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
     for key in overdue {
         let resolved = match gate::unresolved(&mut conn, &drop.keys, &key).await {
             // The key's change as it stands now may not be the one that was listed
-            // overdue (a retry took the admission over, a new confirm was
-            // prepared): only one overdue now is judged, and by its own attempt.
-            Ok(Some(Unresolved::Admission { due_ms, .. } | Unresolved::Settle { due_ms, .. }))
-                if due_ms > now =>
-            {
-                Ok(())
+            // overdue (a retry resolved it and was admitted afresh, a new confirm
+            // was prepared): only one overdue now is judged, and by its own attempt.
+            Ok(Some(
+                Unresolved::Admission(PendingAdmission { due_ms, .. })
+                | Unresolved::Settle { due_ms, .. },
+            )) if due_ms > now => Ok(()),
+            Ok(Some(Unresolved::Admission(admission))) => {
+                admit::resolve_dead_admission(app, drop, &ledger_key, &key, &admission, now).await
             }
-            Ok(Some(Unresolved::Admission {
-                user,
-                quantity,
-                attempt,
-                ..
-            })) => admit::resolve_overdue(app, drop, &key, &user, quantity, &attempt, now).await,
             Ok(Some(Unresolved::Settle { attempt, to, .. })) => {
                 match app.ledger.fence_settle(&ledger_key, &key, &attempt).await {
                     Ok(Some(state)) if state == to => {

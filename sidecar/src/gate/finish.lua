@@ -4,8 +4,9 @@
 --
 -- The units follow the state from the one the marker is in now, as a replay's do:
 -- a cancel returns them only if the marker still counts them, and a confirm of a
--- marker that no longer does (its units came back while the confirm was recorded)
--- takes them again, so no unit is returned twice and none is held uncounted.
+-- marker that no longer does takes them again, so no unit is returned twice and
+-- none is held uncounted. (While a change is prepared nothing else moves the
+-- marker's state; this keeps it so for a Redis put back from an older copy.)
 local m = redis.call('HMGET', K.marker, 'settling', 'settleAttempt', 'user', 'quantity',
   'settleSeq', 'state')
 if not ours() or m[2] ~= ARGV[3] then

@@ -65,7 +65,8 @@ pub enum Activation {
     /// The pending admission is an active reservation now.
     Activated(View),
     /// It was not this attempt's pending admission any more: the marker as it
-    /// stands (taken over by a retry, activated by a replay, expired), or none.
+    /// stands (resolved and admitted afresh by a retry, activated by a replay,
+    /// expired), or none.
     Gone {
         marker: Option<Reservation>,
         remaining: i64,

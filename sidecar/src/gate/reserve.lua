@@ -40,8 +40,7 @@ if ours() then
         -- Its sidecar never finished it (it died): the caller resolves it from the
         -- ledger as the sweeper would (the reservation the ledger holds, or its
         -- units back to stock) and asks again, so that a retry is decided on the
-        -- config as it is now, never handed a unit held since before a cut or
-        -- the end of the sale.
+        -- config as it is now.
         return answer('overdue')
       end
       return answer('pending')
