@@ -28,9 +28,7 @@ package histories
 //     time. Whichever resolution comes first decides; the other does nothing.
 //     Until then the admission is pending: it holds its units, its key answers
 //     not_found to look-ups, confirms and cancels, 422 to another buyer, and a
-//     retry of the same buyer completes it (201 or already_reserved) or, past its
-//     bound, finds it dropped and is decided afresh (a refusal if the sale has
-//     ended, been cut or sold out meanwhile).
+//     retry of the same buyer completes it (201 or already_reserved).
 //   - A confirm or cancel answered 503 changed nothing (docs/design.md: a request that
 //     answers an error changed nothing): one operation that must leave the state
 //     as it is. One with no answer is two operations with no return time, `do`

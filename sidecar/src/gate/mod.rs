@@ -116,9 +116,8 @@ pub fn reserve_sha() -> &'static str {
 /// reservation, or says why not. `attempt` identifies this admission for
 /// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it
 /// (the gate refuses one that is not the sale's); an admission still pending
-/// `pending_bound_ms` later is overdue (its sidecar died): a retry of the same key
-/// by the same buyer then hears [`Outcome::Overdue`](crate::reservation::Outcome::Overdue)
-/// and resolves it from the ledger before it is decided.
+/// `pending_bound_ms` later is overdue (its sidecar died), and a retry of the same
+/// key by the same buyer takes it over.
 /// [`Outcome::Pending`](crate::reservation::Outcome::Pending): a concurrent attempt
 /// with the same key is still within its bound, ask again shortly;
 /// [`Outcome::Closed`](crate::reservation::Outcome::Closed): the gate is not open
@@ -149,8 +148,8 @@ pub async fn reserve(
 }
 
 /// Takes back an overdue pending admission that the caller's ledger (the sale's) has
-/// claimed as never recorded (or whose key another buyer's reservation holds). One
-/// admitted afresh under the key meanwhile and one that moved on are left alone.
+/// claimed as never recorded. One a retry took over and one that moved on are left
+/// alone.
 pub async fn abandon(
     conn: &mut Connection,
     keys: &DropKeys,
@@ -163,23 +162,18 @@ pub async fn abandon(
         .map(|_| ())
 }
 
-/// An admission still pending: who, how many of which variant, the attempt that
-/// admitted it and when it is overdue.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PendingAdmission {
-    pub user: String,
-    pub quantity: i64,
-    pub attempt: String,
-    pub variant: Option<String>,
-    /// When it is overdue (its `overdueAt`), in Redis's ms.
-    pub due_ms: i64,
-}
-
 /// A change of one key that is not resolved yet, as its marker shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Unresolved {
-    /// An admission still pending.
-    Admission(PendingAdmission),
+    /// An admission still pending: who, how many, and the attempt that admitted it
+    /// (or took it over).
+    Admission {
+        user: String,
+        quantity: i64,
+        attempt: String,
+        /// When it is overdue (its `overdueAt`), in Redis's ms.
+        due_ms: i64,
+    },
     /// A confirm or cancel prepared by `attempt`, moving the reservation to `to`.
     Settle {
         attempt: String,
@@ -195,8 +189,7 @@ pub async fn unresolved(
     keys: &DropKeys,
     key: &str,
 ) -> RedisResult<Option<Unresolved>> {
-    // state, user, quantity, attempt, overdueAt, variant; settling, settleAttempt,
-    // settleBy
+    // state, user, quantity, attempt, overdueAt; settling, settleAttempt, settleBy
     type Fields = (
         Option<String>,
         Option<String>,
@@ -205,10 +198,9 @@ pub async fn unresolved(
         Option<i64>,
         Option<String>,
         Option<String>,
-        Option<String>,
         Option<i64>,
     );
-    let (state, user, quantity, attempt, overdue_at, variant, settling, settle_attempt, settle_by): Fields =
+    let (state, user, quantity, attempt, overdue_at, settling, settle_attempt, settle_by): Fields =
         redis::cmd("HMGET")
             .arg(keys.reservation(key))
             .arg("state")
@@ -216,7 +208,6 @@ pub async fn unresolved(
             .arg("quantity")
             .arg("attempt")
             .arg("overdueAt")
-            .arg("variant")
             .arg("settling")
             .arg("settleAttempt")
             .arg("settleBy")
@@ -230,15 +221,12 @@ pub async fn unresolved(
             settling.as_deref(),
             settle_attempt,
         ) {
-            (Some("pending"), Some(user), Some(quantity), _, _) => {
-                Some(Unresolved::Admission(PendingAdmission {
-                    user,
-                    quantity,
-                    attempt: attempt.unwrap_or_default(),
-                    variant: variant.filter(|v| !v.is_empty()),
-                    due_ms: overdue_at.unwrap_or(0),
-                }))
-            }
+            (Some("pending"), Some(user), Some(quantity), _, _) => Some(Unresolved::Admission {
+                user,
+                quantity,
+                attempt: attempt.unwrap_or_default(),
+                due_ms: overdue_at.unwrap_or(0),
+            }),
             (_, _, _, Some(to), Some(attempt)) => State::parse(to)
                 .filter(|to| matches!(to, State::Confirmed | State::Cancelled))
                 .map(|to| Unresolved::Settle {

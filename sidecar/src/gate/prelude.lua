@@ -120,11 +120,6 @@ local function refuse_foreign()
   return reply('foreign', '', '', OWNER)
 end
 
--- Whether a marker in `state` counts units in remaining and held.
-local function holds_units(state)
-  return state == 'active' or state == 'confirmed' or state == 'pending'
-end
-
 -- Takes units out of the drop's (and the variant's) stock into a hold.
 local function take(user, quantity, variant)
   redis.call('DECRBY', K.remaining, quantity)

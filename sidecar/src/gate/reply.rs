@@ -65,8 +65,7 @@ pub enum Activation {
     /// The pending admission is an active reservation now.
     Activated(View),
     /// It was not this attempt's pending admission any more: the marker as it
-    /// stands (resolved and admitted afresh by a retry, activated by a replay,
-    /// expired), or none.
+    /// stands (taken over by a retry, activated by a replay, expired), or none.
     Gone {
         marker: Option<Reservation>,
         remaining: i64,
@@ -300,7 +299,6 @@ impl Wire {
             (Call::Reserve, "admitted") => Outcome::Admitted(self.view()?),
             (Call::Reserve, "already_reserved") => Outcome::AlreadyReserved(self.view()?),
             (Call::Reserve, "pending") => Outcome::Pending,
-            (Call::Reserve, "overdue") => Outcome::Overdue,
             (Call::Reserve, "sold_out") => Outcome::SoldOut {
                 remaining: self.remaining(),
             },

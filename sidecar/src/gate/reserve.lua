@@ -8,8 +8,7 @@
 -- buyer, write the marker. The marker starts 'pending': the sidecar still has to get
 -- a throttle permit and make the admission durable, and then activates it
 -- (activate.lua) or takes it back (undo.lua). A duplicate that finds it pending is
--- told so and asks again, so no one is promised a unit that is then undone; one
--- that finds it past its bound is told 'overdue'.
+-- told so and asks again, so no one is promised a unit that is then undone.
 local cfg = redis.call('HMGET', K.config,
   'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt', 'limit', 'generation',
   'variants')
@@ -37,11 +36,11 @@ if ours() then
     if not granted() then
       if redis.call('HGET', K.marker, 'state') == 'pending'
         and tonumber(redis.call('HGET', K.marker, 'overdueAt')) <= now then
-        -- Its sidecar never finished it (it died): the caller resolves it from the
-        -- ledger as the sweeper would (the reservation the ledger holds, or its
-        -- units back to stock) and asks again, so that a retry is decided on the
-        -- config as it is now.
-        return answer('overdue')
+        -- Its sidecar never finished it (it died): this retry of the same buyer
+        -- takes the admission over, with the unit it already holds.
+        redis.call('HSET', K.marker, 'attempt', attempt, 'overdueAt', now + bound)
+        redis.call('ZADD', K.unresolved, now + bound, KEY)
+        return answer('admitted')
       end
       return answer('pending')
     end
