@@ -21,6 +21,9 @@ pub enum Fault {
     /// A deliberate bug, for proving that the history checker catches one: a cancel
     /// that Redis made is answered 503 as if nothing had changed.
     ErrorAfterRedisCancel,
+    /// The process dies (aborts, as under `kill -9`) after a cart's first line was
+    /// held, before its next.
+    DieMidCart,
 }
 
 impl Fault {
@@ -33,16 +36,18 @@ impl Fault {
             Fault::AfterPublishBeforeAck => "after-publish-before-ack",
             Fault::SkipLedgerOnAdmit => "skip-ledger-on-admit",
             Fault::ErrorAfterRedisCancel => "error-after-redis-cancel",
+            Fault::DieMidCart => "die-mid-cart",
         }
     }
 
-    const ALL: [Fault; 6] = [
+    const ALL: [Fault; 7] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
         Fault::AfterPublishBeforeAck,
         Fault::SkipLedgerOnAdmit,
         Fault::ErrorAfterRedisCancel,
+        Fault::DieMidCart,
     ];
 }
 

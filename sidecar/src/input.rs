@@ -48,9 +48,118 @@ impl Reserve {
     }
 }
 
+/// Most lines a cart may have, as sent (before lines are added up).
+pub const MAX_CART_LINES: usize = 20;
+
+/// How a cart is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CartMode {
+    /// Every line or none.
+    All,
+    /// Every line that fits; at least one.
+    Available,
+}
+
+impl CartMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CartMode::All => "all",
+            CartMode::Available => "available",
+        }
+    }
+}
+
+/// One line of a cart: units of a drop (and variant).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CartLine {
+    pub drop: String,
+    pub variant: Option<String>,
+    pub quantity: i64,
+}
+
+/// The body of `POST /v1/carts`, its lines added up per drop and variant (in the
+/// order each first appears).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CartReserve {
+    pub key: String,
+    pub user: String,
+    pub lines: Vec<CartLine>,
+    pub mode: CartMode,
+}
+
+impl CartReserve {
+    pub fn parse(body: &[u8]) -> Result<Self, Invalid> {
+        let mut fields = Fields::parse(body, &["key", "user", "lines", "mode"])?;
+        let key = fields.id("key")?;
+        // Each line is a reservation keyed `<key>:<n>`, itself an identifier.
+        let longest = MAX_ID_BYTES - 3;
+        if key.len() > longest {
+            return Err(Invalid(format!(
+                "`key` must be at most {longest} bytes for a cart (its lines are keyed `<key>:<n>`), not {}",
+                key.len()
+            )));
+        }
+        let user = fields.id("user")?;
+        let mode = match fields.word("mode", &["all", "available"])? {
+            Some("available") => CartMode::Available,
+            _ => CartMode::All,
+        };
+        let mut lines: Vec<CartLine> = Vec::new();
+        for mut line in fields.objects("lines", MAX_CART_LINES, &["drop", "variant", "quantity"])? {
+            let drop = line.id("drop")?;
+            let variant = line.variant("variant")?;
+            let quantity = line.int("quantity", 1, MAX_QUANTITY)?;
+            match lines
+                .iter_mut()
+                .find(|l| l.drop == drop && l.variant == variant)
+            {
+                Some(same) => {
+                    same.quantity += quantity;
+                    if same.quantity > MAX_QUANTITY {
+                        return Err(Invalid(format!(
+                            "the lines of drop {drop}{} add up to {} units, more than {MAX_QUANTITY}",
+                            variant.map(|v| format!(" variant {v}")).unwrap_or_default(),
+                            same.quantity
+                        )));
+                    }
+                }
+                None => lines.push(CartLine {
+                    drop,
+                    variant,
+                    quantity,
+                }),
+            }
+        }
+        Ok(Self {
+            key,
+            user,
+            lines,
+            mode,
+        })
+    }
+
+    /// The key of line `n` (from 1): a reservation of the line's drop.
+    pub fn line_key(&self, n: usize) -> String {
+        line_key(&self.key, n)
+    }
+
+    /// What the cart asks, as canonical JSON: a retry must ask the same.
+    pub fn terms(&self) -> String {
+        serde_json::json!({"mode": self.mode.as_str(), "lines": self.lines}).to_string()
+    }
+}
+
+/// The key of line `n` (from 1) of cart `cart`.
+pub fn line_key(cart: &str, n: usize) -> String {
+    format!("{cart}:{n}")
+}
+
 /// A JSON object body whose fields are taken one by one.
 pub struct Fields {
     map: Map<String, Value>,
+    /// How the object's fields are named in refusals: `` for a body,
+    /// `lines[2].` for an element of an array.
+    prefix: String,
 }
 
 impl Fields {
@@ -63,8 +172,16 @@ impl Fields {
         }
         // serde_json keeps the last of two equal keys; a body that says two things
         // is refused instead of read as one of them.
-        let UniqueKeys(map) = serde_json::from_slice(body)
+        let Strict(value) = serde_json::from_slice(body)
             .map_err(|e| Invalid(format!("the body is not valid JSON: {e}")))?;
+        let Value::Object(map) = value else {
+            return Err(Invalid("the body must be a JSON object".into()));
+        };
+        Self::of(map, String::new(), allowed)
+    }
+
+    /// The fields of `map`, named with `prefix`, none outside `allowed`.
+    fn of(map: Map<String, Value>, prefix: String, allowed: &[&str]) -> Result<Self, Invalid> {
         let mut unknown: Vec<&str> = map
             .keys()
             .map(String::as_str)
@@ -73,25 +190,94 @@ impl Fields {
         unknown.sort_unstable();
         if let Some(first) = unknown.first() {
             return Err(Invalid(format!(
-                "unknown field `{first}`: the fields are {}",
+                "unknown field `{prefix}{first}`: the fields are {}",
                 allowed.join(", ")
             )));
         }
-        Ok(Self { map })
+        Ok(Self { map, prefix })
+    }
+
+    /// How `field` is named in a refusal.
+    fn name(&self, field: &str) -> String {
+        format!("{}{field}", self.prefix)
     }
 
     fn take(&mut self, field: &str) -> Result<Value, Invalid> {
         self.map
             .remove(field)
-            .ok_or_else(|| Invalid(format!("missing field `{field}`")))
+            .ok_or_else(|| Invalid(format!("missing field `{}`", self.name(field))))
+    }
+
+    /// A required array of 1 to `max` objects, each with fields from `allowed`.
+    pub fn objects(
+        &mut self,
+        field: &str,
+        max: usize,
+        allowed: &[&str],
+    ) -> Result<Vec<Fields>, Invalid> {
+        let name = self.name(field);
+        let items = match self.take(field)? {
+            Value::Array(items) => items,
+            other => {
+                return Err(Invalid(format!(
+                    "`{name}` must be an array, not {}",
+                    kind(&other)
+                )));
+            }
+        };
+        if items.is_empty() || items.len() > max {
+            return Err(Invalid(format!(
+                "`{name}` must hold 1 to {max} entries, not {}",
+                items.len()
+            )));
+        }
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::Object(map) => Fields::of(map, format!("{name}[{i}]."), allowed),
+                other => Err(Invalid(format!(
+                    "`{name}[{i}]` must be an object, not {}",
+                    kind(&other)
+                ))),
+            })
+            .collect()
+    }
+
+    /// An optional string that must be one of `words`.
+    pub fn word(
+        &mut self,
+        field: &str,
+        words: &[&'static str],
+    ) -> Result<Option<&'static str>, Invalid> {
+        let name = self.name(field);
+        match self.map.remove(field) {
+            None => Ok(None),
+            Some(Value::String(s)) => words
+                .iter()
+                .find(|w| **w == s)
+                .copied()
+                .map(Some)
+                .ok_or_else(|| {
+                    Invalid(format!(
+                        "`{name}` must be one of {}, not {s:?}",
+                        words.join(", ")
+                    ))
+                }),
+            Some(other) => Err(Invalid(format!(
+                "`{name}` must be a string, not {}",
+                kind(&other)
+            ))),
+        }
     }
 
     /// A required identifier: a string of 1 to 256 bytes.
     pub fn id(&mut self, field: &str) -> Result<String, Invalid> {
+        let name = self.name(field);
         match self.take(field)? {
-            Value::String(s) => id(field, &s).map(|()| s),
+            Value::String(s) => id(&name, &s).map(|()| s),
             other => Err(Invalid(format!(
-                "`{field}` must be a string, not {}",
+                "`{name}` must be a string, not {}",
                 kind(&other)
             ))),
         }
@@ -99,7 +285,9 @@ impl Fields {
 
     /// An optional variant name (`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`).
     pub fn variant(&mut self, field: &str) -> Result<Option<String>, Invalid> {
-        match self.map.remove(field) {
+        let value = self.map.remove(field);
+        let field = self.name(field);
+        match value {
             None => Ok(None),
             Some(Value::String(s)) if dropgate_api::drop::is_variant_name(&s) => Ok(Some(s)),
             Some(Value::String(_)) => Err(Invalid(format!(
@@ -116,6 +304,7 @@ impl Fields {
     /// are refused: a quantity is counted, never rounded.
     pub fn int(&mut self, field: &str, min: i64, max: i64) -> Result<i64, Invalid> {
         let value = self.take(field)?;
+        let field = self.name(field);
         let out_of_range = || Invalid(format!("`{field}` must be an integer from {min} to {max}"));
         match &value {
             Value::Number(n) if n.is_i64() || n.is_u64() => {
@@ -134,34 +323,75 @@ impl Fields {
     }
 }
 
-/// A JSON object whose keys are each given once.
-struct UniqueKeys(Map<String, Value>);
+/// A JSON value whose objects, at every depth, give each key once.
+struct Strict(Value);
 
-impl<'de> serde::Deserialize<'de> for UniqueKeys {
+impl<'de> serde::Deserialize<'de> for Strict {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = UniqueKeys;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut access: A,
-            ) -> Result<UniqueKeys, A::Error> {
-                let mut map = Map::new();
-                while let Some((key, value)) = access.next_entry::<String, Value>()? {
-                    if map.contains_key(&key) {
-                        return Err(serde::de::Error::custom(format!(
-                            "the field `{key}` is given twice"
-                        )));
-                    }
-                    map.insert(key, value);
-                }
-                Ok(UniqueKeys(map))
-            }
+        deserializer.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut access: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(item)) = access.next_element()? {
+            items.push(item);
         }
-        deserializer.deserialize_map(Visitor)
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut access: A) -> Result<Value, A::Error> {
+        let mut map = Map::new();
+        while let Some((key, Strict(value))) = access.next_entry::<String, Strict>()? {
+            if map.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!(
+                    "the field `{key}` is given twice"
+                )));
+            }
+            map.insert(key, value);
+        }
+        Ok(Value::Object(map))
     }
 }
 

@@ -39,7 +39,10 @@ pub async fn run(
                 refresh_configs(&app).await;
                 note_outbox_lag(&app).await;
             }
-            _ = sweep_tick.tick() => expire_due_holds(&app).await,
+            _ = sweep_tick.tick() => {
+                expire_due_holds(&app).await;
+                crate::service::cart::sweep(&app).await;
+            }
             _ = dispatch_tick.tick() => dispatch_events(&app).await,
             _ = stop.changed() => return,
         }

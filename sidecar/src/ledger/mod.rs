@@ -18,6 +18,7 @@
 //! - [`fences`]: lock fence high-water marks and fenced writes.
 
 pub mod authority;
+pub mod carts;
 pub mod fallback;
 pub mod fences;
 pub mod outbox;

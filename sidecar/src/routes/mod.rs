@@ -1,5 +1,6 @@
 //! The HTTP API: one module per route group, all answering [`Answer`]s.
 
+mod carts;
 mod drops;
 mod health;
 mod locks;
@@ -51,6 +52,27 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(caller())
         .and(app.clone())
         .then(reservations::lookup);
+    let cart_reserve = warp::path!("v1" / "carts")
+        .and(warp::post())
+        .and(caller())
+        .and(app.clone())
+        .and(body)
+        .then(carts::reserve);
+    let cart_confirm = warp::path!("v1" / "carts" / String / "confirm")
+        .and(warp::post())
+        .and(caller())
+        .and(app.clone())
+        .then(carts::confirm);
+    let cart_cancel = warp::path!("v1" / "carts" / String / "cancel")
+        .and(warp::post())
+        .and(caller())
+        .and(app.clone())
+        .then(carts::cancel);
+    let cart_lookup = warp::path!("v1" / "carts" / String)
+        .and(warp::get())
+        .and(caller())
+        .and(app.clone())
+        .then(carts::lookup);
     let drop = warp::path!("v1" / "drops" / String)
         .and(warp::get())
         .and(caller())
@@ -98,6 +120,14 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .or(lookup)
         .unify()
         .or(drop)
+        .unify()
+        .or(cart_reserve)
+        .unify()
+        .or(cart_confirm)
+        .unify()
+        .or(cart_cancel)
+        .unify()
+        .or(cart_lookup)
         .unify()
         .or(lock_acquire)
         .unify()
@@ -252,6 +282,10 @@ const CANCEL: Route = route!(
     "/v1/drops/{drop}/reservations/{key}/cancel"
 );
 const LOOKUP: Route = route!("lookup", "GET", "/v1/drops/{drop}/reservations/{key}");
+const CART_RESERVE: Route = route!("cart_reserve", "POST", "/v1/carts");
+const CART_CONFIRM: Route = route!("cart_confirm", "POST", "/v1/carts/{key}/confirm");
+const CART_CANCEL: Route = route!("cart_cancel", "POST", "/v1/carts/{key}/cancel");
+const CART_LOOKUP: Route = route!("cart_lookup", "GET", "/v1/carts/{key}");
 const SHOW: Route = route!("drop", "GET", "/v1/drops/{drop}");
 const LOCK_ACQUIRE: Route = route!("lock_acquire", "POST", "/v1/locks/{name}");
 const LOCK_RENEW: Route = route!("lock_renew", "POST", "/v1/locks/{name}/renew");

@@ -10,11 +10,14 @@
 //!
 //! - [`admit`]: reserve on either gate.
 //! - [`settle`]: confirm, cancel and look-up on either gate.
+//! - [`cart`]: several lines held, confirmed and cancelled as one, each line a
+//!   reservation of its drop.
 //! - [`record`]: what the Redis gate decided, recorded in the ledger.
 //! - [`handover`]: moving a drop between its two gates (opening the gate after a
 //!   replay or rebuild, handing it to the ledger), and the refresh's check.
 
 mod admit;
+pub mod cart;
 pub mod handover;
 pub mod record;
 mod settle;

@@ -1,0 +1,226 @@
+//! Carts in the ledger: what each cart key asked, and how far deciding it went
+//! (see `migrations/0006_carts.sql`). A cart's lines are ordinary reservations of
+//! their drops; this row is what makes the cart one thing: a retry of its key, a
+//! sidecar that died mid-cart, and a refusal that must give back what was held are
+//! all decided from it. Every move is a compare-and-set on the row's state (and
+//! attempt), so that two sidecars never both finish one cart.
+
+use sqlx::Row;
+use sqlx::any::AnyRow;
+
+use super::{Ledger, LedgerError};
+
+/// Where a cart as a whole stands (see `migrations/0006_carts.sql`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CartState {
+    /// A sidecar is holding its lines until the row's deadline.
+    Holding,
+    /// Answered 201: the lines it lists are held until the cart's expiry.
+    Held,
+    /// A sidecar confirms its lines until the row's deadline.
+    Confirming,
+    Confirmed,
+    /// Its lines are being given back, to end as the row's `ends_as`; past the
+    /// deadline anyone finishes that.
+    Releasing,
+    /// Answered 409: nothing is held.
+    Refused,
+    /// Given back after its sidecar stopped mid-way: nothing is held.
+    Released,
+    Cancelled,
+    Expired,
+}
+
+impl CartState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CartState::Holding => "holding",
+            CartState::Held => "held",
+            CartState::Confirming => "confirming",
+            CartState::Confirmed => "confirmed",
+            CartState::Releasing => "releasing",
+            CartState::Refused => "refused",
+            CartState::Released => "released",
+            CartState::Cancelled => "cancelled",
+            CartState::Expired => "expired",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, LedgerError> {
+        Ok(match s {
+            "holding" => CartState::Holding,
+            "held" => CartState::Held,
+            "confirming" => CartState::Confirming,
+            "confirmed" => CartState::Confirmed,
+            "releasing" => CartState::Releasing,
+            "refused" => CartState::Refused,
+            "released" => CartState::Released,
+            "cancelled" => CartState::Cancelled,
+            "expired" => CartState::Expired,
+            other => {
+                return Err(LedgerError::Sql(sqlx::Error::Decode(
+                    format!("unknown cart state {other:?}").into(),
+                )));
+            }
+        })
+    }
+}
+
+/// A cart as the ledger records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CartRow {
+    pub key: String,
+    pub user: String,
+    /// The cart's mode and added-up lines, as canonical JSON.
+    pub terms: String,
+    pub state: CartState,
+    /// What a releasing cart ends as.
+    pub ends_as: Option<CartState>,
+    /// Which attempt is holding or releasing it.
+    pub attempt: String,
+    /// Until when that attempt may work on it (ms since the epoch).
+    pub deadline_ms: i64,
+    /// When a held cart expires as a whole: its earliest line's deadline.
+    pub expires_at_ms: i64,
+    /// The numbers (from 1) of the lines held, as a JSON array.
+    pub held: String,
+    /// The lines not held and why, as the JSON the answer gave.
+    pub short: String,
+}
+
+fn cart_row(row: &AnyRow) -> Result<CartRow, LedgerError> {
+    Ok(CartRow {
+        key: row.try_get("cart_key")?,
+        user: row.try_get("user_id")?,
+        terms: row.try_get("terms")?,
+        state: CartState::parse(&row.try_get::<String, _>("state")?)?,
+        ends_as: match row.try_get::<String, _>("ends_as")?.as_str() {
+            "" => None,
+            other => Some(CartState::parse(other)?),
+        },
+        attempt: row.try_get("attempt")?,
+        deadline_ms: row.try_get("deadline_ms")?,
+        expires_at_ms: row.try_get("expires_at_ms")?,
+        held: row.try_get("held")?,
+        short: row.try_get("short")?,
+    })
+}
+
+const COLUMNS: &str =
+    "cart_key, user_id, terms, state, ends_as, attempt, deadline_ms, expires_at_ms, held, short";
+
+/// A new cart's row, as [`Ledger::begin_cart`] writes it.
+pub struct NewCart<'a> {
+    pub namespace: &'a str,
+    pub key: &'a str,
+    pub user: &'a str,
+    pub terms: &'a str,
+    pub attempt: &'a str,
+    pub deadline_ms: i64,
+    pub now_ms: i64,
+}
+
+/// How a cart's state moves, if it still is where the mover saw it.
+pub struct CartMove<'a> {
+    pub namespace: &'a str,
+    pub key: &'a str,
+    pub from: CartState,
+    /// The attempt the mover saw working on it (`""`: none): the row moves only if
+    /// that is still so.
+    pub attempt: &'a str,
+    pub to: CartState,
+    /// What a move to `Releasing` ends as.
+    pub ends_as: Option<CartState>,
+    /// The attempt that works on it from now on, and until when.
+    pub new_attempt: &'a str,
+    pub deadline_ms: i64,
+    pub expires_at_ms: i64,
+    pub held: &'a str,
+    pub short: &'a str,
+}
+
+impl Ledger {
+    /// Writes a new cart in state `holding` for `cart.attempt`, unless the key has
+    /// one: then that one, unchanged. `Ok((row, true))` when this call wrote it.
+    pub async fn begin_cart(&self, cart: NewCart<'_>) -> Result<(CartRow, bool), LedgerError> {
+        let written = sqlx::query(
+            "INSERT INTO carts (namespace, cart_key, user_id, terms, state, attempt, deadline_ms, created_at_ms) \
+             VALUES ($1, $2, $3, $4, 'holding', $5, $6, $7) ON CONFLICT (namespace, cart_key) DO NOTHING",
+        )
+        .bind(cart.namespace)
+        .bind(cart.key)
+        .bind(cart.user)
+        .bind(cart.terms)
+        .bind(cart.attempt)
+        .bind(cart.deadline_ms)
+        .bind(cart.now_ms)
+        .execute(self.pool())
+        .await?;
+        let row = self
+            .cart(cart.namespace, cart.key)
+            .await?
+            .ok_or_else(|| LedgerError::Sql(sqlx::Error::RowNotFound))?;
+        Ok((row, written.rows_affected() == 1))
+    }
+
+    /// The cart recorded under `key`, if any.
+    pub async fn cart(&self, namespace: &str, key: &str) -> Result<Option<CartRow>, LedgerError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
+        )))
+        .bind(namespace)
+        .bind(key)
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(cart_row).transpose()
+    }
+
+    /// Moves a cart as `change` says, if it still is in `change.from` with
+    /// `change.attempt` working on it: whether it moved. Every move names a new
+    /// attempt (or none), so a mover that read the row before another moved it
+    /// moves nothing.
+    pub async fn move_cart(&self, change: CartMove<'_>) -> Result<bool, LedgerError> {
+        let moved = sqlx::query(
+            "UPDATE carts SET state = $1, attempt = $2, deadline_ms = $3, held = $4, short = $5, \
+             ends_as = $6, expires_at_ms = $7 \
+             WHERE namespace = $8 AND cart_key = $9 AND state = $10 AND attempt = $11",
+        )
+        .bind(change.to.as_str())
+        .bind(change.new_attempt)
+        .bind(change.deadline_ms)
+        .bind(change.held)
+        .bind(change.short)
+        .bind(change.ends_as.map_or("", CartState::as_str))
+        .bind(change.expires_at_ms)
+        .bind(change.namespace)
+        .bind(change.key)
+        .bind(change.from.as_str())
+        .bind(change.attempt)
+        .execute(self.pool())
+        .await?;
+        Ok(moved.rows_affected() == 1)
+    }
+
+    /// Carts of `namespace` that someone must finish (at most `limit`): held past
+    /// their expiry, or holding, confirming or releasing past their attempt's
+    /// deadline (its sidecar died or gave up mid-way).
+    pub async fn overdue_carts(
+        &self,
+        namespace: &str,
+        now_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<CartRow>, LedgerError> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM carts WHERE namespace = $2 AND \
+             ((state IN ('holding', 'confirming', 'releasing') AND deadline_ms < $1) \
+              OR (state = 'held' AND expires_at_ms < $1)) \
+             ORDER BY deadline_ms LIMIT $3"
+        )))
+        .bind(now_ms)
+        .bind(namespace)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(cart_row).collect()
+    }
+}

@@ -1,0 +1,784 @@
+//! Carts: several lines, on one drop or several, held as a whole (`all`) or line by
+//! line (`available`), then confirmed, cancelled or looked up as one.
+//!
+//! Every line is an ordinary reservation of its drop under `<cart key>:<n>`, made,
+//! confirmed and cancelled by [`super::reserve`] and [`super::settle`]: whichever
+//! gate decides the drop, every rule of a reservation (the limit, the per-user
+//! limit across variants and carts, the window, durability before 201) holds for
+//! each line. What makes the lines one cart is the ledger's cart row
+//! ([`crate::ledger::carts`]), written before the first line is held and moved by
+//! compare-and-set only:
+//!
+//! - a cart that cannot be held as asked gives back every line it held before it
+//!   answers (`releasing`, then `refused`);
+//! - a cart whose line could not be decided (503) keeps what it held for a retry
+//!   of its key until its deadline (`holding` with no attempt working on it); the
+//!   retry goes on where it stopped, and past the deadline anyone gives it back;
+//! - a sidecar killed mid-cart leaves the row `holding`: a retry past the deadline
+//!   goes on with it, the cart sweeper gives it back;
+//! - a held cart expires as a whole at its earliest line's deadline: the sweeper
+//!   gives back what is left of it (`releasing`, then `expired`).
+
+use std::time::Duration;
+
+use crate::app::App;
+use crate::clock::now_ms;
+use crate::faults::{self, Fault};
+use crate::input::{CartLine, CartMode, CartReserve, Reserve, line_key};
+use crate::ledger::LedgerError;
+use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
+use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
+
+use super::{Failure, Served, pending_bound_ms};
+
+/// Why a line of a cart was not held.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum ShortWhy {
+    SoldOut { remaining: i64 },
+    PerUserLimitExceeded { held: i64, limit: i64 },
+    NotOpen { starts_at_ms: Option<i64> },
+    Ended { ends_at_ms: Option<i64> },
+}
+
+impl ShortWhy {
+    /// The reason a refusal of one reservation gives, if it is one a cart's line
+    /// may be short for.
+    fn of(outcome: &Outcome) -> Option<Self> {
+        Some(match outcome {
+            Outcome::SoldOut { remaining } => ShortWhy::SoldOut {
+                remaining: *remaining,
+            },
+            Outcome::PerUserLimit { held, limit } => ShortWhy::PerUserLimitExceeded {
+                held: *held,
+                limit: *limit,
+            },
+            Outcome::NotOpen { starts_at_ms } => ShortWhy::NotOpen {
+                starts_at_ms: *starts_at_ms,
+            },
+            Outcome::Ended { ends_at_ms } => ShortWhy::Ended {
+                ends_at_ms: *ends_at_ms,
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// A line not held, and why.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShortLine {
+    /// Its number in the cart, from 1.
+    pub n: usize,
+    #[serde(flatten)]
+    pub why: ShortWhy,
+}
+
+/// A held line of a cart: its number, what it asked, its reservation's key, and
+/// the reservation as it stands (`None` when it could not be looked up).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldLine {
+    pub n: usize,
+    pub line: CartLine,
+    pub key: String,
+    pub reservation: Option<Reservation>,
+}
+
+/// A cart as an answer shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CartView {
+    pub key: String,
+    pub user: String,
+    pub state: CartState,
+    pub lines: Vec<CartLine>,
+    pub held: Vec<HeldLine>,
+    pub short: Vec<ShortLine>,
+    /// When the cart expires as a whole: its earliest held line's deadline.
+    pub expires_at_ms: Option<i64>,
+}
+
+/// What a cart call came to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CartOutcome {
+    /// 201: held now.
+    Reserved(CartView),
+    /// 200: the key's cart as it stands (a retry).
+    AlreadyReserved(CartView),
+    /// 409: nothing is held; each line not held, and why.
+    Short(CartView),
+    /// 422: the key was used by another user or for other lines.
+    KeyReused,
+    /// A line's drop or variant does not fit (404 or 400): nothing is held.
+    LineRefused {
+        line: CartLine,
+        refusal: VariantRefusal,
+    },
+    /// A line's key is held by a reservation that is not this cart's (422).
+    LineKeyTaken {
+        key: String,
+    },
+    Found(CartView),
+    Confirmed(CartView),
+    AlreadyConfirmed(CartView),
+    Cancelled(CartView),
+    AlreadyCancelled(CartView),
+    /// 409: the cart expired (or was given back unanswered) and cannot be confirmed.
+    Gone(CartView),
+    NotFound,
+}
+
+/// What a call asks of an existing cart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CartSettle {
+    Confirm,
+    Cancel,
+    Lookup,
+}
+
+/// Slack per line beyond its pending bound: a line's reserve may first wait for
+/// its gate to open or its breaker to decide.
+const LINE_SLACK_MS: i64 = 2_000;
+/// How long a cart whose line could not be decided keeps its held lines for a
+/// retry of its key.
+const KEPT_FOR_RETRY_MS: i64 = 10_000;
+/// How long a confirm or a give-back of a whole cart may take before another
+/// sidecar finishes it.
+const SETTLE_BOUND_MS: i64 = 10_000;
+
+fn attempt() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+fn ledger_down(what: &str, error: LedgerError) -> Failure {
+    Failure::unavailable(format!(
+        "the ledger could not {what} ({error}): nothing was changed; retry the same key"
+    ))
+}
+
+fn in_flight(key: &str) -> Failure {
+    Failure::retry(format!(
+        "cart {key} is being decided by another attempt right now: nothing was changed; retry the same key"
+    ))
+}
+
+/// The lines of a recorded cart (its terms as [`CartReserve::terms`] wrote them).
+fn lines_of(row: &CartRow) -> Vec<CartLine> {
+    #[derive(serde::Deserialize)]
+    struct Terms {
+        lines: Vec<Line>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Line {
+        drop: String,
+        variant: Option<String>,
+        quantity: i64,
+    }
+    serde_json::from_str::<Terms>(&row.terms)
+        .map(|terms| {
+            terms
+                .lines
+                .into_iter()
+                .map(|l| CartLine {
+                    drop: l.drop,
+                    variant: l.variant,
+                    quantity: l.quantity,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn numbers(json: &str) -> Vec<usize> {
+    serde_json::from_str(json).unwrap_or_default()
+}
+
+fn shorts(json: &str) -> Vec<ShortLine> {
+    serde_json::from_str(json).unwrap_or_default()
+}
+
+/// How long holding `lines` may take: each line's pending bound and some slack.
+async fn holding_bound(app: &App, lines: &[CartLine]) -> i64 {
+    let mut bound = 0;
+    for line in lines {
+        let config = match super::find_drop(app, &line.drop).await {
+            Ok(drop) => drop.config(),
+            Err(_) => continue,
+        };
+        bound += pending_bound_ms(&config) as i64 + LINE_SLACK_MS;
+    }
+    bound
+}
+
+/// Reserves every line of `cart` as its mode asks: a new cart, or the key's
+/// existing one as it stands (a retry), or what is left of an unfinished one.
+pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failure> {
+    // Every line's drop and variant first: a cart naming one that does not exist
+    // holds nothing.
+    for line in &cart.lines {
+        let drop = super::find_drop(app, &line.drop).await?;
+        if let Some(refusal) = VariantRefusal::of(line.variant.as_deref(), &drop.config().variants)
+        {
+            return Ok(CartOutcome::LineRefused {
+                line: line.clone(),
+                refusal,
+            });
+        }
+    }
+    let namespace = app.drops.namespace();
+    let terms = cart.terms();
+    let mine = attempt();
+    let now = now_ms();
+    let bound = holding_bound(app, &cart.lines).await;
+    let (row, fresh) = app
+        .ledger
+        .begin_cart(NewCart {
+            namespace,
+            key: &cart.key,
+            user: &cart.user,
+            terms: &terms,
+            attempt: &mine,
+            deadline_ms: now + bound,
+            now_ms: now,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart", e))?;
+    if row.user != cart.user || row.terms != terms {
+        return Ok(CartOutcome::KeyReused);
+    }
+    if !fresh {
+        match row.state {
+            CartState::Holding => {
+                // Nobody works on it (a line could not be decided), or its sidecar
+                // died: this retry goes on with it.
+                let unattended = row.attempt.is_empty() || row.deadline_ms < now;
+                if !unattended {
+                    return Err(in_flight(&cart.key));
+                }
+                let taken = app
+                    .ledger
+                    .move_cart(CartMove {
+                        namespace,
+                        key: &cart.key,
+                        from: CartState::Holding,
+                        attempt: &row.attempt,
+                        to: CartState::Holding,
+                        ends_as: None,
+                        new_attempt: &mine,
+                        deadline_ms: now + bound,
+                        expires_at_ms: 0,
+                        held: "[]",
+                        short: "[]",
+                    })
+                    .await
+                    .map_err(|e| ledger_down("take the cart over", e))?;
+                if !taken {
+                    return Err(in_flight(&cart.key));
+                }
+            }
+            CartState::Refused => return Ok(CartOutcome::Short(view(app, &row, false).await)),
+            CartState::Releasing | CartState::Confirming => {
+                return Err(in_flight(&cart.key));
+            }
+            _ => return Ok(CartOutcome::AlreadyReserved(view(app, &row, true).await)),
+        }
+    }
+    hold(app, cart, &mine, now + bound).await
+}
+
+/// Holds each line of `cart` for attempt `mine`, then answers as its mode says,
+/// giving back what it held when the cart cannot be held as asked.
+async fn hold(
+    app: &App,
+    cart: &CartReserve,
+    mine: &str,
+    deadline_ms: i64,
+) -> Result<CartOutcome, Failure> {
+    let namespace = app.drops.namespace();
+    let mut held: Vec<usize> = Vec::new();
+    let mut reservations: Vec<HeldLine> = Vec::new();
+    let mut short: Vec<ShortLine> = Vec::new();
+    let mut stopped: Option<Stop> = None;
+    for (i, line) in cart.lines.iter().enumerate() {
+        let n = i + 1;
+        if i > 0 && faults::check(Fault::DieMidCart).is_err() {
+            tracing::error!(cart = %cart.key, "injected fault: the process dies mid-cart");
+            std::process::abort();
+        }
+        if now_ms() > deadline_ms {
+            stopped = Some(Stop::Failed(Failure::retry(format!(
+                "cart {} took longer than its bound to hold: retry the same key to go on with it",
+                cart.key
+            ))));
+            break;
+        }
+        let request = Reserve {
+            key: cart.line_key(n),
+            user: cart.user.clone(),
+            quantity: line.quantity,
+            variant: line.variant.clone(),
+        };
+        match super::reserve(app, &line.drop, &request).await {
+            Ok(Served { outcome, .. }) => match outcome {
+                Outcome::Admitted(view) | Outcome::AlreadyReserved(view)
+                    if view.reservation.state.holds_units() =>
+                {
+                    held.push(n);
+                    reservations.push(HeldLine {
+                        n,
+                        line: line.clone(),
+                        key: request.key.clone(),
+                        reservation: Some(view.reservation),
+                    });
+                }
+                other => match ShortWhy::of(&other) {
+                    Some(why) => short.push(ShortLine { n, why }),
+                    None => {
+                        stopped = Some(match other {
+                            Outcome::VariantRefused(refusal) => {
+                                Stop::Refused(CartOutcome::LineRefused {
+                                    line: line.clone(),
+                                    refusal,
+                                })
+                            }
+                            _ => Stop::Refused(CartOutcome::LineKeyTaken { key: request.key }),
+                        });
+                        break;
+                    }
+                },
+            },
+            Err(failure) => {
+                stopped = Some(Stop::Failed(failure));
+                break;
+            }
+        }
+    }
+    let held_json = serde_json::to_string(&held).unwrap_or_else(|_| "[]".into());
+    let short_json = serde_json::to_string(&short).unwrap_or_else(|_| "[]".into());
+    let now = now_ms();
+    let moved = |to: CartState,
+                 ends_as: Option<CartState>,
+                 deadline_ms: i64,
+                 new_attempt: &'static str| CartMove {
+        namespace,
+        key: &cart.key,
+        from: CartState::Holding,
+        attempt: mine,
+        to,
+        ends_as,
+        new_attempt,
+        deadline_ms,
+        expires_at_ms: 0,
+        held: &held_json,
+        short: &short_json,
+    };
+    match stopped {
+        // A line could not be decided: what is held stays for the retry the
+        // answer asks for, and is given back past the deadline if none comes.
+        Some(Stop::Failed(failure)) => {
+            let _ = app
+                .ledger
+                .move_cart(moved(CartState::Holding, None, now + KEPT_FOR_RETRY_MS, ""))
+                .await;
+            return Err(failure);
+        }
+        Some(Stop::Refused(outcome)) => {
+            release_now(app, cart, mine, CartState::Refused, &held_json, &short_json).await?;
+            return Ok(outcome);
+        }
+        None => {}
+    }
+    let whole = match cart.mode {
+        CartMode::All => short.is_empty(),
+        CartMode::Available => !held.is_empty(),
+    };
+    if !whole {
+        release_now(app, cart, mine, CartState::Refused, &held_json, &short_json).await?;
+        let row = recorded(app, &cart.key).await?;
+        return Ok(CartOutcome::Short(view(app, &row, false).await));
+    }
+    // Held: the cart expires with its earliest line.
+    let expires_at_ms = reservations
+        .iter()
+        .filter_map(|h| h.reservation.as_ref().map(|r| r.expires_at_ms))
+        .min()
+        .unwrap_or(now);
+    let finished = app
+        .ledger
+        .move_cart(CartMove {
+            expires_at_ms,
+            ..moved(CartState::Held, None, 0, "")
+        })
+        .await;
+    match finished {
+        Ok(true) => Ok(CartOutcome::Reserved(CartView {
+            key: cart.key.clone(),
+            user: cart.user.clone(),
+            state: CartState::Held,
+            lines: cart.lines.clone(),
+            held: reservations,
+            short,
+            expires_at_ms: Some(expires_at_ms),
+        })),
+        // Taken over past its deadline (this attempt was too slow). Given back by
+        // the sweeper meanwhile: a line this attempt held after that is given back
+        // here. Taken by a retry: that one goes on with the lines.
+        Ok(false) => {
+            if let Ok(Some(row)) = app.ledger.cart(namespace, &cart.key).await
+                && matches!(row.state, CartState::Releasing | CartState::Released)
+            {
+                let _ = give_back(app, &cart.key, &cart.lines, false).await;
+            }
+            Err(in_flight(&cart.key))
+        }
+        Err(e) => {
+            // Unknown whether it moved: the retry the answer asks for finds out.
+            Err(ledger_down("record the held cart", e))
+        }
+    }
+}
+
+/// Why holding a cart's lines stopped before the last.
+enum Stop {
+    Failed(Failure),
+    Refused(CartOutcome),
+}
+
+/// Gives back every line of `cart` that attempt `mine` may have held, and records
+/// the cart as `ends_as`. A 503 when a line could not be given back: the cart stays
+/// `releasing`, and the sweeper finishes it.
+async fn release_now(
+    app: &App,
+    cart: &CartReserve,
+    mine: &str,
+    ends_as: CartState,
+    held: &str,
+    short: &str,
+) -> Result<(), Failure> {
+    let namespace = app.drops.namespace();
+    let releasing = attempt();
+    let deadline = now_ms() + SETTLE_BOUND_MS;
+    let moved = app
+        .ledger
+        .move_cart(CartMove {
+            namespace,
+            key: &cart.key,
+            from: CartState::Holding,
+            attempt: mine,
+            to: CartState::Releasing,
+            ends_as: Some(ends_as),
+            new_attempt: &releasing,
+            deadline_ms: deadline,
+            expires_at_ms: 0,
+            held,
+            short,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart's refusal", e))?;
+    if !moved {
+        return Err(in_flight(&cart.key));
+    }
+    give_back(app, &cart.key, &cart.lines, false).await?;
+    app.ledger
+        .move_cart(CartMove {
+            namespace,
+            key: &cart.key,
+            from: CartState::Releasing,
+            attempt: &releasing,
+            to: ends_as,
+            ends_as: None,
+            new_attempt: "",
+            deadline_ms: 0,
+            expires_at_ms: 0,
+            held: "[]",
+            short,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart's refusal", e))?;
+    Ok(())
+}
+
+/// Cancels every line of the cart `key` (those it never held answer not found);
+/// with `active_only`, only lines still held and not confirmed (an expiry never
+/// refunds a line its buyer paid for).
+async fn give_back(
+    app: &App,
+    key: &str,
+    lines: &[CartLine],
+    active_only: bool,
+) -> Result<(), Failure> {
+    for (i, line) in lines.iter().enumerate() {
+        let line_key = line_key(key, i + 1);
+        if active_only {
+            let looked = super::settle(app, &line.drop, &line_key, Settle::Lookup).await?;
+            let active = looked
+                .outcome
+                .view()
+                .is_some_and(|v| v.reservation.state == State::Active);
+            if !active {
+                continue;
+            }
+        }
+        let mut pause = Duration::from_millis(50);
+        let mut tries = 0;
+        loop {
+            match super::settle(app, &line.drop, &line_key, Settle::Cancel).await {
+                Ok(_) => break,
+                Err(failure) if tries >= 4 => {
+                    return Err(match failure {
+                        Failure::UnknownDrop { .. } => break,
+                        other => other,
+                    });
+                }
+                Err(_) => {
+                    tries += 1;
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn recorded(app: &App, key: &str) -> Result<CartRow, Failure> {
+    match app.ledger.cart(app.drops.namespace(), key).await {
+        Ok(Some(row)) => Ok(row),
+        Ok(None) => Err(Failure::unavailable(format!(
+            "cart {key} is not in the ledger any more"
+        ))),
+        Err(e) => Err(ledger_down("read the cart", e)),
+    }
+}
+
+/// The cart `row` as an answer shows it; with `look_up`, each held line's
+/// reservation as it stands now.
+async fn view(app: &App, row: &CartRow, look_up: bool) -> CartView {
+    let lines = lines_of(row);
+    let mut held = Vec::new();
+    for n in numbers(&row.held) {
+        let Some(line) = lines.get(n.wrapping_sub(1)) else {
+            continue;
+        };
+        let key = line_key(&row.key, n);
+        let reservation = if look_up {
+            match super::settle(app, &line.drop, &key, Settle::Lookup).await {
+                Ok(served) => served.outcome.view().map(|v| v.reservation.clone()),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
+        held.push(HeldLine {
+            n,
+            line: line.clone(),
+            key,
+            reservation,
+        });
+    }
+    let expires_at_ms = held
+        .iter()
+        .filter_map(|h| h.reservation.as_ref())
+        .filter(|r| r.state == State::Active)
+        .map(|r| r.expires_at_ms)
+        .min()
+        .or((row.expires_at_ms > 0).then_some(row.expires_at_ms));
+    CartView {
+        key: row.key.clone(),
+        user: row.user.clone(),
+        state: row.state,
+        lines,
+        held,
+        short: shorts(&row.short),
+        expires_at_ms,
+    }
+}
+
+/// Confirms, cancels or looks up the cart `key` as a whole.
+pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutcome, Failure> {
+    let namespace = app.drops.namespace();
+    let row = match app.ledger.cart(namespace, key).await {
+        Ok(Some(row)) => row,
+        Ok(None) => return Ok(CartOutcome::NotFound),
+        Err(e) => return Err(ledger_down("read the cart", e)),
+    };
+    let now = now_ms();
+    match (asked, row.state) {
+        (CartSettle::Lookup, _) => Ok(CartOutcome::Found(view(app, &row, true).await)),
+        (_, CartState::Holding | CartState::Releasing | CartState::Confirming)
+            if !row.attempt.is_empty() && row.deadline_ms >= now =>
+        {
+            Err(in_flight(key))
+        }
+        (CartSettle::Confirm, CartState::Confirmed) => {
+            Ok(CartOutcome::AlreadyConfirmed(view(app, &row, true).await))
+        }
+        (CartSettle::Cancel, CartState::Cancelled) => {
+            Ok(CartOutcome::AlreadyCancelled(view(app, &row, true).await))
+        }
+        (CartSettle::Confirm, CartState::Held | CartState::Confirming)
+            if row.state == CartState::Confirming || row.expires_at_ms >= now =>
+        {
+            confirm(app, row).await
+        }
+        (
+            CartSettle::Cancel,
+            CartState::Held
+            | CartState::Confirmed
+            | CartState::Confirming
+            | CartState::Holding
+            | CartState::Releasing,
+        ) => cancel(app, row).await,
+        // Expired, refused, given back, or being given back: nothing to confirm
+        // or cancel any more.
+        (_, _) => Ok(CartOutcome::Gone(view(app, &row, true).await)),
+    }
+}
+
+async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
+    let namespace = app.drops.namespace();
+    let mine = attempt();
+    let taken = app
+        .ledger
+        .move_cart(CartMove {
+            namespace,
+            key: &row.key,
+            from: row.state,
+            attempt: &row.attempt,
+            to: CartState::Confirming,
+            ends_as: None,
+            new_attempt: &mine,
+            deadline_ms: now_ms() + SETTLE_BOUND_MS,
+            expires_at_ms: row.expires_at_ms,
+            held: &row.held,
+            short: &row.short,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart's confirm", e))?;
+    if !taken {
+        return Err(in_flight(&row.key));
+    }
+    let lines = lines_of(&row);
+    for n in numbers(&row.held) {
+        let Some(line) = lines.get(n.wrapping_sub(1)) else {
+            continue;
+        };
+        let served =
+            super::settle(app, &line.drop, &line_key(&row.key, n), Settle::Confirm).await?;
+        match served.outcome {
+            Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => {}
+            // A line that expired or was cancelled on its own: the cart cannot be
+            // confirmed whole. It stays confirming; its lines say where each stands.
+            _ => return Ok(CartOutcome::Gone(view(app, &row, true).await)),
+        }
+    }
+    app.ledger
+        .move_cart(CartMove {
+            namespace,
+            key: &row.key,
+            from: CartState::Confirming,
+            attempt: &mine,
+            to: CartState::Confirmed,
+            ends_as: None,
+            new_attempt: "",
+            deadline_ms: 0,
+            expires_at_ms: row.expires_at_ms,
+            held: &row.held,
+            short: &row.short,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart's confirm", e))?;
+    let row = recorded(app, &row.key).await?;
+    Ok(CartOutcome::Confirmed(view(app, &row, true).await))
+}
+
+async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
+    let lines = lines_of(&row);
+    finish_release(app, &row, CartState::Cancelled, &lines).await?;
+    let row = recorded(app, &row.key).await?;
+    Ok(CartOutcome::Cancelled(view(app, &row, true).await))
+}
+
+/// Moves `row` to releasing (to end as `ends_as`), gives back its lines, and
+/// records it as `ends_as`.
+async fn finish_release(
+    app: &App,
+    row: &CartRow,
+    ends_as: CartState,
+    lines: &[CartLine],
+) -> Result<(), Failure> {
+    let namespace = app.drops.namespace();
+    let mine = attempt();
+    let ends_as = row
+        .ends_as
+        .filter(|_| row.state == CartState::Releasing)
+        .unwrap_or(ends_as);
+    let taken = app
+        .ledger
+        .move_cart(CartMove {
+            namespace,
+            key: &row.key,
+            from: row.state,
+            attempt: &row.attempt,
+            to: CartState::Releasing,
+            ends_as: Some(ends_as),
+            new_attempt: &mine,
+            deadline_ms: now_ms() + SETTLE_BOUND_MS,
+            expires_at_ms: row.expires_at_ms,
+            held: &row.held,
+            short: &row.short,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart's give-back", e))?;
+    if !taken {
+        return Err(in_flight(&row.key));
+    }
+    give_back(app, &row.key, lines, ends_as == CartState::Expired).await?;
+    app.ledger
+        .move_cart(CartMove {
+            namespace,
+            key: &row.key,
+            from: CartState::Releasing,
+            attempt: &mine,
+            to: ends_as,
+            ends_as: None,
+            new_attempt: "",
+            deadline_ms: 0,
+            expires_at_ms: row.expires_at_ms,
+            held: &row.held,
+            short: &row.short,
+        })
+        .await
+        .map_err(|e| ledger_down("record the cart's give-back", e))?;
+    Ok(())
+}
+
+/// The cart sweeper's round: gives back carts left holding past their deadline
+/// (their sidecar died, or their buyer never retried), finishes give-backs whose
+/// sidecar stopped, expires held carts past their earliest line's deadline, and
+/// finishes confirms whose sidecar stopped.
+pub async fn sweep(app: &App) {
+    let now = now_ms();
+    let rows = match app
+        .ledger
+        .overdue_carts(app.drops.namespace(), now, 64)
+        .await
+    {
+        Ok(rows) => rows,
+        Err(error) => {
+            tracing::warn!(%error, "overdue carts could not be read");
+            return;
+        }
+    };
+    for row in rows {
+        let lines = lines_of(&row);
+        let done = match row.state {
+            CartState::Holding => finish_release(app, &row, CartState::Released, &lines).await,
+            CartState::Releasing => finish_release(app, &row, CartState::Released, &lines).await,
+            CartState::Held => finish_release(app, &row, CartState::Expired, &lines).await,
+            CartState::Confirming => confirm(app, row.clone()).await.map(|_| ()),
+            _ => Ok(()),
+        };
+        if let Err(failure) = done {
+            tracing::debug!(cart = %row.key, ?failure, "an overdue cart is left for the next round");
+        }
+    }
+}

@@ -1,0 +1,546 @@
+//! Carts (docs/design.md, "Carts") through the real HTTP API against a real Redis
+//! and the sidecar's ledger, on the Redis gate and on the ledger's fallback gate:
+//! several lines on several drops (one sold in sizes) held, confirmed, cancelled and
+//! looked up as one; a cart that cannot be held as asked holds nothing; lines of the
+//! same drop and size are checked in sum; the per-user limit counts across carts and
+//! single reserves; bad carts are refused naming what is wrong with nothing
+//! changed; and a rush of buyers with carts never oversells nor leaves an `all`
+//! cart partly held.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Sidecar, marker_state};
+use dropgate_testkit::{DropSpec, Reply};
+use futures::future::join_all;
+use serde_json::{Value, json};
+
+const SIZES: [(&str, i64); 4] = [("S", 4), ("M", 6), ("L", 5), ("XL", 3)];
+
+/// The sale the tests run: a shoe in sizes, a shirt and a cap, two units a buyer.
+async fn shop(sidecar: &Sidecar, kill_switch: bool) {
+    let gate = |spec: DropSpec| {
+        if kill_switch {
+            spec.kill_switch()
+        } else {
+            spec
+        }
+    };
+    sidecar
+        .seed(
+            "shoe",
+            gate(
+                DropSpec::new(0)
+                    .variants(&SIZES)
+                    .per_user_limit(2)
+                    .permits(1000),
+            ),
+        )
+        .await;
+    sidecar
+        .seed(
+            "shirt",
+            gate(DropSpec::new(10).per_user_limit(2).permits(1000)),
+        )
+        .await;
+    sidecar
+        .seed(
+            "cap",
+            gate(DropSpec::new(3).per_user_limit(2).permits(1000)),
+        )
+        .await;
+}
+
+/// A cart line as the tests write it: (drop, variant, quantity).
+type Line<'a> = (&'a str, Option<&'a str>, i64);
+
+/// A cart body: `lines` as (drop, variant, quantity).
+fn cart(key: &str, user: &str, lines: &[Line], mode: Option<&str>) -> String {
+    let lines: Vec<Value> = lines
+        .iter()
+        .map(|(drop, variant, quantity)| {
+            let mut line = json!({"drop": drop, "quantity": quantity});
+            if let Some(variant) = variant {
+                line["variant"] = (*variant).into();
+            }
+            line
+        })
+        .collect();
+    let mut body = json!({"key": key, "user": user, "lines": lines});
+    if let Some(mode) = mode {
+        body["mode"] = mode.into();
+    }
+    body.to_string()
+}
+
+async fn post_cart(sidecar: &Sidecar, body: &str) -> Reply {
+    sidecar.http.post("/v1/carts", body).await.expect("answers")
+}
+
+async fn cart_call(sidecar: &Sidecar, key: &str, op: &str) -> Reply {
+    let path = match op {
+        "lookup" => format!("/v1/carts/{key}"),
+        op => format!("/v1/carts/{key}/{op}"),
+    };
+    if op == "lookup" {
+        sidecar.http.get(&path).await.expect("answers")
+    } else {
+        sidecar.http.post(&path, "").await.expect("answers")
+    }
+}
+
+/// The answer's held lines as `drop/variant x quantity: state`.
+fn lines(reply: &Reply) -> Vec<String> {
+    reply.body["lines"]
+        .as_array()
+        .map(|lines| {
+            lines
+                .iter()
+                .map(|l| {
+                    format!(
+                        "{}/{} x{}: {}",
+                        l["drop"].as_str().unwrap_or("?"),
+                        l["variant"].as_str().unwrap_or("-"),
+                        l["quantity"],
+                        l["state"].as_str().unwrap_or("?")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The answer's short lines as `drop/variant: outcome`.
+fn short(reply: &Reply) -> Vec<String> {
+    reply.body["short"]
+        .as_array()
+        .map(|lines| {
+            lines
+                .iter()
+                .map(|l| {
+                    format!(
+                        "{}/{}: {}",
+                        l["drop"].as_str().unwrap_or("?"),
+                        l["variant"].as_str().unwrap_or("-"),
+                        l["outcome"].as_str().unwrap_or("?")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Units of `drop` left (of `variant`, for a drop in sizes), as
+/// `GET /v1/drops/{drop}` says: whichever gate decides the drop.
+async fn left(sidecar: &Sidecar, drop: &str, variant: Option<&str>) -> i64 {
+    let shown = sidecar
+        .http
+        .get(&format!("/v1/drops/{drop}"))
+        .await
+        .expect("answers");
+    match variant {
+        None => shown.body["remaining"].as_i64(),
+        Some(size) => shown.body["variants"].as_array().and_then(|variants| {
+            variants
+                .iter()
+                .find(|v| v["name"] == size)
+                .and_then(|v| v["remaining"].as_i64())
+        }),
+    }
+    .unwrap_or_else(|| panic!("GET /v1/drops/{drop}: {}", shown.text))
+}
+
+/// The states of cart `key`'s line reservations in Redis, by line number: `None`
+/// where a line has no marker.
+fn line_states(sidecar: &Sidecar, key: &str, drops: &[&str]) -> Vec<Option<String>> {
+    drops
+        .iter()
+        .enumerate()
+        .map(|(i, drop)| marker_state(&sidecar.redis, drop, &format!("{key}:{}", i + 1)))
+        .collect()
+}
+
+fn held(state: &Option<String>) -> bool {
+    matches!(state.as_deref(), Some("active" | "confirmed"))
+}
+
+async fn a_cart_is_held_confirmed_and_cancelled_as_one(kill_switch: bool) {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, kill_switch).await;
+    // Two lines of the same size are one line of two.
+    let body = cart(
+        "c1",
+        "ann",
+        &[
+            ("shoe", Some("M"), 1),
+            ("shirt", None, 1),
+            ("shoe", Some("M"), 1),
+        ],
+        None,
+    );
+    let reply = post_cart(&sidecar, &body).await;
+    reply.assert_answer(201, "reserved");
+    assert_eq!(
+        lines(&reply),
+        ["shoe/M x2: active", "shirt/- x1: active"],
+        "{}",
+        reply.text
+    );
+    assert_eq!(reply.body["lines"][0]["key"], "c1:1");
+    assert_eq!(reply.body["state"], "active");
+    assert!(reply.body["expiresAt"].is_string(), "{}", reply.text);
+    assert_eq!(left(&sidecar, "shoe", Some("M")).await, 4);
+    assert_eq!(left(&sidecar, "shirt", None).await, 9);
+
+    // A retry is the same cart; the lines are reservations of their drops.
+    let again = post_cart(&sidecar, &body).await;
+    again.assert_answer(200, "already_reserved");
+    assert_eq!(lines(&again), lines(&reply));
+    sidecar
+        .lookup("shoe", "c1:1")
+        .await
+        .assert_answer(200, "found");
+    cart_call(&sidecar, "c1", "lookup")
+        .await
+        .assert_answer(200, "found");
+
+    let confirmed = cart_call(&sidecar, "c1", "confirm").await;
+    confirmed.assert_answer(200, "confirmed");
+    assert_eq!(
+        lines(&confirmed),
+        ["shoe/M x2: confirmed", "shirt/- x1: confirmed"]
+    );
+    cart_call(&sidecar, "c1", "confirm")
+        .await
+        .assert_answer(200, "already_confirmed");
+
+    // Cancelled as one: both drops get their units back.
+    let cancelled = cart_call(&sidecar, "c1", "cancel").await;
+    cancelled.assert_answer(200, "cancelled");
+    cart_call(&sidecar, "c1", "cancel")
+        .await
+        .assert_answer(200, "already_cancelled");
+    assert_eq!(left(&sidecar, "shoe", Some("M")).await, 6);
+    assert_eq!(left(&sidecar, "shirt", None).await, 10);
+    cart_call(&sidecar, "nope", "lookup")
+        .await
+        .assert_answer(404, "not_found");
+    sidecar.assert_invariants("shoe", 18);
+    sidecar.assert_invariants("shirt", 10);
+    sidecar.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_cart_is_held_confirmed_and_cancelled_as_one_on_the_gate() {
+    a_cart_is_held_confirmed_and_cancelled_as_one(false).await;
+}
+
+#[tokio::test]
+async fn a_cart_is_held_confirmed_and_cancelled_as_one_on_the_fallback() {
+    a_cart_is_held_confirmed_and_cancelled_as_one(true).await;
+}
+
+#[tokio::test]
+async fn an_all_cart_with_a_short_line_holds_nothing_and_an_available_one_holds_the_rest() {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, false).await;
+    // The cap sells out to someone else.
+    sidecar
+        .reserve("cap", "other", "other", 2)
+        .await
+        .assert_answer(201, "admitted");
+    let lines_asked = [("shoe", Some("S"), 1), ("cap", None, 2), ("shirt", None, 1)];
+
+    let refused = post_cart(&sidecar, &cart("c2", "bob", &lines_asked, None)).await;
+    refused.assert_answer(409, "short");
+    assert_eq!(short(&refused), ["cap/-: sold_out"], "{}", refused.text);
+    assert_eq!(refused.body["short"][0]["remaining"], 1);
+    assert_eq!(
+        line_states(&sidecar, "c2", &["shoe", "cap", "shirt"])
+            .iter()
+            .filter(|s| held(s))
+            .count(),
+        0,
+        "an `all` cart refused holds nothing"
+    );
+    assert_eq!(left(&sidecar, "shoe", Some("S")).await, 4);
+    assert_eq!(left(&sidecar, "shirt", None).await, 10);
+    // Its retry hears the same; a look-up shows it refused.
+    let again = post_cart(&sidecar, &cart("c2", "bob", &lines_asked, None)).await;
+    again.assert_answer(409, "short");
+    assert_eq!(short(&again), short(&refused));
+    assert_eq!(
+        cart_call(&sidecar, "c2", "lookup").await.body["state"],
+        "refused"
+    );
+
+    // `available`: the lines that fit are held, the rest listed.
+    let partial = post_cart(
+        &sidecar,
+        &cart("c3", "bob", &lines_asked, Some("available")),
+    )
+    .await;
+    partial.assert_answer(201, "reserved");
+    assert_eq!(lines(&partial), ["shoe/S x1: active", "shirt/- x1: active"]);
+    assert_eq!(short(&partial), ["cap/-: sold_out"]);
+    assert_eq!(left(&sidecar, "shoe", Some("S")).await, 3);
+
+    // `available` with nothing that fits: 409, nothing held.
+    let none = post_cart(
+        &sidecar,
+        &cart("c4", "cid", &[("cap", None, 2)], Some("available")),
+    )
+    .await;
+    none.assert_answer(409, "short");
+    sidecar.assert_invariants("shoe", 18);
+    sidecar.assert_invariants("shirt", 10);
+    sidecar.assert_invariants("cap", 3);
+    sidecar.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_per_user_limit_counts_across_carts_and_single_reserves() {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, false).await;
+    let body = r#"{"key":"one","user":"dee","quantity":1,"variant":"L"}"#;
+    sidecar
+        .http
+        .post("/v1/drops/shoe/reservations", body)
+        .await
+        .expect("answers")
+        .assert_answer(201, "admitted");
+    // One more pair fits her limit of two; two more do not, whatever their sizes.
+    let over = post_cart(
+        &sidecar,
+        &cart(
+            "c5",
+            "dee",
+            &[
+                ("shoe", Some("S"), 1),
+                ("shoe", Some("M"), 1),
+                ("shirt", None, 1),
+            ],
+            None,
+        ),
+    )
+    .await;
+    over.assert_answer(409, "short");
+    assert_eq!(
+        short(&over),
+        ["shoe/M: per_user_limit_exceeded"],
+        "{}",
+        over.text
+    );
+    assert_eq!(
+        left(&sidecar, "shoe", Some("S")).await,
+        4,
+        "the S line was given back"
+    );
+    let fits = post_cart(
+        &sidecar,
+        &cart(
+            "c6",
+            "dee",
+            &[("shoe", Some("S"), 1), ("shirt", None, 2)],
+            None,
+        ),
+    )
+    .await;
+    fits.assert_answer(201, "reserved");
+    // Her shirt limit is used up by the cart: a single reserve is refused.
+    sidecar
+        .reserve("shirt", "two", "dee", 1)
+        .await
+        .assert_answer(409, "per_user_limit_exceeded");
+    sidecar.assert_invariants("shoe", 18);
+    sidecar.assert_invariants("shirt", 10);
+    sidecar.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_carts_are_refused_naming_what_is_wrong_and_change_nothing() {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, false).await;
+    post_cart(&sidecar, &cart("used", "eve", &[("shirt", None, 1)], None))
+        .await
+        .assert_answer(201, "reserved");
+    let before = sidecar.snapshot();
+    let many: Vec<Line> = (0..21).map(|_| ("shirt", None, 1)).collect();
+    let table: Vec<(String, u16, &str)> = vec![
+        ("{".into(), 400, "not valid JSON"),
+        (
+            r#"{"key":"k","user":"u"}"#.into(),
+            400,
+            "missing field `lines`",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[]}"#.into(),
+            400,
+            "`lines` must hold 1 to 20",
+        ),
+        (
+            cart("k", "u", &many, None),
+            400,
+            "`lines` must hold 1 to 20 entries, not 21",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[{"quantity":1}]}"#.into(),
+            400,
+            "missing field `lines[0].drop`",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[{"drop":"shirt"}]}"#.into(),
+            400,
+            "missing field `lines[0].quantity`",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[{"drop":"shirt","quantity":0}]}"#.into(),
+            400,
+            "`lines[0].quantity`",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[{"drop":"shirt","quantity":1,"quantity":2}]}"#.into(),
+            400,
+            "given twice",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[{"drop":"shirt","quantity":1,"size":"M"}]}"#.into(),
+            400,
+            "unknown field `lines[0].size`",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[1]}"#.into(),
+            400,
+            "`lines[0]` must be an object",
+        ),
+        (
+            r#"{"key":"k","user":"u","lines":[{"drop":"shirt","quantity":1}],"mode":"some"}"#
+                .into(),
+            400,
+            "`mode` must be one of all, available",
+        ),
+        (
+            cart("k", "u", &[("shoe", None, 1)], None),
+            400,
+            "no `variant`",
+        ),
+        (
+            cart("k", "u", &[("shirt", Some("M"), 1)], None),
+            400,
+            "has no variants",
+        ),
+        (
+            cart(
+                "k",
+                "u",
+                &[("shirt", None, 1), ("shoe", Some("XXL"), 1)],
+                None,
+            ),
+            404,
+            "no variant XXL",
+        ),
+        (
+            cart("k", "u", &[("shirt", None, 1), ("ghost", None, 1)], None),
+            404,
+            "ghost",
+        ),
+        (
+            cart("used", "eve", &[("shirt", None, 2)], None),
+            422,
+            "already used",
+        ),
+        (
+            cart("used", "zed", &[("shirt", None, 1)], None),
+            422,
+            "already used",
+        ),
+        (
+            cart(&"k".repeat(254), "u", &[("shirt", None, 1)], None),
+            400,
+            "at most 253 bytes",
+        ),
+    ];
+    for (body, status, says) in table {
+        let reply = post_cart(&sidecar, &body).await;
+        assert_eq!(reply.status.as_u16(), status, "{body}: {}", reply.text);
+        assert!(reply.text.contains(says), "{body}: {}", reply.text);
+    }
+    assert_eq!(sidecar.snapshot(), before, "a refused cart changed Redis");
+    sidecar.shutdown().await;
+}
+
+/// A rush of buyers, each with a cart of 2-3 lines over the three drops (sizes of
+/// the shoe at random) and some with a single reserve too, against stock for far
+/// fewer: every drop and size sells at most its quantity, the counts add up, and
+/// no `all` cart is partly held once quiet.
+#[tokio::test]
+async fn a_rush_of_carts_never_oversells_nor_leaves_a_cart_partly_held() {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, false).await;
+    let buyers = 300;
+    let plans: Vec<(String, Vec<Line>)> = (0..buyers)
+        .map(|i| {
+            let size = SIZES[i % SIZES.len()].0;
+            let lines = match i % 3 {
+                0 => vec![("shoe", Some(size), 1), ("shirt", None, 1)],
+                1 => vec![
+                    ("shirt", None, 1),
+                    ("cap", None, 1),
+                    ("shoe", Some(size), 1),
+                ],
+                _ => vec![("cap", None, 1), ("shoe", Some(size), 2)],
+            };
+            (format!("r{i}"), lines)
+        })
+        .collect();
+    let sidecar = &sidecar;
+    let answers: Vec<(String, Vec<&str>, Reply)> =
+        join_all(plans.iter().map(|(key, lines)| async move {
+            let user = format!("u{}", key.len() % 7 + key.as_bytes()[1] as usize % 50);
+            // Some buyers also reserve a shirt alone, racing their own cart.
+            if key.ends_with('7') {
+                let _ = sidecar
+                    .reserve("shirt", &format!("{key}-single"), &user, 1)
+                    .await;
+            }
+            let reply = post_cart(sidecar, &cart(key, &user, lines, None)).await;
+            let drops = lines.iter().map(|(d, _, _)| *d).collect();
+            (key.clone(), drops, reply)
+        }))
+        .await;
+    let mut tally: HashMap<String, usize> = HashMap::new();
+    for (key, drops, reply) in &answers {
+        *tally
+            .entry(format!("{} {}", reply.status.as_u16(), reply.outcome()))
+            .or_default() += 1;
+        let states = line_states(sidecar, key, drops);
+        match reply.status.as_u16() {
+            201 => assert!(states.iter().all(held), "{key}: 201 but {states:?}"),
+            409 | 503 => assert!(
+                !states.iter().any(held),
+                "{key}: answered {} yet holds {states:?}",
+                reply.text
+            ),
+            other => panic!("{key}: unexpected {other}: {}", reply.text),
+        }
+    }
+    assert!(
+        tally.get("201 reserved").copied().unwrap_or(0) > 0,
+        "{tally:?}"
+    );
+    assert!(
+        tally.get("409 short").copied().unwrap_or(0) > 0,
+        "{tally:?}"
+    );
+    sidecar.assert_invariants("shoe", 18);
+    sidecar.assert_invariants("shirt", 10);
+    sidecar.assert_invariants("cap", 3);
+    for (size, quantity) in SIZES {
+        let units = left(sidecar, "shoe", Some(size)).await;
+        assert!(
+            (0..=quantity).contains(&units),
+            "{size}: {units} left of {quantity}"
+        );
+    }
+}
