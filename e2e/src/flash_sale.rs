@@ -32,6 +32,9 @@ pub struct Options {
     /// Throttled buyers retry the same key this many times.
     pub throttle_retries: u32,
     pub seed: u64,
+    /// Buyers check out through `POST /v1/carts`: a cart of their size (and, where
+    /// the per-user limit allows two, a second size), confirmed or cancelled whole.
+    pub carts: bool,
 }
 
 impl Default for Options {
@@ -45,6 +48,7 @@ impl Default for Options {
             duplicate_cancel_percent: 50,
             throttle_retries: 3,
             seed: 412,
+            carts: false,
         }
     }
 }
@@ -52,8 +56,10 @@ impl Default for Options {
 /// What one buyer went through.
 #[derive(Default)]
 struct Buyer {
-    /// The variant the buyer asked for (a drop with variants).
-    variant: Option<String>,
+    /// One unit of each of these (the variant, on a drop with variants; a single
+    /// reserve asks for one, a cart for one or two).
+    lines: Vec<Option<String>>,
+    /// Units held, confirmed and cancelled.
     admitted: u64,
     confirmed: u64,
     cancelled: u64,
@@ -239,7 +245,10 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
                 name.clone(),
                 variants.clone(),
             );
-            tokio::spawn(async move { buy(&http, &gate, &options, &name, &variants, i).await })
+            let per_user = drop.spec.per_user_limit;
+            tokio::spawn(
+                async move { buy(&http, &gate, &options, &name, &variants, per_user, i).await },
+            )
         })
         .collect();
     let mut buyers = Vec::with_capacity(tasks.len());
@@ -308,14 +317,14 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
             .collect(),
     };
     for buyer in buyers {
-        if let Some(v) = buyer
-            .variant
-            .as_ref()
-            .and_then(|name| summary.variants.iter_mut().find(|v| v.name == *name))
-        {
-            v.admitted += buyer.admitted;
-            v.confirmed += buyer.confirmed;
-            v.cancelled += buyer.cancelled;
+        // Each line holds one unit: a buyer's counts are per line.
+        let per_line = |units: u64| units / buyer.lines.len().max(1) as u64;
+        for name in buyer.lines.iter().flatten() {
+            if let Some(v) = summary.variants.iter_mut().find(|v| v.name == *name) {
+                v.admitted += per_line(buyer.admitted);
+                v.confirmed += per_line(buyer.confirmed);
+                v.cancelled += per_line(buyer.cancelled);
+            }
         }
         summary.admitted += buyer.admitted;
         summary.confirmed += buyer.confirmed;
@@ -367,6 +376,7 @@ async fn buy(
     options: &Options,
     drop: &str,
     variants: &[String],
+    per_user_limit: i64,
     i: usize,
 ) -> Buyer {
     let mut rng = StdRng::seed_from_u64(options.seed.wrapping_add(i as u64));
@@ -374,16 +384,42 @@ async fn buy(
     let Ok(_in_flight) = gate.acquire().await else {
         return buyer;
     };
-    let path = format!("/v1/drops/{drop}/reservations");
     let key = format!("order-{i}");
-    // A drop with variants: each buyer wants one of them, picked at random.
-    buyer.variant =
-        (!variants.is_empty()).then(|| variants[rng.random_range(0..variants.len())].clone());
-    let variant = buyer
-        .variant
-        .as_ref()
-        .map_or(String::new(), |v| format!(r#","variant":"{v}""#));
-    let body = format!(r#"{{"key":"{key}","user":"buyer-{i}","quantity":1{variant}}}"#);
+    // A drop with variants: each buyer wants one of them, picked at random; a cart
+    // takes a second size when the per-user limit allows two.
+    let pick = |rng: &mut StdRng| {
+        (!variants.is_empty()).then(|| variants[rng.random_range(0..variants.len())].clone())
+    };
+    buyer.lines.push(pick(&mut rng));
+    if options.carts && per_user_limit >= 2 && variants.len() >= 2 {
+        let first = buyer.lines[0].clone();
+        let second = variants
+            .iter()
+            .find(|v| Some(*v) != first.as_ref())
+            .cloned();
+        buyer.lines.push(second);
+    }
+    let (path, body) = if options.carts {
+        let lines: Vec<serde_json::Value> = buyer
+            .lines
+            .iter()
+            .map(|variant| match variant {
+                Some(v) => serde_json::json!({"drop": drop, "variant": v, "quantity": 1}),
+                None => serde_json::json!({"drop": drop, "quantity": 1}),
+            })
+            .collect();
+        let body = serde_json::json!({"key": key, "user": format!("buyer-{i}"), "lines": lines});
+        ("/v1/carts".to_string(), body.to_string())
+    } else {
+        let variant = buyer.lines[0]
+            .as_ref()
+            .map_or(String::new(), |v| format!(r#","variant":"{v}""#));
+        (
+            format!("/v1/drops/{drop}/reservations"),
+            format!(r#"{{"key":"{key}","user":"buyer-{i}","quantity":1{variant}}}"#),
+        )
+    };
+    let units = buyer.lines.len() as u64;
     let duplicate = rng.random_range(0..100) < options.duplicate_percent;
 
     for attempt in 0..=options.throttle_retries {
@@ -406,19 +442,24 @@ async fn buy(
         let mut throttled = false;
         for reply in &replies {
             match (reply.status.as_u16(), reply.outcome()) {
-                (201, "admitted") => admitted = true,
+                (201, "admitted" | "reserved") => admitted = true,
                 (200, "already_reserved") => {
                     buyer.retries_absorbed += 1;
                     admitted |= reply.body["state"] == "active";
                 }
-                (409, "sold_out") => buyer.sold_out += 1,
+                (409, "sold_out" | "short") => buyer.sold_out += 1,
                 (503, "throttled") => throttled = true,
                 _ => buyer.unexpected.push(reply.text.clone()),
             }
         }
         if admitted {
-            buyer.admitted += 1;
-            settle(&mut buyer, &mut rng, http, options, drop, &key).await;
+            buyer.admitted += units;
+            let base = if options.carts {
+                format!("/v1/carts/{key}")
+            } else {
+                format!("/v1/drops/{drop}/reservations/{key}")
+            };
+            settle(&mut buyer, &mut rng, http, options, &base, units).await;
             return buyer;
         }
         if !throttled {
@@ -446,10 +487,9 @@ async fn settle(
     rng: &mut StdRng,
     http: &HttpClient,
     options: &Options,
-    drop: &str,
-    key: &str,
+    base: &str,
+    units: u64,
 ) {
-    let base = format!("/v1/drops/{drop}/reservations/{key}");
     if rng.random_range(0..100) < options.cancel_percent {
         let times = if rng.random_range(0..100) < options.duplicate_cancel_percent {
             2
@@ -458,7 +498,7 @@ async fn settle(
         };
         for _ in 0..times {
             match http.post(&format!("{base}/cancel"), "").await {
-                Ok(r) if r.outcome() == "cancelled" => buyer.cancelled += 1,
+                Ok(r) if r.outcome() == "cancelled" => buyer.cancelled += units,
                 Ok(r) if r.outcome() == "already_cancelled" => {
                     buyer.duplicate_cancels_absorbed += 1
                 }
@@ -468,7 +508,7 @@ async fn settle(
         }
     } else {
         match http.post(&format!("{base}/confirm"), "").await {
-            Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += 1,
+            Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += units,
             Ok(r) => buyer.unexpected.push(r.text),
             Err(e) => buyer.unexpected.push(format!("confirm failed: {e}")),
         }

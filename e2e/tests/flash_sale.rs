@@ -6,10 +6,16 @@ use dropgate_e2e::flash_sale::{Options, Summary, run};
 /// A thousand buyers, 300 in flight, for the example `manifest`: the summary, once
 /// it was printed and found to break no invariant.
 async fn sale_of(manifest: &str) -> Summary {
+    sale(manifest, false).await
+}
+
+/// Same, the buyers checking out through carts when `carts`.
+async fn sale(manifest: &str, carts: bool) -> Summary {
     let options = Options {
         manifest: format!("{}/../examples/{manifest}", env!("CARGO_MANIFEST_DIR")).into(),
         buyers: 1000,
         concurrency: 300,
+        carts,
         ..Options::default()
     };
     let summary = run(&options).await.expect("the sale runs");
@@ -40,4 +46,22 @@ async fn a_release_in_four_sizes_sells_each_size_exactly_once() {
         assert_eq!(size.held, size.confirmed as i64, "{size:?}");
     }
     assert_eq!(summary.remaining, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn buyers_checking_out_through_carts_sell_each_size_exactly_once() {
+    let summary = sale("drop-sizes.yaml", true).await;
+    assert_eq!(summary.variants.len(), 4);
+    for size in &summary.variants {
+        assert_eq!(size.oversold, 0, "{size:?}");
+        assert_eq!(size.held, size.confirmed as i64, "{size:?}");
+    }
+    assert_eq!(
+        summary.remaining, 0,
+        "1000 buyers with carts empty every size"
+    );
+    assert!(
+        summary.retries_absorbed > 0,
+        "duplicate carts were absorbed"
+    );
 }

@@ -14,13 +14,18 @@ struct Cli {
     /// The InventoryDrop to sell.
     #[arg(short = 'f', long, default_value = "examples/drop.yaml")]
     manifest: PathBuf,
+    /// Buyers, each with a key of their own.
     #[arg(long, default_value_t = 5000)]
     buyers: usize,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 1000)]
     concurrency: usize,
+    /// Seed of the buyers' choices (sizes, duplicates, cancels).
     #[arg(long, default_value_t = 412)]
     seed: u64,
+    /// Buyers check out through carts (`POST /v1/carts`) instead of single reserves.
+    #[arg(long)]
+    carts: bool,
 }
 
 #[tokio::main]
@@ -31,6 +36,7 @@ async fn main() -> ExitCode {
         buyers: cli.buyers,
         concurrency: cli.concurrency,
         seed: cli.seed,
+        carts: cli.carts,
         ..Options::default()
     };
     match flash_sale::run(&options).await {

@@ -201,6 +201,25 @@ impl Ledger {
         Ok(moved.rows_affected() == 1)
     }
 
+    /// Forgets a cart that `attempt` is holding with nothing held (a line could
+    /// not be decided before any was held): its key is free for a fresh try.
+    pub async fn forget_cart(
+        &self,
+        namespace: &str,
+        key: &str,
+        attempt: &str,
+    ) -> Result<bool, LedgerError> {
+        let forgotten = sqlx::query(
+            "DELETE FROM carts WHERE namespace = $1 AND cart_key = $2 AND state = 'holding' AND attempt = $3",
+        )
+        .bind(namespace)
+        .bind(key)
+        .bind(attempt)
+        .execute(self.pool())
+        .await?;
+        Ok(forgotten.rows_affected() == 1)
+    }
+
     /// Carts of `namespace` that someone must finish (at most `limit`): held past
     /// their expiry, or holding, confirming or releasing past their attempt's
     /// deadline (its sidecar died or gave up mid-way).

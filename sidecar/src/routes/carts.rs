@@ -95,10 +95,16 @@ fn answer(key: &str, outcome: CartOutcome) -> Answer {
             shown(StatusCode::CONFLICT, word, &view).with(
                 "message",
                 format!(
-                    "cart {key} is {word}: it can no longer be confirmed or cancelled as a whole"
+                    "cart {key} is {word} (nothing of it is held): it can no longer be confirmed; a new try needs a new key"
                 ),
             )
         }
+        CartOutcome::PartlyConfirmed(view) => shown(StatusCode::CONFLICT, "expired", &view).with(
+            "message",
+            format!(
+                "a line of cart {key} expired or was cancelled before it was confirmed: the cart is not confirmed whole, and each line says where it stands"
+            ),
+        ),
         CartOutcome::KeyReused => Answer::refusal(
             StatusCode::UNPROCESSABLE_ENTITY,
             "idempotency_key_reused",

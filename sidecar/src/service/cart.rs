@@ -123,6 +123,9 @@ pub enum CartOutcome {
     AlreadyCancelled(CartView),
     /// 409: the cart expired (or was given back unanswered) and cannot be confirmed.
     Gone(CartView),
+    /// 409: a line lapsed or was cancelled before the cart's confirm reached it;
+    /// the lines confirmed before it stay confirmed.
+    PartlyConfirmed(CartView),
     NotFound,
 }
 
@@ -137,9 +140,11 @@ pub enum CartSettle {
 /// Slack per line beyond its pending bound: a line's reserve may first wait for
 /// its gate to open or its breaker to decide.
 const LINE_SLACK_MS: i64 = 2_000;
-/// How long a cart whose line could not be decided keeps its held lines for a
-/// retry of its key.
-const KEPT_FOR_RETRY_MS: i64 = 10_000;
+/// How long a duplicate of a cart waits for the attempt deciding it.
+const WAIT_FOR_OTHER: std::time::Duration = std::time::Duration::from_secs(3);
+/// How long before a held cart's expiry a confirm is still taken on: confirming
+/// its lines one by one must end before the first of them lapses.
+const CONFIRM_MARGIN_MS: i64 = 2_000;
 /// How long a confirm or a give-back of a whole cart may take before another
 /// sidecar finishes it.
 const SETTLE_BOUND_MS: i64 = 10_000;
@@ -154,10 +159,15 @@ fn ledger_down(what: &str, error: LedgerError) -> Failure {
     ))
 }
 
+/// The answer while another attempt decides the cart: throttled, as a duplicate
+/// reserve whose first attempt is unresolved is.
 fn in_flight(key: &str) -> Failure {
-    Failure::retry(format!(
-        "cart {key} is being decided by another attempt right now: nothing was changed; retry the same key"
-    ))
+    tracing::debug!(cart = %key, "another attempt decides this cart");
+    Failure::Throttled {
+        permits: 0,
+        why: super::Throttled::KeyInFlight,
+        path: super::Path::Gate,
+    }
 }
 
 /// The lines of a recorded cart (its terms as [`CartReserve::terms`] wrote them).
@@ -245,12 +255,31 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
         return Ok(CartOutcome::KeyReused);
     }
     if !fresh {
+        // A duplicate of a cart another attempt is deciding waits for that one's
+        // answer (a little while), as a duplicate reserve does.
+        let until = std::time::Instant::now() + WAIT_FOR_OTHER;
+        let mut backoff = super::Backoff::new();
+        let mut row = row;
+        loop {
+            let now = now_ms();
+            let busy = match row.state {
+                CartState::Holding | CartState::Releasing | CartState::Confirming => {
+                    row.deadline_ms >= now
+                }
+                _ => false,
+            };
+            if !busy || std::time::Instant::now() >= until {
+                break;
+            }
+            backoff.wait(until).await;
+            row = recorded(app, &cart.key).await?;
+        }
+        let now = now_ms();
         match row.state {
             CartState::Holding => {
-                // Nobody works on it (a line could not be decided), or its sidecar
-                // died: this retry goes on with it.
-                let unattended = row.attempt.is_empty() || row.deadline_ms < now;
-                if !unattended {
+                // Its sidecar died (or is too slow) past the cart's bound: this
+                // retry goes on with it.
+                if row.deadline_ms >= now {
                     return Err(in_flight(&cart.key));
                 }
                 let taken = app
@@ -273,8 +302,12 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
                 if !taken {
                     return Err(in_flight(&cart.key));
                 }
+                return hold(app, cart, &mine, now + bound).await;
             }
             CartState::Refused => return Ok(CartOutcome::Short(view(app, &row, false).await)),
+            // Given back before it was ever answered: nothing is held, the key is
+            // spent.
+            CartState::Released => return Ok(CartOutcome::Gone(view(app, &row, false).await)),
             CartState::Releasing | CartState::Confirming => {
                 return Err(in_flight(&cart.key));
             }
@@ -371,17 +404,39 @@ async fn hold(
         short: &short_json,
     };
     match stopped {
-        // A line could not be decided: what is held stays for the retry the
-        // answer asks for, and is given back past the deadline if none comes.
-        Some(Stop::Failed(failure)) => {
-            let _ = app
-                .ledger
-                .move_cart(moved(CartState::Holding, None, now + KEPT_FOR_RETRY_MS, ""))
-                .await;
+        // A line could not be decided: the 503 must mean nothing is held. With
+        // nothing held yet the cart is forgotten and its retry starts afresh; lines
+        // held are given back, which spends the key (their keys are used).
+        Some(Stop::Failed(failure)) if held.is_empty() => {
+            if let Err(e) = app.ledger.forget_cart(namespace, &cart.key, mine).await {
+                tracing::warn!(cart = %cart.key, error = %e, "an unheld cart could not be forgotten; its sweep releases it");
+            }
             return Err(failure);
         }
+        Some(Stop::Failed(failure)) => {
+            release_now(
+                app,
+                cart,
+                mine,
+                CartState::Released,
+                &held,
+                &held_json,
+                &short_json,
+            )
+            .await?;
+            return Err(spent(&cart.key, failure));
+        }
         Some(Stop::Refused(outcome)) => {
-            release_now(app, cart, mine, CartState::Refused, &held_json, &short_json).await?;
+            release_now(
+                app,
+                cart,
+                mine,
+                CartState::Refused,
+                &held,
+                &held_json,
+                &short_json,
+            )
+            .await?;
             return Ok(outcome);
         }
         None => {}
@@ -391,7 +446,16 @@ async fn hold(
         CartMode::Available => !held.is_empty(),
     };
     if !whole {
-        release_now(app, cart, mine, CartState::Refused, &held_json, &short_json).await?;
+        release_now(
+            app,
+            cart,
+            mine,
+            CartState::Refused,
+            &held,
+            &held_json,
+            &short_json,
+        )
+        .await?;
         let row = recorded(app, &cart.key).await?;
         return Ok(CartOutcome::Short(view(app, &row, false).await));
     }
@@ -418,21 +482,12 @@ async fn hold(
             short,
             expires_at_ms: Some(expires_at_ms),
         })),
-        // Taken over past its deadline (this attempt was too slow). Given back by
-        // the sweeper meanwhile: a line this attempt held after that is given back
-        // here. Taken by a retry: that one goes on with the lines.
+        // Taken over past its deadline (this attempt was too slow).
         Ok(false) => {
-            if let Ok(Some(row)) = app.ledger.cart(namespace, &cart.key).await
-                && matches!(row.state, CartState::Releasing | CartState::Released)
-            {
-                let _ = give_back(app, &cart.key, &cart.lines, false).await;
-            }
+            abandon(app, cart, &held).await;
             Err(in_flight(&cart.key))
         }
-        Err(e) => {
-            // Unknown whether it moved: the retry the answer asks for finds out.
-            Err(ledger_down("record the held cart", e))
-        }
+        Err(e) => Err(unknown(&cart.key, "record the held cart", e)),
     }
 }
 
@@ -450,6 +505,7 @@ async fn release_now(
     cart: &CartReserve,
     mine: &str,
     ends_as: CartState,
+    lines_held: &[usize],
     held: &str,
     short: &str,
 ) -> Result<(), Failure> {
@@ -474,9 +530,10 @@ async fn release_now(
         .await
         .map_err(|e| ledger_down("record the cart's refusal", e))?;
     if !moved {
+        abandon(app, cart, lines_held).await;
         return Err(in_flight(&cart.key));
     }
-    give_back(app, &cart.key, &cart.lines, false).await?;
+    give_back(app, &cart.key, &cart.user, &cart.lines, false).await?;
     app.ledger
         .move_cart(CartMove {
             namespace,
@@ -492,48 +549,118 @@ async fn release_now(
             short,
         })
         .await
-        .map_err(|e| ledger_down("record the cart's refusal", e))?;
+        .map_err(|e| unknown(&cart.key, "record the cart's refusal", e))?;
     Ok(())
 }
 
-/// Cancels every line of the cart `key` (those it never held answer not found);
-/// with `active_only`, only lines still held and not confirmed (an expiry never
-/// refunds a line its buyer paid for).
+/// After this attempt lost the cart to another (it was too slow): gives back the
+/// lines it held unless the cart is still being held, or is held, by the other.
+async fn abandon(app: &App, cart: &CartReserve, lines_held: &[usize]) {
+    let row = app.ledger.cart(app.drops.namespace(), &cart.key).await;
+    let kept = matches!(&row, Ok(Some(row)) if matches!(row.state, CartState::Holding | CartState::Held | CartState::Confirming | CartState::Confirmed));
+    if kept {
+        return;
+    }
+    let lines: Vec<CartLine> = cart
+        .lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| CartLine {
+            // A line this attempt never held is left alone: another's, or none.
+            quantity: if lines_held.contains(&(i + 1)) {
+                line.quantity
+            } else {
+                0
+            },
+            ..line.clone()
+        })
+        .collect();
+    if let Err(failure) = give_back(app, &cart.key, &cart.user, &lines, false).await {
+        tracing::warn!(cart = %cart.key, ?failure, "lines of a cart taken over could not be given back; they expire with their holds");
+    }
+}
+
+/// A line's 503 after the lines held before it were given back.
+fn spent(key: &str, failure: Failure) -> Failure {
+    let why = match &failure {
+        Failure::Throttled { .. } => "a line found no throttle permit".to_string(),
+        Failure::Unavailable { why, .. } => why.clone(),
+        Failure::UnknownDrop { name, .. } => format!("drop {name} is not published any more"),
+    };
+    Failure::unavailable(format!(
+        "cart {key} could not be held ({why}); every line it held was given back, so nothing is held and this cart key is spent: retry with a new key"
+    ))
+}
+
+/// A ledger failure after which whether the cart's change was recorded is unknown.
+fn unknown(key: &str, what: &str, error: LedgerError) -> Failure {
+    Failure::unavailable(format!(
+        "the ledger failed while it was asked to {what} ({error}); whether it did is not known: GET /v1/carts/{key} says where the cart stands"
+    ))
+}
+
+/// Cancels each line of the cart `key` that is a reservation of its buyer `user`
+/// (a line never held, or whose key another buyer's reservation uses, is left
+/// alone; so is a line of quantity 0); with `active_only`, only lines still held
+/// and not confirmed (an expiry never refunds a line its buyer paid for).
 async fn give_back(
     app: &App,
     key: &str,
+    user: &str,
     lines: &[CartLine],
     active_only: bool,
 ) -> Result<(), Failure> {
     for (i, line) in lines.iter().enumerate() {
+        if line.quantity == 0 {
+            continue;
+        }
         let line_key = line_key(key, i + 1);
-        if active_only {
-            let looked = super::settle(app, &line.drop, &line_key, Settle::Lookup).await?;
-            let active = looked
-                .outcome
-                .view()
-                .is_some_and(|v| v.reservation.state == State::Active);
-            if !active {
-                continue;
-            }
+        let looked = match super::settle(app, &line.drop, &line_key, Settle::Lookup).await {
+            Ok(looked) => looked,
+            // The drop is gone, and its holds with it.
+            Err(Failure::UnknownDrop { .. }) => continue,
+            Err(failure) => return Err(failure),
+        };
+        let Some(view) = looked.outcome.view() else {
+            continue;
+        };
+        let ours = view.reservation.user == user
+            && view.reservation.quantity == line.quantity
+            && view.reservation.variant == line.variant;
+        let state = view.reservation.state;
+        if !ours
+            || !state.holds_units() && state != State::Pending
+            || (active_only && state == State::Confirmed)
+        {
+            continue;
         }
         let mut pause = Duration::from_millis(50);
         let mut tries = 0;
         loop {
-            match super::settle(app, &line.drop, &line_key, Settle::Cancel).await {
-                Ok(_) => break,
-                Err(failure) if tries >= 4 => {
-                    return Err(match failure {
-                        Failure::UnknownDrop { .. } => break,
-                        other => other,
-                    });
-                }
-                Err(_) => {
-                    tries += 1;
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
-                }
+            let given_back = match super::settle(app, &line.drop, &line_key, Settle::Cancel).await {
+                Ok(served) => matches!(
+                    served.outcome,
+                    Outcome::Cancelled(_)
+                        | Outcome::AlreadyCancelled(_)
+                        | Outcome::Expired(_)
+                        | Outcome::NotFound
+                        | Outcome::Overruled { .. }
+                ),
+                Err(Failure::UnknownDrop { .. }) => true,
+                Err(failure) if tries >= 4 => return Err(failure),
+                Err(_) => false,
+            };
+            if given_back {
+                break;
             }
+            if tries >= 4 {
+                return Err(Failure::retry(format!(
+                    "line {line_key} of cart {key} could not be given back yet: retry"
+                )));
+            }
+            tries += 1;
+            tokio::time::sleep(pause).await;
+            pause *= 2;
         }
     }
     Ok(())
@@ -614,10 +741,17 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
         (CartSettle::Cancel, CartState::Cancelled) => {
             Ok(CartOutcome::AlreadyCancelled(view(app, &row, true).await))
         }
-        (CartSettle::Confirm, CartState::Held | CartState::Confirming)
-            if row.state == CartState::Confirming || row.expires_at_ms >= now =>
-        {
+        (CartSettle::Confirm, CartState::Confirming) => confirm(app, row).await,
+        (CartSettle::Confirm, CartState::Held) if row.expires_at_ms - CONFIRM_MARGIN_MS >= now => {
             confirm(app, row).await
+        }
+        // Too close to (or past) its expiry to confirm line by line: it expires
+        // as a whole now.
+        (CartSettle::Confirm, CartState::Held) => {
+            let lines = lines_of(&row);
+            finish_release(app, &row, CartState::Expired, &lines).await?;
+            let row = recorded(app, key).await?;
+            Ok(CartOutcome::Gone(view(app, &row, true).await))
         }
         (
             CartSettle::Cancel,
@@ -665,17 +799,34 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             super::settle(app, &line.drop, &line_key(&row.key, n), Settle::Confirm).await?;
         match served.outcome {
             Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => {}
-            // A line that expired or was cancelled on its own: the cart cannot be
-            // confirmed whole. It stays confirming; its lines say where each stands.
-            _ => return Ok(CartOutcome::Gone(view(app, &row, true).await)),
+            // A line that lapsed or was cancelled on its own (through its
+            // reservation's routes): the cart cannot be confirmed whole. What was
+            // confirmed stays so (a paid line is never taken back here); the cart
+            // is recorded as confirmed as far as it goes, and its lines say where
+            // each stands.
+            _ => {
+                let _ = finish_confirm(app, &row, &mine).await;
+                let row = recorded(app, &row.key).await?;
+                return Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await));
+            }
         }
     }
+    if !finish_confirm(app, &row, &mine).await? {
+        return Err(in_flight(&row.key));
+    }
+    let row = recorded(app, &row.key).await?;
+    Ok(CartOutcome::Confirmed(view(app, &row, true).await))
+}
+
+/// Records the confirm of `row` by attempt `mine` as done: whether it still was
+/// this attempt's to record.
+async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Failure> {
     app.ledger
         .move_cart(CartMove {
-            namespace,
+            namespace: app.drops.namespace(),
             key: &row.key,
             from: CartState::Confirming,
-            attempt: &mine,
+            attempt: mine,
             to: CartState::Confirmed,
             ends_as: None,
             new_attempt: "",
@@ -685,9 +836,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             short: &row.short,
         })
         .await
-        .map_err(|e| ledger_down("record the cart's confirm", e))?;
-    let row = recorded(app, &row.key).await?;
-    Ok(CartOutcome::Confirmed(view(app, &row, true).await))
+        .map_err(|e| unknown(&row.key, "record the cart's confirm", e))
 }
 
 async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
@@ -731,8 +880,16 @@ async fn finish_release(
     if !taken {
         return Err(in_flight(&row.key));
     }
-    give_back(app, &row.key, lines, ends_as == CartState::Expired).await?;
-    app.ledger
+    give_back(
+        app,
+        &row.key,
+        &row.user,
+        lines,
+        ends_as == CartState::Expired,
+    )
+    .await?;
+    let finished = app
+        .ledger
         .move_cart(CartMove {
             namespace,
             key: &row.key,
@@ -747,8 +904,12 @@ async fn finish_release(
             short: &row.short,
         })
         .await
-        .map_err(|e| ledger_down("record the cart's give-back", e))?;
-    Ok(())
+        .map_err(|e| unknown(&row.key, "record the cart's give-back", e))?;
+    if finished {
+        Ok(())
+    } else {
+        Err(in_flight(&row.key))
+    }
 }
 
 /// The cart sweeper's round: gives back carts left holding past their deadline
