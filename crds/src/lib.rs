@@ -10,17 +10,15 @@
 //!   and each Lua script touches one slot.
 //! - [`config`]: the config hash the operator publishes per drop and the sidecars read:
 //!   field names, encoding and decoding.
-//! - [`connection`]: one Redis or a Redis Cluster, as both binaries talk to it.
+//!
+//! No I/O and no async runtime: the Redis connection both binaries use is the
+//! `dropgate-redis` crate.
 
-mod cluster;
 pub mod config;
-pub mod connection;
 pub mod drop;
 pub mod keys;
 
-pub use cluster::{is_cluster_redirect, is_not_a_cluster};
 pub use config::{ConfigError, DropConfig, FailurePolicy, Mode};
-pub use connection::Connection;
 pub use drop::{
     InventoryDrop, InventoryDropSpec, InventoryDropStatus, Phase, Tier, Variant, VariantStatus,
 };

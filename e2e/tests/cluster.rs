@@ -95,8 +95,8 @@ async fn remaining_on_metrics(http: &HttpClient, remaining: usize) {
 
 /// The test's own connection to the cluster `seed` is a node of, through
 /// dropgate's cluster client.
-async fn connect(seed: &str) -> dropgate_api::Connection {
-    dropgate_api::Connection::cluster(
+async fn connect(seed: &str) -> dropgate_redis::Connection {
+    dropgate_redis::Connection::cluster(
         seed,
         std::time::Duration::from_secs(2),
         std::time::Duration::from_secs(5),
@@ -115,7 +115,7 @@ fn key_on_another_shard(cluster: &RedisCluster, key: &str, prefix: &str) -> Stri
 }
 
 /// A drop's `remaining` and `held` as the cluster holds them.
-async fn stock(conn: &mut dropgate_api::Connection, drop: &str) -> (i64, i64) {
+async fn stock(conn: &mut dropgate_redis::Connection, drop: &str) -> (i64, i64) {
     let keys = DropKeys::new("shop", drop);
     let remaining: i64 = redis::cmd("GET")
         .arg(keys.remaining())
@@ -897,7 +897,7 @@ async fn the_client_follows_a_slot_half_moved_and_then_moved() {
     let moving = cluster.begin_slot_move(left, to).expect("slot move begun");
     cluster.migrate_key(&moving, left).expect("MIGRATE");
 
-    let values = async |conn: &mut dropgate_api::Connection| {
+    let values = async |conn: &mut dropgate_redis::Connection| {
         let get = |key: &str| redis::cmd("GET").arg(key).to_owned();
         let one: (String, String) = (
             get(left).query_async(conn).await.expect("GET left"),
@@ -1012,7 +1012,7 @@ async fn scripts_keep_running_through_failovers_of_two_shards() {
 }
 
 /// Runs a counting `script` on `key`: its count.
-async fn run(script: &redis::Script, key: &str, conn: &mut dropgate_api::Connection) -> i64 {
+async fn run(script: &redis::Script, key: &str, conn: &mut dropgate_redis::Connection) -> i64 {
     script
         .key(key)
         .invoke_async(conn)
@@ -1168,7 +1168,7 @@ async fn a_seed_address_taken_by_a_plain_redis_does_not_blind_the_client() {
 
 /// GET `key`, asked again for up to 20 s while it fails: its last answer.
 async fn get_eventually(
-    conn: &mut dropgate_api::Connection,
+    conn: &mut dropgate_redis::Connection,
     key: &str,
 ) -> Result<Option<String>, String> {
     let mut last = Err("never asked".to_string());

@@ -7,8 +7,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dropgate_api::Connection;
 use dropgate_api::{InventoryDrop, InventoryDropStatus, Mode};
+use dropgate_redis::Connection;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::jiff::Timestamp;

@@ -1,7 +1,7 @@
 //! High-availability verification of a drop's Redis.
 
-use dropgate_api::Connection;
 use dropgate_api::Tier;
+use dropgate_redis::Connection;
 
 /// What a check found, with a sentence for the HighlyAvailable condition.
 #[derive(Clone, Debug, PartialEq, Eq)]

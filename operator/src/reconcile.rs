@@ -2,8 +2,8 @@
 //! and seed, read the stock back, and judge the status. The controller and `apply`
 //! both run exactly this.
 
-use dropgate_api::Connection;
 use dropgate_api::{DropKeys, InventoryDrop, InventoryDropStatus, Mode};
+use dropgate_redis::Connection;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use dropgate_api::Connection;
 use dropgate_api::{DropConfig, DropKeys, Mode};
+use dropgate_redis::Connection;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
 
@@ -20,7 +20,7 @@ pub async fn connect(url: &str, cluster: bool) -> Result<Connection> {
         return Connection::cluster(url, Duration::from_secs(2), Duration::from_secs(5))
             .await
             .map_err(|source| {
-                if dropgate_api::is_not_a_cluster(&source) {
+                if dropgate_redis::is_not_a_cluster(&source) {
                     Error::NotACluster(redact_url(url))
                 } else {
                     unavailable(source)

@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use dropgate_api::Connection;
 use dropgate_api::{ConfigError, DropConfig, DropKeys};
+use dropgate_redis::Connection;
 use redis::AsyncCommands;
 
 use crate::throttle::Throttle;
@@ -27,7 +27,7 @@ pub struct Drop {
     pub handover: tokio::sync::Mutex<()>,
     /// On a Redis Cluster, whether this drop's shard is reachable (see
     /// [`App::breaker`](crate::app::App::breaker)).
-    pub breaker: crate::app::Breaker,
+    pub breaker: crate::breaker::Breaker,
     /// The Redis era (see [`App::redis_era`](crate::app::App::redis_era)) at which
     /// Redis was last found in line with the ledger for this drop; `u64::MAX`: not
     /// yet by this process.
@@ -43,7 +43,7 @@ impl Drop {
             throttle: Throttle::new(config.permits),
             config: RwLock::new(config),
             handover: tokio::sync::Mutex::new(()),
-            breaker: crate::app::Breaker::default(),
+            breaker: crate::breaker::Breaker::default(),
             verified: std::sync::atomic::AtomicU64::new(u64::MAX),
         }
     }

@@ -9,8 +9,8 @@
 //!
 //! - [`server`]: `run(listener, settings, shutdown)`, the entry point; serves the
 //!   routes and runs the background work until shutdown, then drains.
-//! - `routes`: the HTTP API, one module per route group (reservations, drops,
-//!   locks, health). Handlers parse input, call the service, and turn what it
+//! - `routes`: the HTTP API, one module per route group (reservations, carts,
+//!   drops, locks, health). Handlers parse input, call the service, and turn what it
 //!   decided into a JSON answer (`answer`: `outcome`, `message`, headers).
 //! - [`input`]: request bodies and path segments, checked field by field; every
 //!   refusal names its field and nothing reaches Redis before it passed.
@@ -26,13 +26,14 @@
 //!   ([`service::record`]), and moves drops between the gates
 //!   ([`service::handover`]: opening the gate only once Redis holds everything the
 //!   ledger recorded, rebuilding a Redis that lost writes, handing a drop to the
-//!   fallback).
+//!   fallback). [`service::cart`] holds, confirms and cancels carts, each line a
+//!   reservation of its drop, the whole kept in step by the ledger's cart row.
 //! - [`gate`]: the atomic Lua scripts (`gate/*.lua`, one per operation, run by SHA)
 //!   and the thin Rust calls around them; `gate/reply.rs` parses the replies of the
 //!   reservation scripts into the vocabulary, the one place that knows their words.
 //! - [`ledger`]: the SQL ledger behind `--database-url`: the durable record with
 //!   its outbox, the fallback gate (answering the same [`Outcome`](reservation::Outcome)s),
-//!   lock fences.
+//!   carts, lock fences.
 //! - [`drops`]: the drops this sidecar serves, read from the operator's config
 //!   hashes and kept through Redis outages.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
@@ -40,7 +41,7 @@
 //!   (`--wait-replicas`).
 //! - [`locks`]: fencing-token locks (`locks/*.lua`) behind `/v1/locks`.
 //! - [`app`]: the state every request shares: the drops, the Redis connection and
-//!   its breaker, the ledger, the metrics.
+//!   its [`breaker`], the ledger, the metrics.
 //! - [`maintenance`]: background work: the config refresh that keeps each drop with
 //!   its authority (through the service's hand-over), the hold sweepers (with the
 //!   settling of admissions a dead sidecar left pending, and the ledger's repair
@@ -52,6 +53,7 @@
 
 mod answer;
 pub mod app;
+pub mod breaker;
 pub mod clock;
 pub mod drops;
 pub mod faults;

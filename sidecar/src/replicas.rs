@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use dropgate_api::Connection;
+use dropgate_redis::Connection;
 use redis::RedisResult;
 
 #[derive(Debug)]

@@ -19,7 +19,7 @@ fn spec(limit: i64) -> DropSpec {
 async fn claimed_sale(
     sidecar: &Sidecar,
 ) -> (
-    dropgate_api::Connection,
+    dropgate_redis::Connection,
     dropgate_api::DropKeys,
     &'static str,
 ) {
@@ -34,7 +34,7 @@ async fn claimed_sale(
 }
 
 /// A connection to the sidecar's Redis, as the gate's own calls use it.
-async fn gate_connection(sidecar: &Sidecar) -> dropgate_api::Connection {
+async fn gate_connection(sidecar: &Sidecar) -> dropgate_redis::Connection {
     redis::Client::open(sidecar.redis.url())
         .expect("url")
         .get_connection_manager()
@@ -483,7 +483,7 @@ async fn a_gate_closed_for_a_later_epoch_refuses_a_stale_opening() {
         .await
         .expect("closes");
     assert_eq!(closed, Closing::Closed);
-    let standing = |conn: &mut dropgate_api::Connection| {
+    let standing = |conn: &mut dropgate_redis::Connection| {
         let mut conn = conn.clone();
         let keys = keys.clone();
         async move { gate::standing(&mut conn, &keys).await.expect("reads").0 }

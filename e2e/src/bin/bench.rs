@@ -570,7 +570,7 @@ async fn compare_designs(
     }
     let raw_spread = measure(clients, per_client, |c, i| {
         let (mut conn, spread, ledgers) = (
-            dropgate_api::Connection::from(conn.clone()),
+            dropgate_redis::Connection::from(conn.clone()),
             &spread,
             &spread_ledgers,
         );
@@ -699,7 +699,7 @@ async fn on_a_cluster(
 ) -> Result<((f64, Vec<Duration>), (f64, Vec<Duration>), String), String> {
     let cluster = dropgate_testkit::RedisCluster::start().map_err(|e| e.to_string())?;
     let spread = publish_spread(&cluster.url(), true, drops).await?;
-    let conn = dropgate_api::Connection::cluster(
+    let conn = dropgate_redis::Connection::cluster(
         &cluster.url(),
         Duration::from_secs(2),
         Duration::from_secs(5),
@@ -1101,7 +1101,7 @@ enum Want {
 /// The sale's ledger of drop `keys` (the sidecar's that opened it), claimed for the
 /// bench itself when no sidecar opened it: the raw script runs as that ledger.
 async fn sale_ledger(
-    conn: &mut dropgate_api::Connection,
+    conn: &mut dropgate_redis::Connection,
     keys: &dropgate_api::DropKeys,
 ) -> Result<String, String> {
     match dropgate_sidecar::gate::claim(conn, keys, "bench", "bench")
@@ -1121,7 +1121,7 @@ async fn sale_ledger(
 }
 
 /// A connection of the bench's own to `redis`.
-async fn redis_connection(redis: &RedisServer) -> Result<dropgate_api::Connection, String> {
+async fn redis_connection(redis: &RedisServer) -> Result<dropgate_redis::Connection, String> {
     let client = redis::Client::open(redis.url()).map_err(|e| e.to_string())?;
     redis::aio::ConnectionManager::new(client)
         .await
@@ -1142,7 +1142,7 @@ async fn script_reserves(
     let ledger = sale_ledger(&mut conn.clone().into(), keys).await?;
     measure(clients, per_client, |c, i| {
         let (mut conn, keys, ledger) = (
-            dropgate_api::Connection::from(conn.clone()),
+            dropgate_redis::Connection::from(conn.clone()),
             keys.clone(),
             ledger.clone(),
         );

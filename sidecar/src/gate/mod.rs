@@ -11,8 +11,8 @@
 
 use std::sync::LazyLock;
 
-use dropgate_api::Connection;
 use dropgate_api::DropKeys;
+use dropgate_redis::Connection;
 use redis::{RedisResult, Script};
 use tracing::Instrument;
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use dropgate_api::Connection;
+use dropgate_redis::Connection;
 use serde_json::Value;
 use sqlx::{Any, AnyPool, Row, Transaction};
 

@@ -10,8 +10,8 @@
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
-use dropgate_api::Connection;
 use dropgate_api::LockKeys;
+use dropgate_redis::Connection;
 use rand::Rng;
 use redis::{RedisResult, Script};
 use sqlx::AnyPool;

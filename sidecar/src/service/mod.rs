@@ -173,11 +173,11 @@ pub async fn find_drop(app: &App, name: &str) -> Result<Arc<Drop>, Failure> {
         Ok(Some(drop)) => Ok(drop),
         Ok(None) => Err(unknown()),
         Err(LookupError::Unavailable(e))
-            if !app.redis.is_cluster() && dropgate_api::is_cluster_redirect(&e) =>
+            if !app.redis.is_cluster() && dropgate_redis::is_cluster_redirect(&e) =>
         {
             Err(not_started_as_cluster_client(name, &e))
         }
-        Err(LookupError::Unavailable(e)) if dropgate_api::is_not_a_cluster(&e) => {
+        Err(LookupError::Unavailable(e)) if dropgate_redis::is_not_a_cluster(&e) => {
             Err(started_as_cluster_client(name, &e))
         }
         Err(LookupError::Unavailable(e)) => Err(Failure::unavailable(format!(
@@ -371,10 +371,10 @@ fn after_redis_failure(
 /// neither moves the drop to the fallback nor blames the network.
 fn redis_failed(app: &App, drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Choice {
     // (On a cluster the client follows redirections; one that reaches here gave up.)
-    if !app.redis.is_cluster() && dropgate_api::is_cluster_redirect(error) {
+    if !app.redis.is_cluster() && dropgate_redis::is_cluster_redirect(error) {
         return Choice::Refused(not_started_as_cluster_client(&drop.name, error));
     }
-    if dropgate_api::is_not_a_cluster(error) {
+    if dropgate_redis::is_not_a_cluster(error) {
         return Choice::Refused(started_as_cluster_client(&drop.name, error));
     }
     if error.kind() == redis::ErrorKind::Parse {

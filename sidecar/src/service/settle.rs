@@ -192,7 +192,7 @@ async fn change_on_gate(
     let abort = |why: &str| {
         tracing::warn!(drop = %drop.name, key, why, "a confirm or cancel was not recorded: undone");
     };
-    let undo = async |conn: &mut dropgate_api::Connection| {
+    let undo = async |conn: &mut dropgate_redis::Connection| {
         if let Err(error) = gate::abort(conn, &drop.keys, app.ledger.id(), key, &attempt).await {
             // Resolved from the ledger (which has nothing) once it is overdue.
             tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
