@@ -24,6 +24,8 @@ SKIPPED_KINDS = {
     ("cert-manager.io/v1", "Issuer"),
     ("cert-manager.io/v1", "Certificate"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
 }
 
 CLUSTER_SCOPED = {
@@ -180,6 +182,19 @@ def validate(version, release, namespace, path, secret_access):
             fail("the rendered CRD differs from crds/inventorydrop.yaml (beyond labels and annotations)")
         if (crds[0]["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") != "keep":
             fail("the CRD lacks helm.sh/resource-policy: keep")
+
+    # The aggregated roles for app teams grant InventoryDrops only; the
+    # operator's is the one ClusterRole left.
+    aggregated = [r for r in kinds.get("ClusterRole", [])
+                  if any(k.startswith("rbac.authorization.k8s.io/aggregate-to-")
+                         for k in (r["metadata"].get("labels") or {}))]
+    for role in aggregated:
+        granted = {res for rule in role["rules"] for res in rule.get("resources", [])}
+        if not granted <= {"inventorydrops", "inventorydrops/status"}:
+            fail(f"the aggregated ClusterRole {role['metadata']['name']} grants {sorted(granted)}")
+    if len(aggregated) != 2:
+        fail(f"{len(aggregated)} aggregated ClusterRoles, want 2 (edit and view)")
+    kinds["ClusterRole"] = [r for r in kinds.get("ClusterRole", []) if r not in aggregated]
 
     if secret_access:
         role = one("ClusterRole")

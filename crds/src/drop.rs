@@ -22,10 +22,23 @@ use crate::config::{FailurePolicy, Mode};
     namespaced,
     status = "InventoryDropStatus",
     shortname = "idrop",
+    category = "dropgate",
     printcolumn(name = "SKU", type_ = "string", json_path = ".spec.sku"),
     printcolumn(name = "LIMIT", type_ = "integer", json_path = ".status.limit"),
     printcolumn(name = "REMAINING", type_ = "integer", json_path = ".status.remaining"),
+    printcolumn(
+        name = "RESERVED",
+        type_ = "integer",
+        json_path = ".status.reserved",
+        priority = 1
+    ),
     printcolumn(name = "MODE", type_ = "string", json_path = ".status.mode"),
+    printcolumn(name = "PHASE", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "READY",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
     printcolumn(
         name = "AGE",
         type_ = "date",
@@ -351,7 +364,7 @@ pub struct InventoryDropStatus {
     /// Redis that lost its data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ledger: Option<String>,
-    /// Ready, HighlyAvailable, FailOpen, SoldOut, one of each type.
+    /// Seeded, HighlyAvailable, FailOpen and Ready, one of each type.
     #[serde(default)]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,

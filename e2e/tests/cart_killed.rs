@@ -19,7 +19,7 @@ fn publish(dir: &std::path::Path, redis: &RedisServer, drop: &str, limit: i64) {
         format!(
             "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {drop}, namespace: shop}}\n\
              spec:\n  redis: {{url: redis://unused:1}}\n{}",
-            DropSpec::new(limit).permits(100).yaml()
+            DropSpec::new(limit).per_user_limit(2).permits(100).yaml()
         ),
     )
     .expect("manifest written");

@@ -173,6 +173,8 @@ struct World {
     /// have gone with it.
     lost_at_ms: i64,
     next_key: usize,
+    /// The steps so far, as a failure names the ones that led to it.
+    steps: Vec<String>,
 }
 
 fn now_ms() -> i64 {
@@ -228,6 +230,7 @@ impl World {
             checkpoint_sold: 0,
             lost_at_ms: 0,
             next_key: 0,
+            steps: Vec::new(),
         };
         world.publish();
         for _ in 0..SIDECARS {
@@ -749,7 +752,8 @@ impl World {
     /// left more held than the limit.
     async fn assert_never_oversold(&self, seed: u64, step: usize, what: Step) {
         let told = self.told_held();
-        let at = format!("seed {seed} step {step} ({what:?})");
+        let recent = self.steps[self.steps.len().saturating_sub(12)..].join("; ");
+        let at = format!("seed {seed} step {step} ({what:?}, after: {recent})");
         let (told_before, ledger_before, redis_before) = self.allowed;
         let allowed = |before: i64| self.limit.max(before);
         // A retry may hear of an admission whose first answer said nothing (its
@@ -963,6 +967,9 @@ async fn run(lab: Lab, seed: u64, ops: usize) -> Lab {
         world.note_allowed().await;
         world.apply(&mut rng, what).await;
         world.assert_never_oversold(seed, step, what).await;
+        world
+            .steps
+            .push(format!("{step} {what:?} -> limit {}", world.limit));
         done += what.ops();
         step += 1;
     }

@@ -9,6 +9,30 @@ use crate::reconcile::{self, Reconciled};
 use crate::{Error, Result, store};
 use tracing::Instrument;
 
+/// The YAML documents of a manifest file, each as its own text (empty documents
+/// left out): `apply -f` reconciles each.
+pub fn documents(text: &str) -> Result<Vec<String>> {
+    use serde::Deserialize;
+    let mut out = Vec::new();
+    for (i, document) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let value = serde_norway::Value::deserialize(document)
+            .map_err(|e| Error::InvalidManifest(format!("document {}: {e}", i + 1)))?;
+        if value.is_null() {
+            continue;
+        }
+        out.push(
+            serde_norway::to_string(&value)
+                .map_err(|e| Error::InvalidManifest(format!("document {}: {e}", i + 1)))?,
+        );
+    }
+    if out.is_empty() {
+        return Err(Error::InvalidManifest(
+            "the manifest holds no document".into(),
+        ));
+    }
+    Ok(out)
+}
+
 /// Reads one InventoryDrop manifest. Type errors name their path
 /// (`spec.limitedQuantity: invalid type: ...`).
 pub fn parse_manifest(text: &str) -> Result<InventoryDrop> {

@@ -21,6 +21,14 @@ use crate::memorystore::{self, Memorystore};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log lines (on stderr) are written: text, or json (one object per line).
+    #[arg(
+        long,
+        global = true,
+        env = "DROPGATE_LOG_FORMAT",
+        default_value = "text"
+    )]
+    pub log_format: dropgate_telemetry::LogFormat,
 }
 
 // Parsed once per process: the size of `Run` costs nothing worth a Box.
@@ -79,9 +87,18 @@ enum Command {
         #[command(flatten)]
         injection: inject::Settings,
     },
-    /// Reconcile one manifest against Redis, outside Kubernetes, and print the status.
+    /// Reconcile InventoryDrop manifests against Redis, outside Kubernetes, and print
+    /// each drop's status (YAML documents, in the manifest's order).
+    ///
+    /// Exit codes: 0 every drop reconciled and Ready; 3 a manifest is invalid
+    /// (nothing of that drop was written); 4 Redis is unreachable or failing; 5 a
+    /// requirement is not met (high availability missing: the drop's mode was
+    /// published, it is not Ready); 1 anything else (the file cannot be read). With
+    /// several drops, every one is tried and the first failure's code is returned.
+    #[command(verbatim_doc_comment)]
     Apply {
-        /// The InventoryDrop manifest.
+        /// The manifest: one InventoryDrop or several (YAML documents separated by
+        /// `---`); `-` reads standard input.
         #[arg(short = 'f', long = "filename", value_name = "FILE")]
         file: PathBuf,
         /// Overrides spec.redis.url.
@@ -127,12 +144,7 @@ pub async fn run(cli: Cli) -> ExitCode {
             Err(e) => fail(&e),
         },
         Command::Inject { file, injection } => {
-            let text = if file.as_os_str() == "-" {
-                std::io::read_to_string(std::io::stdin())
-            } else {
-                std::fs::read_to_string(&file)
-            };
-            let text = match text {
+            let text = match read_input(&file) {
                 Ok(text) => text,
                 Err(e) => return fail(&format!("cannot read {}: {e}", file.display())),
             };
@@ -149,22 +161,42 @@ pub async fn run(cli: Cli) -> ExitCode {
             redis_url,
             google,
         } => {
-            let manifest = match std::fs::read_to_string(&file) {
+            let text = match read_input(&file) {
                 Ok(text) => text,
                 Err(e) => return fail(&format!("cannot read {}: {e}", file.display())),
             };
-            match crate::apply::apply(&manifest, redis_url.as_deref(), &google.client()).await {
-                Ok(done) => {
-                    match serde_norway::to_string(&done.status) {
-                        Ok(yaml) => print!("{yaml}"),
-                        Err(e) => return fail(&e),
-                    }
-                    match done.not_ready {
-                        None => ExitCode::SUCCESS,
-                        Some(reason) => fail(&format!("not ready: {reason}")),
-                    }
-                }
-                Err(e) => fail(&e),
+            let manifests = match crate::apply::documents(&text) {
+                Ok(manifests) => manifests,
+                Err(e) => return failed_with(ApplyExit::InvalidManifest, &e),
+            };
+            let memorystore = google.client();
+            let mut first_failure: Option<ApplyExit> = None;
+            for (i, manifest) in manifests.iter().enumerate() {
+                let failure =
+                    match crate::apply::apply(manifest, redis_url.as_deref(), &memorystore).await {
+                        Ok(done) => {
+                            if i > 0 {
+                                println!("---");
+                            }
+                            match serde_norway::to_string(&done.status) {
+                                Ok(yaml) => print!("{yaml}"),
+                                Err(e) => eprintln!("error: {e}"),
+                            }
+                            done.not_ready.map(|reason| {
+                                eprintln!("error: not ready: {reason}");
+                                ApplyExit::NotReady
+                            })
+                        }
+                        Err(e) => {
+                            eprintln!("error: document {}: {e}", i + 1);
+                            Some(ApplyExit::of(&e))
+                        }
+                    };
+                first_failure = first_failure.or(failure);
+            }
+            match first_failure {
+                None => ExitCode::SUCCESS,
+                Some(exit) => ExitCode::from(exit as u8),
             }
         }
         Command::Run {
@@ -228,6 +260,48 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     }
     tracing::info!("shutting down");
     shutdown.cancel();
+}
+
+/// The file at `path`, or standard input for `-`.
+fn read_input(path: &std::path::Path) -> std::io::Result<String> {
+    if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(path)
+    }
+}
+
+/// `apply`'s exit codes (its help text says them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ApplyExit {
+    Other = 1,
+    InvalidManifest = 3,
+    RedisUnavailable = 4,
+    NotReady = 5,
+}
+
+impl ApplyExit {
+    fn of(error: &crate::Error) -> Self {
+        use crate::Error;
+        match error {
+            Error::InvalidManifest(_)
+            | Error::InvalidSpec(_)
+            | Error::NoRedisUrl
+            | Error::SecretRefOutsideCluster
+            | Error::ClusterNotDeclared(_)
+            | Error::NotACluster(_) => ApplyExit::InvalidManifest,
+            Error::RedisUnavailable { .. } | Error::Redis(_) | Error::Timeout(_) => {
+                ApplyExit::RedisUnavailable
+            }
+            Error::HighAvailabilityMissing(_) => ApplyExit::NotReady,
+            _ => ApplyExit::Other,
+        }
+    }
+}
+
+fn failed_with(exit: ApplyExit, reason: &dyn std::fmt::Display) -> ExitCode {
+    eprintln!("error: {reason}");
+    ExitCode::from(exit as u8)
 }
 
 fn fail(reason: &dyn std::fmt::Display) -> ExitCode {

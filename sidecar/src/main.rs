@@ -7,11 +7,12 @@ use dropgate_sidecar::Settings;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let settings = Settings::parse();
     let telemetry = dropgate_telemetry::Telemetry::init(
         "dropgate-sidecar",
         dropgate_sidecar::DEFAULT_LOG_FILTER,
+        settings.log_format,
     );
-    let settings = Settings::parse();
     if let Err(e) = dropgate_sidecar::faults::arm_from_env() {
         eprintln!("error: {e}");
         return ExitCode::FAILURE;

@@ -27,6 +27,13 @@ pub async fn run(
     sweep: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
+    // Carts are swept on a task of their own: a ledger that is slow to answer the
+    // carts' query must not hold up expiries or the outbox.
+    let carts = tokio::spawn(sweep_carts(
+        app.clone(),
+        sweep.max(CART_SWEEP_MIN),
+        stop.clone(),
+    ));
     let mut refresh_tick = tokio::time::interval(refresh);
     let mut sweep_tick = tokio::time::interval(sweep);
     let mut dispatch_tick = tokio::time::interval(DISPATCH_EVERY);
@@ -39,11 +46,27 @@ pub async fn run(
                 refresh_configs(&app).await;
                 note_outbox_lag(&app).await;
             }
-            _ = sweep_tick.tick() => {
-                expire_due_holds(&app).await;
-                crate::service::cart::sweep(&app).await;
-            }
+            _ = sweep_tick.tick() => expire_due_holds(&app).await,
             _ = dispatch_tick.tick() => dispatch_events(&app).await,
+            _ = stop.changed() => {
+                let _ = carts.await;
+                return;
+            }
+        }
+    }
+}
+
+/// The cart sweeper's pace, at the quickest: a cart is overdue after seconds.
+const CART_SWEEP_MIN: Duration = Duration::from_millis(500);
+
+/// Gives back carts left unfinished and expires held ones (see
+/// [`crate::service::cart::sweep`]) every `every`, until `stop` turns true.
+async fn sweep_carts(app: Arc<App>, every: Duration, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => crate::service::cart::sweep(&app).await,
             _ = stop.changed() => return,
         }
     }

@@ -8,6 +8,9 @@ use clap::Parser;
 #[derive(Parser, Debug, Clone)]
 #[command(name = "dropgate-sidecar", version, about)]
 pub struct Settings {
+    /// How log lines (on stderr) are written: text, or json (one object per line).
+    #[arg(long, env = "DROPGATE_LOG_FORMAT", default_value = "text")]
+    pub log_format: dropgate_telemetry::LogFormat,
     /// Where to serve the HTTP API. Loopback by default: the API has no
     /// authentication, and only the shop's own containers should reach it.
     #[arg(long, env = "DROPGATE_LISTEN", default_value = "127.0.0.1:7070")]

@@ -1,7 +1,8 @@
 //! Logs and traces, the same for both binaries.
 //!
 //! Logs go to stderr (so `crdgen`, `apply` and `inject` print clean YAML on stdout),
-//! filtered by `RUST_LOG`.
+//! filtered by `RUST_LOG`, as text for a person or as JSON lines for a log pipeline
+//! ([`LogFormat`]: each binary's `--log-format`, or `DROPGATE_LOG_FORMAT`).
 //!
 //! Traces leave the process only when the standard OpenTelemetry environment names
 //! an OTLP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`, or
@@ -121,19 +122,66 @@ impl Export {
     }
 }
 
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One line of text per event, for a person (colours on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line (`timestamp`, `level`, `fields`, `target`, `span`,
+    /// `spans`), for a log pipeline.
+    Json,
+}
+
+impl LogFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+}
+
+impl std::fmt::Display for LogFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("{other:?} is not a log format: text or json")),
+        }
+    }
+}
+
 impl Telemetry {
     /// Installs the process's subscriber: logs to stderr (`RUST_LOG`, else
-    /// `default_filter`) and, when the environment asks, spans over OTLP as
-    /// `service` (unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` names
+    /// `default_filter`) in `format`, and, when the environment asks, spans over OTLP
+    /// as `service` (unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` names
     /// the service). Call it inside the Tokio runtime: the exporter runs on it.
-    pub fn init(service: &'static str, default_filter: &str) -> Telemetry {
+    pub fn init(service: &'static str, default_filter: &str, format: LogFormat) -> Telemetry {
         // The exporter's own chatter only when it goes wrong (a failed export).
         let filter = EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| EnvFilter::new(format!("{default_filter},opentelemetry=warn")));
-        let logs = fmt::layer()
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .with_filter(filter);
+        let logs = match format {
+            LogFormat::Text => fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .boxed(),
+            LogFormat::Json => fmt::layer()
+                .json()
+                .with_writer(std::io::stderr)
+                .with_current_span(true)
+                .with_span_list(true)
+                .boxed(),
+        }
+        .with_filter(filter);
         let export = Export::from_env(|name| std::env::var(name).ok());
         let (provider, refused) = match &export {
             Export::Otlp { endpoint, timeout } => match provider(service, endpoint, *timeout) {

@@ -167,3 +167,10 @@ failurePolicy: {{ $ctx.Values.webhook.failurePolicy }}
 matchPolicy: Equivalent
 reinvocationPolicy: IfNeeded
 {{- end -}}
+
+{{/*
+The operator's ServiceAccount: serviceAccount.name, else the operator's own name.
+*/}}
+{{- define "dropgate.serviceAccountName" -}}
+{{- default (include "dropgate.operatorName" .) .Values.serviceAccount.name -}}
+{{- end -}}

@@ -83,6 +83,8 @@ func helmChartOnRealAPI(t *testing.T, e *env) {
 		t.Errorf("pods.inject.dropgate.io objectSelector matchLabels %v, want dropgate.io/inject=true", got)
 	}
 
+	appTeamWithEditCreatesDrops(t, e)
+
 	// helm upgrade keeps the CA and the serving certificate.
 	args := []string{"upgrade", release, e.path("charts/dropgate"), "--namespace", operatorNS, "--reuse-values"}
 	e.must(t, "helm", args...)
@@ -110,6 +112,43 @@ func helmChartOnRealAPI(t *testing.T, e *env) {
 	e.kubectl(t, "get", "mutatingwebhookconfiguration", webhookConfig)
 	e.kubectl(t, "get", "crd", "inventorydrops.dropgate.io")
 	e.kubectl(t, "-n", operatorNS, "get", "deployment/"+release+"-operator")
+}
+
+// appTeamWithEditCreatesDrops: the chart's ClusterRoles aggregate to the cluster's
+// `edit` and `view`, so an app team bound to `edit` in its namespace creates, reads
+// and deletes InventoryDrops there, and one bound to `view` reads them only.
+func appTeamWithEditCreatesDrops(t *testing.T, e *env) {
+	team := "e2e-team-edit"
+	e.ensureNamespace(t, team)
+	t.Cleanup(func() { _, _ = e.run("kubectl", "delete", "namespace", team, "--wait=false") })
+	for _, role := range []string{"edit", "view"} {
+		account := "dev-" + role
+		e.kubectlIn(t, e.kubectl(t, "-n", team, "create", "serviceaccount", account, "--dry-run=client", "-o", "yaml"),
+			"apply", "-f", "-")
+		e.kubectlIn(t, e.kubectl(t, "-n", team, "create", "rolebinding", account, "--clusterrole="+role,
+			"--serviceaccount="+team+":"+account, "--dry-run=client", "-o", "yaml"), "apply", "-f", "-")
+	}
+	as := func(role string) string { return "--as=system:serviceaccount:" + team + ":dev-" + role }
+	canI := func(role, verb string) string {
+		out, _ := e.run("kubectl", "auth", "can-i", verb, "inventorydrops.dropgate.io", "-n", team, as(role))
+		return strings.TrimSpace(out)
+	}
+	// The aggregation controller fills the roles in a moment after the chart.
+	e.eventually(t, "edit grants creating InventoryDrops", func() (bool, string) {
+		got := canI("edit", "create")
+		return got == "yes", got
+	})
+	drop := fmt.Sprintf("apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: team-sale, namespace: %s}\n"+
+		"spec: {sku: X, limitedQuantity: 5, redis: {url: %q}}\n", team, e.redisURL)
+	e.kubectlIn(t, drop, "apply", "-f", "-", as("edit"))
+	e.kubectl(t, "-n", team, "get", "inventorydrop", "team-sale", as("view"))
+	if got := canI("view", "create"); got != "no" {
+		t.Errorf("view may create InventoryDrops: %q", got)
+	}
+	if got := canI("view", "list"); got != "yes" {
+		t.Errorf("view may not list InventoryDrops: %q", got)
+	}
+	e.kubectl(t, "-n", team, "delete", "inventorydrop", "team-sale", "--wait=false", as("edit"))
 }
 
 type webhookTLS struct {

@@ -41,7 +41,7 @@ func helmInstallRealAPI(t *testing.T, e *env) {
 	e.kubectl(t, "wait", "--for=condition=Established", "crd/inventorydrops.dropgate.io", "--timeout=120s")
 	columns := e.kubectl(t, "get", "crd", "inventorydrops.dropgate.io",
 		"-o", `jsonpath={range .spec.versions[*].additionalPrinterColumns[*]}{.name}{" "}{end}`)
-	for _, want := range []string{"SKU", "Limit", "Remaining", "Mode", "Age"} {
+	for _, want := range []string{"SKU", "Limit", "Remaining", "Reserved", "Mode", "Phase", "Ready", "Age"} {
 		if !containsFold(strings.Fields(columns), want) {
 			t.Errorf("the CRD has no %s printer column (has %q)", want, columns)
 		}
@@ -147,7 +147,7 @@ func kubectlApplyDropLifecycle(t *testing.T, e *env) {
 	if f := e.jsonpath(t, shopNS, dropObj, "{.metadata.finalizers}"); !strings.Contains(f, finalizerName) {
 		t.Fatalf("finalizers %s, want %s", f, finalizerName)
 	}
-	checkColumns(t, e, map[string]string{"SKU": "SNKR-0412", "LIMIT": "100", "REMAINING": "100", "MODE": "gate"})
+	checkColumns(t, e, map[string]string{"SKU": "SNKR-0412", "LIMIT": "100", "REMAINING": "100", "MODE": "gate", "PHASE": "Active", "READY": "True"})
 
 	// Sidecars for the namespace, as the webhook injects them into shop pods:
 	// processes here. Two share a PostgreSQL ledger when the suite has one; a
@@ -272,7 +272,7 @@ func checkColumns(t *testing.T, e *env, want map[string]string) {
 			return false, out
 		}
 		header, row := strings.Fields(lines[0]), strings.Fields(lines[1])
-		if strings.Join(header, " ") != "NAME SKU LIMIT REMAINING MODE AGE" || len(row) != len(header) {
+		if strings.Join(header, " ") != "NAME SKU LIMIT REMAINING MODE PHASE READY AGE" || len(row) != len(header) {
 			return false, out
 		}
 		for i, column := range header {

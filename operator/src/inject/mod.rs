@@ -110,6 +110,14 @@ pub struct Settings {
         default_value = "64Mi"
     )]
     pub memory: String,
+    /// How the injected sidecars write their log lines: text, or json (one object
+    /// per line).
+    #[arg(
+        long = "sidecar-log-format",
+        env = "DROPGATE_SIDECAR_LOG_FORMAT",
+        default_value = "text"
+    )]
+    pub log_format: dropgate_telemetry::LogFormat,
     /// Traces of the injected sidecars.
     #[command(flatten)]
     pub traces: SidecarTraces,
@@ -553,6 +561,10 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
                     .redis_cluster
                     .then(|| value("DROPGATE_REDIS_CLUSTER", "true".into())),
             )
+            .chain(
+                (settings.log_format == dropgate_telemetry::LogFormat::Json)
+                    .then(|| value("DROPGATE_LOG_FORMAT", "json".into())),
+            )
             .chain(settings.traces.env())
             .collect(),
         ),
@@ -700,6 +712,36 @@ mod tests {
     /// The defaults, as the chart leaves them.
     fn settings() -> Settings {
         Cli::parse_from(["test", "--operator-namespace", "dropgate-system"]).settings
+    }
+
+    #[test]
+    fn sidecars_write_json_logs_when_the_chart_asks() {
+        let labelled = json!({"dropgate.io/inject": "true"});
+        let annotations = json!({LEDGER: "per-pod"});
+        let sidecar_env = |settings: &Settings| {
+            let Ok(Decision::Inject(mutation)) = inject(
+                &bare_pod(labelled.clone(), annotations.clone()),
+                "shop",
+                settings,
+            ) else {
+                panic!("injected");
+            };
+            serde_json::to_string(&mutation.sidecar).expect("json")
+        };
+        assert!(!sidecar_env(&settings()).contains("DROPGATE_LOG_FORMAT"));
+        let json_logs = Cli::parse_from([
+            "test",
+            "--operator-namespace",
+            "dropgate-system",
+            "--sidecar-log-format",
+            "json",
+        ])
+        .settings;
+        let patched = sidecar_env(&json_logs);
+        assert!(
+            patched.contains(r#""name":"DROPGATE_LOG_FORMAT","value":"json""#),
+            "{patched}"
+        );
     }
 
     /// A pod built from JSON: labels, annotations and containers as given. A pod

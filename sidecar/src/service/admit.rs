@@ -7,8 +7,8 @@ use dropgate_api::{DropConfig, Mode};
 use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::{
-    Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Served, Throttled, Turn, closed, decide,
-    foreign_ledger, on_ledger, pending_bound_ms, published_now, redis_failed,
+    Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Published, Served, Throttled, Turn, closed,
+    decide, foreign_ledger, on_ledger, pending_bound_ms, published_now, redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -414,7 +414,16 @@ pub(super) async fn on_fallback(
     request: &Reserve,
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
-    let fresh = published_now(app, drop).await;
+    let fresh = match published_now(app, drop).await {
+        Published::Now(fresh) => Some(*fresh),
+        Published::Missing => {
+            return Some(Err(Failure::retry(format!(
+                "drop {}'s config is not in Redis right now (lost with Redis's data, and published again soon): nothing is decided on an older copy; retry",
+                drop.name
+            ))));
+        }
+        Published::Unreachable => None,
+    };
     if reason == Reason::Mode && fresh.as_ref().is_some_and(|c| c.mode == Mode::Gate) {
         return None;
     }

@@ -556,18 +556,36 @@ where
     }
 }
 
-/// The drop's config as the operator published it now, read from Redis when it
-/// answers: what a fallback admission is decided on, so that a limit cut, an endsAt
-/// moved into the past or a pause published a moment ago is obeyed. `None` when
-/// Redis cannot be asked (the last config read stands, and the ledger's newest).
-async fn published_now(app: &App, drop: &Drop) -> Option<DropConfig> {
-    if app.breaker(Some(drop)).tripped().is_some() {
-        return None;
-    }
+/// What Redis says of a drop's config when a fallback admission is decided.
+pub(crate) enum Published {
+    /// The config as the operator published it now.
+    Now(Box<DropConfig>),
+    /// Redis answers without the drop's config (it lost its data; the operator
+    /// publishes it again): nothing may be decided on an older copy.
+    Missing,
+    /// Redis cannot be asked: the last config read stands, and the ledger's newest.
+    Unreachable,
+}
+
+/// How long a fallback admission waits for Redis to say what the config is now.
+const CONFIG_READ_BOUND: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The drop's config as the operator published it now, read from Redis: what a
+/// fallback admission is decided on, so that a limit cut, an endsAt moved into the
+/// past or a pause published a moment ago is obeyed. Redis is asked even while the
+/// breaker is open (for at most [`CONFIG_READ_BOUND`]): a Redis that just came back
+/// from a restart or a failover, with the config published into it again, answers
+/// before the breaker closes, and a cut published there must not be sold past on
+/// the copy this sidecar read before.
+async fn published_now(app: &App, drop: &Drop) -> Published {
     let mut conn = app.redis.clone();
-    match app.drops.refresh(&mut conn, &drop.name).await {
-        Ok(Some(fresh)) => Some(fresh.config()),
-        Ok(None) | Err(_) => None,
+    match tokio::time::timeout(CONFIG_READ_BOUND, app.drops.refresh(&mut conn, &drop.name)).await {
+        Ok(Ok(Some(fresh))) => {
+            app.breaker(Some(drop)).answered();
+            Published::Now(Box::new(fresh.config()))
+        }
+        Ok(Ok(None)) => Published::Missing,
+        Ok(Err(_)) | Err(_) => Published::Unreachable,
     }
 }
 

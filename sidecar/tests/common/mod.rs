@@ -53,6 +53,7 @@ impl Peer {
             .expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
         let mut settings = dropgate_sidecar::Settings {
+            log_format: dropgate_telemetry::LogFormat::Text,
             listen: addr,
             listen_any: false,
             health_listen: None,
