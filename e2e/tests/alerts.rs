@@ -87,9 +87,14 @@ async fn every_alert_reads_metrics_the_binaries_export_and_has_a_runbook() {
     // The refresh notes the drop's mode and what it has left.
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let scraped = http.get("/metrics").await.expect("/metrics answers").text;
-    let operator = dropgate_operator::metrics::Metrics::default()
-        .encode()
-        .expect("the operator's metrics encode");
+    // A labelled family is exposed once it has a series: the operator's errors after
+    // its first failed reconcile.
+    let metrics = dropgate_operator::metrics::Metrics::default();
+    metrics
+        .errors
+        .get_or_create(&dropgate_operator::metrics::ErrorLabel { error: "redis" })
+        .inc();
+    let operator = metrics.encode().expect("the operator's metrics encode");
     let exported: BTreeSet<String> = families(&scraped)
         .into_iter()
         .chain(families(&operator))

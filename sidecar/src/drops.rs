@@ -32,6 +32,9 @@ pub struct Drop {
     /// Redis was last found in line with the ledger for this drop; `u64::MAX`: not
     /// yet by this process.
     pub verified: std::sync::atomic::AtomicU64,
+    /// When asking Redis for this drop's config last failed while its breaker was
+    /// open (ms since the epoch): the fallback asks again only a little later.
+    pub config_unreachable_at: std::sync::atomic::AtomicI64,
 }
 
 impl Drop {
@@ -45,6 +48,7 @@ impl Drop {
             handover: tokio::sync::Mutex::new(()),
             breaker: crate::breaker::Breaker::default(),
             verified: std::sync::atomic::AtomicU64::new(u64::MAX),
+            config_unreachable_at: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -163,6 +167,20 @@ impl Drops {
                 Ok(Some(added))
             }
         }
+    }
+
+    /// The config of `name` as Redis holds it right now, read without changing what
+    /// this sidecar keeps (the background refresh does that): `Ok(None)` when Redis
+    /// holds none (lost with its data, or deleted). What a decision that must not
+    /// rest on an older copy reads.
+    pub async fn published(
+        &self,
+        conn: &mut Connection,
+        name: &str,
+    ) -> Result<Option<DropConfig>, LookupError> {
+        let keys = DropKeys::new(&self.namespace, name);
+        let fields: HashMap<String, String> = conn.hgetall(keys.config()).await?;
+        Ok(DropConfig::from_fields(&fields)?)
     }
 
     /// Every known drop.

@@ -418,7 +418,7 @@ pub(super) async fn on_fallback(
         Published::Now(fresh) => Some(*fresh),
         Published::Missing => {
             return Some(Err(Failure::retry(format!(
-                "drop {}'s config is not in Redis right now (lost with Redis's data, and published again soon): nothing is decided on an older copy; retry",
+                "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
                 drop.name
             ))));
         }

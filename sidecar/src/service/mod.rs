@@ -558,34 +558,56 @@ where
 
 /// What Redis says of a drop's config when a fallback admission is decided.
 pub(crate) enum Published {
-    /// The config as the operator published it now.
+    /// The config as the operator published it now (or this sidecar's copy, when
+    /// that is newer).
     Now(Box<DropConfig>),
-    /// Redis answers without the drop's config (it lost its data; the operator
-    /// publishes it again): nothing may be decided on an older copy.
+    /// Redis answers without this sale's config (it lost its data and the operator
+    /// publishes it again, or the drop was deleted or re-created): nothing may be
+    /// decided on an older copy.
     Missing,
     /// Redis cannot be asked: the last config read stands, and the ledger's newest.
     Unreachable,
 }
 
 /// How long a fallback admission waits for Redis to say what the config is now.
-const CONFIG_READ_BOUND: std::time::Duration = std::time::Duration::from_millis(200);
+const CONFIG_READ_BOUND: std::time::Duration = std::time::Duration::from_millis(150);
+/// While the breaker is open, how long after a failed ask the next one is made
+/// (the requests between decide on the last config read).
+const CONFIG_PROBE_EVERY_MS: i64 = 250;
 
 /// The drop's config as the operator published it now, read from Redis: what a
 /// fallback admission is decided on, so that a limit cut, an endsAt moved into the
 /// past or a pause published a moment ago is obeyed. Redis is asked even while the
-/// breaker is open (for at most [`CONFIG_READ_BOUND`]): a Redis that just came back
-/// from a restart or a failover, with the config published into it again, answers
-/// before the breaker closes, and a cut published there must not be sold past on
-/// the copy this sidecar read before.
+/// breaker is open (at most every [`CONFIG_PROBE_EVERY_MS`] per drop, each ask
+/// bounded by [`CONFIG_READ_BOUND`]): a Redis that came back from a restart or a
+/// failover, with the config published into it again, answers before the breaker
+/// closes, and a cut published there must not be sold past on the copy this sidecar
+/// read before. The read changes nothing this sidecar keeps: neither the drop's
+/// copy (the background refresh keeps it) nor the breaker (a read that answers says
+/// nothing of whether the gate's writes would).
 async fn published_now(app: &App, drop: &Drop) -> Published {
+    use std::sync::atomic::Ordering;
+    let now = crate::clock::now_ms();
+    if app.breaker(Some(drop)).tripped().is_some()
+        && now - drop.config_unreachable_at.load(Ordering::Acquire) < CONFIG_PROBE_EVERY_MS
+    {
+        return Published::Unreachable;
+    }
+    let kept = drop.config();
     let mut conn = app.redis.clone();
-    match tokio::time::timeout(CONFIG_READ_BOUND, app.drops.refresh(&mut conn, &drop.name)).await {
-        Ok(Ok(Some(fresh))) => {
-            app.breaker(Some(drop)).answered();
-            Published::Now(Box::new(fresh.config()))
+    match tokio::time::timeout(CONFIG_READ_BOUND, app.drops.published(&mut conn, &drop.name)).await
+    {
+        Ok(Ok(Some(config))) if config.sale != kept.sale => Published::Missing,
+        Ok(Ok(Some(config))) if config.generation < kept.generation => {
+            Published::Now(Box::new(kept))
         }
+        Ok(Ok(Some(config))) => Published::Now(Box::new(config)),
         Ok(Ok(None)) => Published::Missing,
-        Ok(Err(_)) | Err(_) => Published::Unreachable,
+        Ok(Err(_)) | Err(_) => {
+            drop.config_unreachable_at
+                .store(crate::clock::now_ms(), Ordering::Release);
+            Published::Unreachable
+        }
     }
 }
 
