@@ -74,6 +74,16 @@ impl Drop {
         self.throttle.resize(config.permits);
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = config;
     }
+
+    /// Takes `config`, read from Redis a moment ago, as this drop's copy unless the
+    /// copy is of another sale or of a newer generation (a read that answered late
+    /// never moves the copy back).
+    pub fn adopt(&self, config: &DropConfig) {
+        let kept = self.config();
+        if config.sale == kept.sale && config.generation >= kept.generation && *config != kept {
+            self.update(config.clone());
+        }
+    }
 }
 
 /// Why a drop could not be looked up.

@@ -582,9 +582,9 @@ const CONFIG_PROBE_EVERY_MS: i64 = 250;
 /// bounded by [`CONFIG_READ_BOUND`]): a Redis that came back from a restart or a
 /// failover, with the config published into it again, answers before the breaker
 /// closes, and a cut published there must not be sold past on the copy this sidecar
-/// read before. The read changes nothing this sidecar keeps: neither the drop's
-/// copy (the background refresh keeps it) nor the breaker (a read that answers says
-/// nothing of whether the gate's writes would).
+/// read before. A config read is adopted as the drop's copy when it is of the same
+/// sale and not older; the breaker is left alone (a read that answers says nothing
+/// of whether the gate's writes would), and an empty or failed read changes nothing.
 async fn published_now(app: &App, drop: &Drop) -> Published {
     use std::sync::atomic::Ordering;
     let now = crate::clock::now_ms();
@@ -595,13 +595,22 @@ async fn published_now(app: &App, drop: &Drop) -> Published {
     }
     let kept = drop.config();
     let mut conn = app.redis.clone();
-    match tokio::time::timeout(CONFIG_READ_BOUND, app.drops.published(&mut conn, &drop.name)).await
+    match tokio::time::timeout(
+        CONFIG_READ_BOUND,
+        app.drops.published(&mut conn, &drop.name),
+    )
+    .await
     {
         Ok(Ok(Some(config))) if config.sale != kept.sale => Published::Missing,
         Ok(Ok(Some(config))) if config.generation < kept.generation => {
             Published::Now(Box::new(kept))
         }
-        Ok(Ok(Some(config))) => Published::Now(Box::new(config)),
+        Ok(Ok(Some(config))) => {
+            // The copy follows (a kill switch turned off sends the next attempt back
+            // to the gate); the breaker does not (see above).
+            drop.adopt(&config);
+            Published::Now(Box::new(config))
+        }
         Ok(Ok(None)) => Published::Missing,
         Ok(Err(_)) | Err(_) => {
             drop.config_unreachable_at
