@@ -28,7 +28,9 @@ package histories
 //     time. Whichever resolution comes first decides; the other does nothing.
 //     Until then the admission is pending: it holds its units, its key answers
 //     not_found to look-ups, confirms and cancels, 422 to another buyer, and a
-//     retry of the same buyer completes it (201 or already_reserved).
+//     retry of the same buyer hears already_reserved once it is kept or, once it
+//     is dropped, is decided afresh (201, or a refusal if the sale has ended, been
+//     cut or sold out meanwhile): a retry never completes it.
 //   - A confirm or cancel answered 503 changed nothing (docs/design.md: a request that
 //     answers an error changed nothing): one operation that must leave the state
 //     as it is. One with no answer is two operations with no return time, `do`
@@ -347,8 +349,8 @@ func (sp *spec) giveBack(s mState, k int, st byte) mState {
 	return s
 }
 
-// activate turns key k's pending admission into an active reservation (a retry
-// completed it, or its commit landed): every attempt pending on it is resolved.
+// activate turns key k's pending admission into an active reservation (its
+// commit landed): every attempt pending on it is resolved.
 func (sp *spec) activate(s mState, k int) mState {
 	_, user, qty := s.reservation(k)
 	s = s.withRes(k, stActive, user, qty)
@@ -485,10 +487,9 @@ func (sp *spec) reserve(s mState, in mIn, out mOut) (bool, any) {
 			}
 			return true, sp.admit(s, k, in.user, in.qty, stActive)
 		}
-		// A retry that completed its own key's pending admission.
-		if st == stPending && same {
-			return true, sp.activate(s, k)
-		}
+		// A 201 is always a fresh admission: a retry never completes an earlier
+		// attempt's pending admission (past its bound that attempt is resolved,
+		// its `drop` or `keep` first, and the retry decided on the sale as it is).
 		return false, s
 	case "already_reserved":
 		if !same || !matches(out, u, q) || !sp.sameVariant(out, k) {

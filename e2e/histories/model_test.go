@@ -118,7 +118,8 @@ func TestModelRefusesEffectOf503Cancel(t *testing.T) {
 }
 
 func TestModelUnansweredReserve(t *testing.T) {
-	// No answer: it may have been admitted (a retry completes it) ...
+	// No answer: it may have been admitted (then taken back and the retry admitted
+	// afresh) ...
 	calls := history(
 		hc{kind: kReserve, key: "a", user: "u1", qty: 1, from: 0, to: -1},
 		hc{kind: kLookup, key: "a", from: 2, to: 3, status: 404, outcome: "not_found"},
@@ -137,6 +138,17 @@ func TestModelUnansweredReserve(t *testing.T) {
 	)
 	if r := checkModel(t, 1, calls); r != porcupine.Illegal {
 		t.Fatalf("a reservation that is found and whose unit is back: %s", r)
+	}
+	// A retry is decided on the sale as it is: after the end, never admitted
+	// (taking over the pending admission, with the unit it held, would be).
+	calls = history(
+		hc{kind: kReserve, key: "a", user: "u1", qty: 1, from: 0, to: -1},
+		hc{kind: kShow, from: 2, to: 3, status: 200, outcome: "found", remaining: 0},
+		hc{kind: kApply, client: 3, from: 4, to: 5, apply: applyChange{What: "ends", Ended: true}},
+		hc{kind: kReserve, key: "a", user: "u1", qty: 1, from: 6, to: 7, status: 201, outcome: "admitted"},
+	)
+	if r := checkModel(t, 1, calls); r != porcupine.Illegal {
+		t.Fatalf("a retry admitted after the end on its dead attempt's unit: %s", r)
 	}
 }
 

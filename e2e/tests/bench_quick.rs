@@ -23,6 +23,9 @@ fn the_bench_runs_every_design_and_checks_each_for_oversell() {
         "SQL row UPDATE (SQLite)",
         "sidecar sold-out answer",
         "gate script sold-out (raw)",
+        "raw EVALSHA admit (redis-benchmark 50c)",
+        "sidecar durable admit (SQLite)",
+        "8 sidecars sold-out answer",
     ] {
         assert!(stdout.contains(row), "row {row:?} missing:\n{stdout}");
     }

@@ -10,7 +10,8 @@ use dropgate_api::DropKeys;
 use dropgate_e2e::processes::{SidecarProcess, apply};
 use dropgate_testkit::{DropSpec, HttpClient, PostgresServer, RedisServer, Reply};
 
-const CART: &str = r#"{"key":"mid","user":"ann","lines":[{"drop":"shoe","quantity":1},{"drop":"cap","quantity":2}]}"#;
+/// Its lines are held in order by drop: the cap (line 1), then the shoe (line 2).
+const CART: &str = r#"{"key":"mid","user":"ann","lines":[{"drop":"cap","quantity":2},{"drop":"shoe","quantity":1}]}"#;
 
 fn publish(dir: &std::path::Path, redis: &RedisServer, drop: &str, limit: i64) {
     let path = dir.join(format!("{drop}.yaml"));
@@ -83,10 +84,14 @@ async fn a_sidecar_dying_mid_cart_leaves_it_wholly_held_or_wholly_free() {
         "the sidecar died mid-cart, yet answered: {answer:?}"
     );
     assert!(
-        held(&marker(&redis, "shoe", "mid:1")),
+        held(&marker(&redis, "cap", "mid:1")),
         "the first line was held before the sidecar died"
     );
-    assert_eq!(marker(&redis, "cap", "mid:2"), None, "the second never was");
+    assert_eq!(
+        marker(&redis, "shoe", "mid:2"),
+        None,
+        "the second never was"
+    );
 
     // The buyer retries through the other sidecar until the cart is decided: in
     // flight while its dead attempt's bound lasts, then completed by the retry or
@@ -103,8 +108,8 @@ async fn a_sidecar_dying_mid_cart_leaves_it_wholly_held_or_wholly_free() {
     };
     let state = reply.body["state"].as_str().unwrap_or_default().to_string();
     let lines = [
-        marker(&redis, "shoe", "mid:1"),
-        marker(&redis, "cap", "mid:2"),
+        marker(&redis, "cap", "mid:1"),
+        marker(&redis, "shoe", "mid:2"),
     ];
     match (reply.status.as_u16(), state.as_str()) {
         // The retry went on with the cart and completed it.

@@ -22,6 +22,11 @@ pub struct Drop {
     pub keys: DropKeys,
     config: RwLock<DropConfig>,
     pub throttle: Throttle,
+    /// This sidecar's reserves and activations of the drop, batched (see
+    /// [`crate::gate::Batcher`]).
+    pub gate: crate::gate::Batcher,
+    /// The keys this sidecar is admitting now (a duplicate waits for them here).
+    pub in_flight: crate::in_flight::InFlight,
     /// Held while this sidecar opens the gate or hands the drop to the ledger, so
     /// that concurrent requests wait for one hand-over instead of racing their own.
     pub handover: tokio::sync::Mutex<()>,
@@ -44,6 +49,8 @@ impl Drop {
             namespace: namespace.to_string(),
             keys: DropKeys::new(namespace, name),
             throttle: Throttle::new(config.permits),
+            gate: crate::gate::Batcher::new(DropKeys::new(namespace, name)),
+            in_flight: crate::in_flight::InFlight::default(),
             config: RwLock::new(config),
             handover: tokio::sync::Mutex::new(()),
             breaker: crate::breaker::Breaker::default(),

@@ -77,8 +77,10 @@ pub struct CartLine {
     pub quantity: i64,
 }
 
-/// The body of `POST /v1/carts`, its lines added up per drop and variant (in the
-/// order each first appears).
+/// The body of `POST /v1/carts`, its lines added up per drop and variant and put
+/// in order by drop, then variant: the same lines in another order are the same
+/// cart (a retry that lists them otherwise is not a reused key), and line `n` is
+/// the same line whichever order a retry sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CartReserve {
     pub key: String,
@@ -130,6 +132,7 @@ impl CartReserve {
                 }),
             }
         }
+        lines.sort_by(|a, b| (&a.drop, &a.variant).cmp(&(&b.drop, &b.variant)));
         Ok(Self {
             key,
             user,

@@ -58,6 +58,7 @@ pub mod clock;
 pub mod drops;
 pub mod faults;
 pub mod gate;
+pub mod in_flight;
 pub mod input;
 pub mod ledger;
 pub mod locks;

@@ -10,10 +10,11 @@ use tokio::sync::watch;
 
 use crate::app::App;
 use crate::clock::now_ms;
-use crate::gate::{self, Unresolved};
+use crate::gate::{self, PendingAdmission, Unresolved};
 use crate::ledger::Holder;
 use crate::metrics::DropLabel;
 use crate::reservation::{Outcome, State};
+use crate::service::admit;
 use crate::service::handover::{self, Reason};
 use crate::service::record::{change_of, record_expiry};
 
@@ -301,59 +302,37 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
     let ledger_key = drop.ledger_key();
     let ledger = app.ledger.id();
     for key in overdue {
-        let resolved =
-            match gate::unresolved(&mut conn, &drop.keys, &key).await {
-                // The key's change as it stands now may not be the one that was listed
-                // overdue (a retry took the admission over, a new confirm was
-                // prepared): only one overdue now is judged, and by its own attempt.
-                Ok(Some(
-                    Unresolved::Admission { due_ms, .. } | Unresolved::Settle { due_ms, .. },
-                )) if due_ms > now => Ok(()),
-                Ok(Some(Unresolved::Admission {
-                    user,
-                    quantity,
-                    attempt,
-                    ..
-                })) => match app
-                    .ledger
-                    .claim_abandoned(&ledger_key, &key, &user, quantity, &attempt, now)
-                    .await
-                {
-                    Ok(true) => gate::abandon(&mut conn, &drop.keys, ledger, &key, &attempt)
+        let resolved = match gate::unresolved(&mut conn, &drop.keys, &key).await {
+            // The key's change as it stands now may not be the one that was listed
+            // overdue (a retry resolved it and was admitted afresh, a new confirm
+            // was prepared): only one overdue now is judged, and by its own attempt.
+            Ok(Some(
+                Unresolved::Admission(PendingAdmission { due_ms, .. })
+                | Unresolved::Settle { due_ms, .. },
+            )) if due_ms > now => Ok(()),
+            Ok(Some(Unresolved::Admission(admission))) => {
+                admit::resolve_dead_admission(app, drop, &key, &admission, now).await
+            }
+            Ok(Some(Unresolved::Settle { attempt, to, .. })) => {
+                match app.ledger.fence_settle(&ledger_key, &key, &attempt).await {
+                    Ok(Some(state)) if state == to => {
+                        gate::finish(&mut conn, &drop.keys, ledger, &key, &attempt)
+                            .await
+                            .map(|_| drop.throttle.release(&key))
+                            .map_err(|e| e.to_string())
+                    }
+                    Ok(_) => gate::abort(&mut conn, &drop.keys, ledger, &key, &attempt)
                         .await
                         .map_err(|e| e.to_string()),
-                    Ok(false) => match app.ledger.reservation(&ledger_key, &key).await {
-                        Ok(Some(row)) if row.state.holds_units() => {
-                            gate::replay(&mut conn, &drop.keys, ledger, &row, &ledger_key)
-                                .await
-                                .map(|_| ())
-                                .map_err(|e| e.to_string())
-                        }
-                        Ok(_) => Ok(()),
-                        Err(error) => Err(error.to_string()),
-                    },
                     Err(error) => Err(error.to_string()),
-                },
-                Ok(Some(Unresolved::Settle { attempt, to, .. })) => {
-                    match app.ledger.fence_settle(&ledger_key, &key, &attempt).await {
-                        Ok(Some(state)) if state == to => {
-                            gate::finish(&mut conn, &drop.keys, ledger, &key, &attempt)
-                                .await
-                                .map(|_| drop.throttle.release(&key))
-                                .map_err(|e| e.to_string())
-                        }
-                        Ok(_) => gate::abort(&mut conn, &drop.keys, ledger, &key, &attempt)
-                            .await
-                            .map_err(|e| e.to_string()),
-                        Err(error) => Err(error.to_string()),
-                    }
                 }
-                // Nothing unresolved any more: the entry goes (abandon drops it).
-                Ok(None) => gate::abandon(&mut conn, &drop.keys, ledger, &key, "")
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(error) => Err(error.to_string()),
-            };
+            }
+            // Nothing unresolved any more: the entry goes (abandon drops it).
+            Ok(None) => gate::abandon(&mut conn, &drop.keys, ledger, &key, "")
+                .await
+                .map_err(|e| e.to_string()),
+            Err(error) => Err(error.to_string()),
+        };
         if let Err(error) = resolved {
             tracing::debug!(drop = %drop.name, %error, "overdue change not resolved");
         }

@@ -177,6 +177,10 @@ pub enum Outcome {
     /// gate and its activation, or a confirm or cancel between its preparation and
     /// its finish.
     Pending,
+    /// An admission of this key by this buyer still pending past its bound: its
+    /// sidecar never finished it. The service resolves it from the ledger (as the
+    /// sweeper does) and asks again.
+    Overdue,
     /// A look-up (or a duplicate reserve) of a reservation whose confirm or cancel
     /// is prepared and not yet finished (as the gate holds it): whether it happened
     /// is the ledger's to say.
@@ -216,6 +220,7 @@ impl Outcome {
             | Outcome::Closed
             | Outcome::OffGate(_)
             | Outcome::Pending
+            | Outcome::Overdue
             | Outcome::ForeignLedger { .. } => None,
         }
     }

@@ -151,9 +151,11 @@ async fn left(sidecar: &Sidecar, drop: &str, variant: Option<&str>) -> i64 {
     .unwrap_or_else(|| panic!("GET /v1/drops/{drop}: {}", shown.text))
 }
 
-/// The states of cart `key`'s line reservations in Redis, by line number: `None`
-/// where a line has no marker.
+/// The states of cart `key`'s line reservations in Redis, by line number (lines in
+/// order by drop, each drop named once): `None` where a line has no marker.
 fn line_states(sidecar: &Sidecar, key: &str, drops: &[&str]) -> Vec<Option<String>> {
+    let mut drops = drops.to_vec();
+    drops.sort_unstable();
     drops
         .iter()
         .enumerate()
@@ -181,13 +183,14 @@ async fn a_cart_is_held_confirmed_and_cancelled_as_one(kill_switch: bool) {
     );
     let reply = post_cart(&sidecar, &body).await;
     reply.assert_answer(201, "reserved");
+    // Lines in order by drop, then variant.
     assert_eq!(
         lines(&reply),
-        ["shoe/M x2: active", "shirt/- x1: active"],
+        ["shirt/- x1: active", "shoe/M x2: active"],
         "{}",
         reply.text
     );
-    assert_eq!(reply.body["lines"][0]["key"], "c1:1");
+    assert_eq!(reply.body["lines"][1]["key"], "c1:2");
     assert_eq!(reply.body["state"], "active");
     assert!(reply.body["expiresAt"].is_string(), "{}", reply.text);
     assert_eq!(left(&sidecar, "shoe", Some("M")).await, 4);
@@ -197,8 +200,18 @@ async fn a_cart_is_held_confirmed_and_cancelled_as_one(kill_switch: bool) {
     let again = post_cart(&sidecar, &body).await;
     again.assert_answer(200, "already_reserved");
     assert_eq!(lines(&again), lines(&reply));
+    // The same lines in another order are the same cart.
+    let reordered = cart(
+        "c1",
+        "ann",
+        &[("shirt", None, 1), ("shoe", Some("M"), 2)],
+        None,
+    );
+    let again = post_cart(&sidecar, &reordered).await;
+    again.assert_answer(200, "already_reserved");
+    assert_eq!(lines(&again), lines(&reply));
     sidecar
-        .lookup("shoe", "c1:1")
+        .lookup("shoe", "c1:2")
         .await
         .assert_answer(200, "found");
     cart_call(&sidecar, "c1", "lookup")
@@ -209,7 +222,7 @@ async fn a_cart_is_held_confirmed_and_cancelled_as_one(kill_switch: bool) {
     confirmed.assert_answer(200, "confirmed");
     assert_eq!(
         lines(&confirmed),
-        ["shoe/M x2: confirmed", "shirt/- x1: confirmed"]
+        ["shirt/- x1: confirmed", "shoe/M x2: confirmed"]
     );
     cart_call(&sidecar, "c1", "confirm")
         .await
@@ -282,7 +295,7 @@ async fn an_all_cart_with_a_short_line_holds_nothing_and_an_available_one_holds_
     )
     .await;
     partial.assert_answer(201, "reserved");
-    assert_eq!(lines(&partial), ["shoe/S x1: active", "shirt/- x1: active"]);
+    assert_eq!(lines(&partial), ["shirt/- x1: active", "shoe/S x1: active"]);
     assert_eq!(short(&partial), ["cap/-: sold_out"]);
     assert_eq!(left(&sidecar, "shoe", Some("S")).await, 3);
 
@@ -328,7 +341,7 @@ async fn the_per_user_limit_counts_across_carts_and_single_reserves() {
     over.assert_answer(409, "short");
     assert_eq!(
         short(&over),
-        ["shoe/M: per_user_limit_exceeded"],
+        ["shoe/S: per_user_limit_exceeded"],
         "{}",
         over.text
     );

@@ -578,3 +578,64 @@ async fn an_overtaken_rebuild_takes_back_no_live_admission() {
         .expect("runs");
     assert_eq!(sidecar.remaining("sale"), 3);
 }
+
+/// An admission left pending by a sidecar that died before recording it is resolved
+/// from the ledger when its buyer retries past its bound, and the retry is decided
+/// on the sale as it is now: a sale that ended meanwhile admits nobody, and the
+/// dead admission's unit goes back to stock instead of to the retry.
+#[tokio::test]
+async fn a_retry_past_a_dead_admissions_bound_obeys_the_sale_as_it_is_now() {
+    use dropgate_sidecar::gate;
+    use dropgate_sidecar::reservation::Outcome;
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(3)).await;
+    // The sale's ledger is this sidecar's once it has sold.
+    sidecar
+        .reserve("sale", "k0", "bob", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let ledger = common::ledger_of(&sidecar).await;
+    let mut conn = gate_connection(&sidecar).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    // Another sidecar of the same ledger admitted k1 and died before recording it:
+    // pending, and past its bound at once.
+    let dead = gate::reserve(
+        &mut conn,
+        &keys,
+        ledger.id(),
+        "k1",
+        "alice",
+        1,
+        None,
+        "dead-attempt",
+        0,
+    )
+    .await
+    .expect("runs");
+    assert!(matches!(dead.outcome, Outcome::Admitted(_)), "{dead:?}");
+    assert_eq!(sidecar.remaining("sale"), 1);
+
+    sidecar
+        .seed("sale", spec(3).ends_at("2001-01-01T00:00:00Z"))
+        .await;
+    sidecar
+        .reserve("sale", "k1", "alice", 1)
+        .await
+        .assert_answer(403, "ended");
+    // Resolved by the retry or, had it answered from its cached config first, by the
+    // sweeper: either way the unit comes back and only bob's is held.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sidecar.remaining("sale") != 2 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        (sidecar.remaining("sale"), sidecar.held("sale")),
+        (2, 1),
+        "the dead admission's unit is back, bob's is held"
+    );
+    assert_eq!(
+        common::marker_state(&sidecar.redis, "sale", "k1"),
+        None,
+        "the dead admission left no reservation"
+    );
+}

@@ -1,9 +1,9 @@
--- abandon (the sweeper): an admission still pending past its bound was left by a
--- sidecar that died before making it durable: its units go back as if it never
--- happened. Only a sidecar of the sale's ledger may judge that (it has claimed the
--- key in that ledger for ARGV[3], the attempt, first, so a late commit is refused).
--- One that a retry took over meanwhile (another attempt, its bound moved) is left
--- alone, due again at its new bound. An empty ARGV[3] only clears the entry of a key
+-- abandon (the sweeper, or a retry of the key): an admission still pending past its
+-- bound was left by a sidecar that died before making it durable: its units go back
+-- as if it never happened. Only a sidecar of the sale's ledger may judge that (it
+-- has claimed the key in that ledger for ARGV[3], the attempt, first, so a late
+-- commit is refused). One admitted afresh meanwhile (another attempt, its own
+-- bound) is left alone, due at its bound. An empty ARGV[3] only clears the entry of a key
 -- with nothing unresolved.
 if foreign() then
   return refuse_foreign()

@@ -1,7 +1,8 @@
 -- activate: the admission ARGV[3] got its throttle permit and is durable in the
 -- ledger; its pending marker becomes an active reservation. Anything else is
 -- reported as it is: `gone` with the marker as it stands (expired meanwhile, taken
--- over by a retry, activated by a replay from the ledger, or no marker at all).
+-- for dead and admitted afresh by a retry, activated by a replay from the ledger,
+-- or no marker at all).
 local m = redis.call('HMGET', K.marker, 'attempt', 'state')
 if not ours() then
   return answer('gone')

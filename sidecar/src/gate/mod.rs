@@ -31,6 +31,7 @@ macro_rules! gate_script {
         LazyLock::new(|| GateScript {
             script: Script::new(concat!(
                 include_str!("prelude.lua"),
+                "begin(KEYS, ARGV)\n",
                 include_str!(concat!($name, ".lua"))
             )),
             span: concat!("EVALSHA ", $name),
@@ -38,13 +39,32 @@ macro_rules! gate_script {
     };
 }
 
+/// The batch form of a script: its body, unchanged, as a function that
+/// `batch.lua` runs once per request.
+macro_rules! batch_script {
+    ($name:literal) => {
+        LazyLock::new(|| GateScript {
+            script: Script::new(concat!(
+                include_str!("prelude.lua"),
+                "local function one(KEYS, ARGV)\nbegin(KEYS, ARGV)\n",
+                include_str!(concat!($name, ".lua")),
+                "\nend\n",
+                include_str!("batch.lua")
+            )),
+            span: concat!("EVALSHA ", $name),
+        })
+    };
+}
+
 static RESERVE: LazyLock<GateScript> = gate_script!("reserve");
+static RESERVES: LazyLock<GateScript> = batch_script!("reserve");
 static CONFIRM: LazyLock<GateScript> = gate_script!("confirm");
 static CANCEL: LazyLock<GateScript> = gate_script!("cancel");
 static LOOKUP: LazyLock<GateScript> = gate_script!("lookup");
 static EXPIRE: LazyLock<GateScript> = gate_script!("expire");
 static UNDO: LazyLock<GateScript> = gate_script!("undo");
 static ACTIVATE: LazyLock<GateScript> = gate_script!("activate");
+static ACTIVATES: LazyLock<GateScript> = batch_script!("activate");
 static REPLAY: LazyLock<GateScript> = gate_script!("replay");
 static OPEN: LazyLock<GateScript> = gate_script!("open");
 static ABANDON: LazyLock<GateScript> = gate_script!("abandon");
@@ -53,8 +73,10 @@ static CLAIM: LazyLock<GateScript> = gate_script!("claim");
 static FINISH: LazyLock<GateScript> = gate_script!("finish");
 static ABORT: LazyLock<GateScript> = gate_script!("abort");
 
+mod batcher;
 mod reply;
 
+pub use batcher::Batcher;
 pub use reply::{
     Activation, Claim, Closing, Expiry, Finished, Opened, Prepare, Replay, Reply, Step,
 };
@@ -87,6 +109,14 @@ async fn run(
     for arg in args {
         invocation.arg(*arg);
     }
+    let span = client_span(script, 1);
+    let called = invocation.invoke_async(conn).instrument(span.clone()).await;
+    Wire::parse(failed_on(&span, called)?)
+}
+
+/// One call's client span; `requests` is how many requests it decides (more than
+/// one for a batch).
+fn client_span(script: &GateScript, requests: usize) -> tracing::Span {
     let span = tracing::debug_span!(
         "EVALSHA",
         otel.name = script.span,
@@ -97,13 +127,83 @@ async fn run(
         db.system.name = "redis",
         db.operation.name = "EVALSHA",
         db.query.summary = script.span,
+        db.operation.batch.size = tracing::field::Empty,
     );
-    let called = invocation.invoke_async(conn).instrument(span.clone()).await;
+    if requests > 1 {
+        span.record("db.operation.batch.size", requests);
+    }
+    span
+}
+
+fn failed_on<T>(span: &tracing::Span, called: RedisResult<T>) -> RedisResult<T> {
     if let Err(error) = &called {
         span.record("otel.status_code", "ERROR");
         span.record("error.type", error.category());
     }
-    Wire::parse(called?)
+    called
+}
+
+/// One request of a batch: the key it is about and its script's own arguments
+/// (after the key and the ledger).
+#[derive(Clone, Debug)]
+struct Request {
+    key: String,
+    args: Vec<String>,
+}
+
+/// Runs `script`'s batch form (see batch.lua) on the drop's keys: every request
+/// decided in order in one atomic step, one reply each (an error for a request
+/// whose step failed or whose reply cannot be read; the others stand). Every request
+/// must have as many arguments as the others.
+async fn run_batch(
+    script: &GateScript,
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    requests: &[Request],
+) -> RedisResult<Vec<RedisResult<Wire>>> {
+    let mut invocation = script.script.key(keys.config());
+    invocation
+        .key(keys.remaining())
+        .key(keys.held())
+        .key(keys.buyers())
+        .key(keys.holds())
+        .key(keys.gate())
+        .key(keys.seq())
+        .key(keys.ledger())
+        .key(keys.pending())
+        .key(keys.variants());
+    for request in requests {
+        invocation.key(keys.reservation(&request.key));
+    }
+    for request in requests {
+        invocation.arg(&request.key).arg(ledger);
+        for arg in &request.args {
+            invocation.arg(arg);
+        }
+    }
+    let span = client_span(script, requests.len());
+    let called: RedisResult<Vec<String>> =
+        invocation.invoke_async(conn).instrument(span.clone()).await;
+    let replies = failed_on(&span, called)?;
+    if replies.len() != requests.len() {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::Parse,
+            "a gate batch answered with the wrong number of replies",
+            format!("{} for {} requests", replies.len(), requests.len()),
+        )));
+    }
+    Ok(replies
+        .into_iter()
+        .map(|reply| match reply.strip_prefix('!') {
+            Some(error) => Err(redis::RedisError::from((
+                redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+                "a gate script failed",
+                error.to_string(),
+            ))),
+            None => Wire::parse(reply),
+        })
+        .collect())
 }
 
 /// The SHA1 of the reserve script as Redis caches it (for a bench that drives the
@@ -112,12 +212,40 @@ pub fn reserve_sha() -> &'static str {
     RESERVE.script.get_hash()
 }
 
+/// A reserve as the gate decides it (see [`reserve`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReserveRequest {
+    pub key: String,
+    pub user: String,
+    pub quantity: i64,
+    pub variant: Option<String>,
+    /// This admission's id, for [`activate`] and [`undo`].
+    pub attempt: String,
+    pub pending_bound_ms: u64,
+}
+
+impl ReserveRequest {
+    fn request(&self) -> Request {
+        Request {
+            key: self.key.clone(),
+            args: vec![
+                self.user.clone(),
+                self.quantity.to_string(),
+                self.attempt.clone(),
+                self.pending_bound_ms.to_string(),
+                self.variant.clone().unwrap_or_default(),
+            ],
+        }
+    }
+}
+
 /// Admits `quantity` units for `user` under idempotency key `key` as a pending
 /// reservation, or says why not. `attempt` identifies this admission for
 /// [`activate`] and [`undo`]; `ledger` is the id of the ledger that will record it
 /// (the gate refuses one that is not the sale's); an admission still pending
-/// `pending_bound_ms` later is overdue (its sidecar died), and a retry of the same
-/// key by the same buyer takes it over.
+/// `pending_bound_ms` later is overdue (its sidecar died): a retry of the same key
+/// by the same buyer then hears [`Outcome::Overdue`](crate::reservation::Outcome::Overdue)
+/// and resolves it from the ledger before it is decided.
 /// [`Outcome::Pending`](crate::reservation::Outcome::Pending): a concurrent attempt
 /// with the same key is still within its bound, ask again shortly;
 /// [`Outcome::Closed`](crate::reservation::Outcome::Closed): the gate is not open
@@ -134,22 +262,61 @@ pub async fn reserve(
     attempt: &str,
     pending_bound_ms: u64,
 ) -> RedisResult<Reply> {
-    let (quantity, bound) = (quantity.to_string(), pending_bound_ms.to_string());
-    run(
-        &RESERVE,
-        conn,
-        keys,
-        ledger,
-        key,
-        &[user, &quantity, attempt, &bound, variant.unwrap_or("")],
-    )
-    .await?
-    .reply(Call::Reserve)
+    let request = ReserveRequest {
+        key: key.to_string(),
+        user: user.to_string(),
+        quantity,
+        variant: variant.map(str::to_string),
+        attempt: attempt.to_string(),
+        pending_bound_ms,
+    }
+    .request();
+    let args: Vec<&str> = request.args.iter().map(String::as_str).collect();
+    run(&RESERVE, conn, keys, ledger, key, &args)
+        .await?
+        .reply(Call::Reserve)
+}
+
+/// [`reserve`] for several requests in one atomic step, decided in the order given
+/// exactly as one call each would decide them one after the other; one answer each.
+pub async fn reserve_batch(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    requests: &[ReserveRequest],
+) -> RedisResult<Vec<RedisResult<Reply>>> {
+    let requests: Vec<Request> = requests.iter().map(ReserveRequest::request).collect();
+    Ok(run_batch(&RESERVES, conn, keys, ledger, &requests)
+        .await?
+        .into_iter()
+        .map(|wire| wire?.reply(Call::Reserve))
+        .collect())
+}
+
+/// [`activate`] for several admissions (key, attempt) in one atomic step.
+pub async fn activate_batch(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    admissions: &[(String, String)],
+) -> RedisResult<Vec<RedisResult<(Activation, Step)>>> {
+    let requests: Vec<Request> = admissions
+        .iter()
+        .map(|(key, attempt)| Request {
+            key: key.clone(),
+            args: vec![attempt.clone()],
+        })
+        .collect();
+    Ok(run_batch(&ACTIVATES, conn, keys, ledger, &requests)
+        .await?
+        .into_iter()
+        .map(|wire| wire?.activation())
+        .collect())
 }
 
 /// Takes back an overdue pending admission that the caller's ledger (the sale's) has
-/// claimed as never recorded. One a retry took over and one that moved on are left
-/// alone.
+/// claimed as never recorded (or whose key another buyer's reservation holds). One
+/// admitted afresh under the key meanwhile and one that moved on are left alone.
 pub async fn abandon(
     conn: &mut Connection,
     keys: &DropKeys,
@@ -162,18 +329,25 @@ pub async fn abandon(
         .map(|_| ())
 }
 
+/// An admission still pending: who, how many of which variant, the attempt that
+/// admitted it and when it is overdue.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingAdmission {
+    pub user: String,
+    pub quantity: i64,
+    pub attempt: String,
+    pub variant: Option<String>,
+    /// When it is overdue (its `overdueAt`), in Redis's ms.
+    pub due_ms: i64,
+    /// The sale it was admitted in (the marker's; `None` for a marker without one).
+    pub sale: Option<String>,
+}
+
 /// A change of one key that is not resolved yet, as its marker shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Unresolved {
-    /// An admission still pending: who, how many, and the attempt that admitted it
-    /// (or took it over).
-    Admission {
-        user: String,
-        quantity: i64,
-        attempt: String,
-        /// When it is overdue (its `overdueAt`), in Redis's ms.
-        due_ms: i64,
-    },
+    /// An admission still pending.
+    Admission(PendingAdmission),
     /// A confirm or cancel prepared by `attempt`, moving the reservation to `to`.
     Settle {
         attempt: String,
@@ -189,7 +363,8 @@ pub async fn unresolved(
     keys: &DropKeys,
     key: &str,
 ) -> RedisResult<Option<Unresolved>> {
-    // state, user, quantity, attempt, overdueAt; settling, settleAttempt, settleBy
+    // state, user, quantity, attempt, overdueAt, variant; settling, settleAttempt,
+    // settleBy; sale
     type Fields = (
         Option<String>,
         Option<String>,
@@ -198,21 +373,35 @@ pub async fn unresolved(
         Option<i64>,
         Option<String>,
         Option<String>,
+        Option<String>,
         Option<i64>,
+        Option<String>,
     );
-    let (state, user, quantity, attempt, overdue_at, settling, settle_attempt, settle_by): Fields =
-        redis::cmd("HMGET")
-            .arg(keys.reservation(key))
-            .arg("state")
-            .arg("user")
-            .arg("quantity")
-            .arg("attempt")
-            .arg("overdueAt")
-            .arg("settling")
-            .arg("settleAttempt")
-            .arg("settleBy")
-            .query_async(conn)
-            .await?;
+    let (
+        state,
+        user,
+        quantity,
+        attempt,
+        overdue_at,
+        variant,
+        settling,
+        settle_attempt,
+        settle_by,
+        sale,
+    ): Fields = redis::cmd("HMGET")
+        .arg(keys.reservation(key))
+        .arg("state")
+        .arg("user")
+        .arg("quantity")
+        .arg("attempt")
+        .arg("overdueAt")
+        .arg("variant")
+        .arg("settling")
+        .arg("settleAttempt")
+        .arg("settleBy")
+        .arg("sale")
+        .query_async(conn)
+        .await?;
     Ok(
         match (
             state.as_deref(),
@@ -221,12 +410,16 @@ pub async fn unresolved(
             settling.as_deref(),
             settle_attempt,
         ) {
-            (Some("pending"), Some(user), Some(quantity), _, _) => Some(Unresolved::Admission {
-                user,
-                quantity,
-                attempt: attempt.unwrap_or_default(),
-                due_ms: overdue_at.unwrap_or(0),
-            }),
+            (Some("pending"), Some(user), Some(quantity), _, _) => {
+                Some(Unresolved::Admission(PendingAdmission {
+                    user,
+                    quantity,
+                    attempt: attempt.unwrap_or_default(),
+                    variant: variant.filter(|v| !v.is_empty()),
+                    due_ms: overdue_at.unwrap_or(0),
+                    sale: sale.filter(|s| !s.is_empty()),
+                }))
+            }
             (_, _, _, Some(to), Some(attempt)) => State::parse(to)
                 .filter(|to| matches!(to, State::Confirmed | State::Cancelled))
                 .map(|to| Unresolved::Settle {

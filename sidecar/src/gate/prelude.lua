@@ -7,8 +7,9 @@
 --   KEYS[11] the variants' stock
 -- and ARGV[1], the idempotency key, and ARGV[2], the id of the caller's ledger.
 --
--- Every script answers {outcome, user, quantity, state, expiresAt, remaining, seq,
--- epoch, expiredSeq, expiredFrom, sale, limit, generation, variant, variants} as strings, '' where
+-- Every script answers outcome, user, quantity, state, expiresAt, remaining, seq,
+-- epoch, expiredSeq, expiredFrom, sale, limit, generation, variant, variants (one
+-- line each of one string, see `reply`), '' where
 -- there is nothing to say: seq numbers the change the call made, epoch is the
 -- gate's, expiredSeq / expiredFrom tell of a hold the call expired on the way (the
 -- caller records it), sale is the sale the change belongs to (the caller's config
@@ -16,36 +17,72 @@
 -- variant is the reservation's ('' for a drop without variants), variants the
 -- config's variants as the call read them (reserve reads them). With a variant,
 -- remaining is the variant's.
-local K = {
-  config = KEYS[1], remaining = KEYS[2], held = KEYS[3], buyers = KEYS[4],
-  holds = KEYS[5], marker = KEYS[6], gate = KEYS[7], seq = KEYS[8], ledger = KEYS[9],
-  unresolved = KEYS[10], variants = KEYS[11],
-}
-local KEY, LEDGER = ARGV[1], ARGV[2]
--- The sale the config belongs to: a marker left by an earlier sale under the same
--- name is nobody's reservation in this one.
-local SALE = redis.call('HGET', K.config, 'sale') or ''
--- The gate key holds the epoch the gate is open at; 'closed:N' once it was closed
--- for a move of the drop's authority to epoch N, or it is absent (never opened, or
--- lost with the rest of Redis's data). While it is closed no new decision is made
--- (see close.lua), and an
--- opening at an epoch below N is refused: it began before that move, on a view of
--- the ledger the move made stale (see open.lua).
-local GATE = redis.call('GET', K.gate) or ''
-local EPOCH, CLOSED_AT = GATE, 0
-if string.sub(GATE, 1, 7) == 'closed:' then
-  EPOCH, CLOSED_AT = '', tonumber(string.sub(GATE, 8)) or 0
-end
--- The sale's one ledger: only its sidecars change the sale (see DropKeys::ledger).
-local OWNER = redis.call('GET', K.ledger) or ''
-local SEQ = ''
-local EXPIRED, EXPIRED_FROM = '', ''
+
+-- One call's keys and arguments, read by `begin` (a batch of reserves or
+-- activations runs the same script body once per request, see batch.lua).
+local K, KEY, LEDGER, SALE, GATE, EPOCH, CLOSED_AT, OWNER
+local SEQ, EXPIRED, EXPIRED_FROM = '', '', ''
 local LIMIT, GENERATION, VARIANTS = '', '', ''
+
+-- What every request of one script run reads alike: the config's sale, the gate
+-- and the sale's ledger (no script a batch runs, reserve or activate, writes them),
+-- Redis's clock (one instant per run, as within any script) and the expiry set on
+-- the drop's shared keys.
+local SHARED, NOW, EXPIRES_SHARED = nil, nil, nil
+-- The config's fields reserve reads (nothing a batch runs writes the config).
+local RESERVE_CONFIG = nil
+
+local function begin(keys, argv)
+  K = {
+    config = keys[1], remaining = keys[2], held = keys[3], buyers = keys[4],
+    holds = keys[5], marker = keys[6], gate = keys[7], seq = keys[8], ledger = keys[9],
+    unresolved = keys[10], variants = keys[11],
+  }
+  KEY, LEDGER = argv[1], argv[2]
+  if not SHARED then
+    SHARED = {
+      -- The sale the config belongs to: a marker left by an earlier sale under the
+      -- same name is nobody's reservation in this one.
+      sale = redis.call('HGET', K.config, 'sale') or '',
+      -- The gate key holds the epoch the gate is open at; 'closed:N' once it was
+      -- closed for a move of the drop's authority to epoch N, or it is absent
+      -- (never opened, or lost with the rest of Redis's data). While it is closed
+      -- no new decision is made (see close.lua), and an opening at an epoch below
+      -- N is refused: it began before that move, on a view of the ledger the move
+      -- made stale (see open.lua).
+      gate = redis.call('GET', K.gate) or '',
+      -- The sale's one ledger: only its sidecars change the sale (see
+      -- DropKeys::ledger).
+      owner = redis.call('GET', K.ledger) or '',
+    }
+  end
+  SALE, GATE, OWNER = SHARED.sale, SHARED.gate, SHARED.owner
+  EPOCH, CLOSED_AT = GATE, 0
+  if string.sub(GATE, 1, 7) == 'closed:' then
+    EPOCH, CLOSED_AT = '', tonumber(string.sub(GATE, 8)) or 0
+  end
+  SEQ, EXPIRED, EXPIRED_FROM = '', '', ''
+  LIMIT, GENERATION, VARIANTS = '', '', ''
+end
 
 -- Redis's own clock, so that every sidecar judges deadlines alike.
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if not NOW then
+    local t = redis.call('TIME')
+    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW
+end
+
+-- Sets the drop's shared keys to expire at `at` (once per run: every request of
+-- a batch computes the same time).
+local function expire_shared(at)
+  if EXPIRES_SHARED ~= at then
+    for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants}) do
+      redis.call('PEXPIREAT', key, at)
+    end
+    EXPIRES_SHARED = at
+  end
 end
 
 -- Numbers a change the ledger will record. The counter only grows; a Redis that
@@ -89,10 +126,13 @@ local function marker_variant()
   return redis.call('HGET', K.marker, 'variant') or ''
 end
 
--- An answer about no reservation in particular.
+-- An answer about no reservation in particular. Its fields go as one string, one
+-- line each (no field can hold a line break: identifiers refuse control
+-- characters): a batch's replies cost Redis one string each, not fifteen.
 local function reply(outcome, user, quantity, state, when, left, variant)
-  return {outcome, user or '', quantity or '', state or '', when or '', left or '',
-    '', EPOCH, '', '', SALE, LIMIT, GENERATION, variant or '', VARIANTS}
+  return outcome .. '\n' .. (user or '') .. '\n' .. (quantity or '') .. '\n' .. (state or '')
+    .. '\n' .. (when or '') .. '\n' .. (left or '') .. '\n\n' .. EPOCH .. '\n\n\n' .. SALE
+    .. '\n' .. LIMIT .. '\n' .. GENERATION .. '\n' .. (variant or '') .. '\n' .. VARIANTS
 end
 
 -- An answer that shows KEY's reservation.
@@ -101,9 +141,10 @@ local function answer(outcome)
     return reply(outcome, '', '', '', '', tostring(remaining()))
   end
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt', 'variant')
-  return {outcome, m[1] or '', m[2] or '', m[3] or '', m[4] or '', tostring(remaining(m[5])),
-    tostring(SEQ), EPOCH, tostring(EXPIRED), EXPIRED_FROM, SALE, LIMIT, GENERATION, m[5] or '',
-    VARIANTS}
+  return outcome .. '\n' .. (m[1] or '') .. '\n' .. (m[2] or '') .. '\n' .. (m[3] or '')
+    .. '\n' .. (m[4] or '') .. '\n' .. tostring(remaining(m[5])) .. '\n' .. tostring(SEQ)
+    .. '\n' .. EPOCH .. '\n' .. tostring(EXPIRED) .. '\n' .. EXPIRED_FROM .. '\n' .. SALE
+    .. '\n' .. LIMIT .. '\n' .. GENERATION .. '\n' .. (m[5] or '') .. '\n' .. VARIANTS
 end
 
 -- Whether the caller's ledger is not the sale's: then it changes nothing here.
@@ -118,6 +159,11 @@ local function refuse_foreign()
     return reply('foreign', '', '', '')
   end
   return reply('foreign', '', '', OWNER)
+end
+
+-- Whether a marker in `state` counts units in remaining and held.
+local function holds_units(state)
+  return state == 'active' or state == 'confirmed' or state == 'pending'
 end
 
 -- Takes units out of the drop's (and the variant's) stock into a hold.
@@ -135,6 +181,9 @@ end
 -- remaining may be negative after a cut), out of the held count and the buyer's;
 -- the same for its variant.
 local function give_back(user, quantity, variant)
+  -- The buyers' hash may be emptied, so deleted: a later admission of this run
+  -- sets the expiry on its new one again.
+  EXPIRES_SHARED = nil
   redis.call('INCRBY', K.remaining, quantity)
   redis.call('DECRBY', K.held, quantity)
   if redis.call('HINCRBY', K.buyers, user, -quantity) <= 0 then
@@ -149,6 +198,7 @@ end
 -- Takes a pending admission back as if it never happened: its units, its place in
 -- the queues, the marker itself (so that a retry of the key can be admitted).
 local function take_back(user, quantity)
+  EXPIRES_SHARED = nil
   redis.call('ZREM', K.holds, KEY)
   redis.call('ZREM', K.unresolved, KEY)
   give_back(user, quantity, marker_variant())
@@ -157,6 +207,7 @@ end
 
 -- Ends a prepared confirm or cancel's bookkeeping (finished, aborted or replayed).
 local function clear_settling()
+  EXPIRES_SHARED = nil
   redis.call('HDEL', K.marker, 'settling', 'settleAttempt', 'settleBy', 'settleSeq')
   redis.call('ZREM', K.unresolved, KEY)
 end

@@ -30,9 +30,6 @@ end
 if m[3] and (rank[m[3]] or 0) >= rank[target] then
   return answer('in_line')
 end
-local function holds(state)
-  return state == 'active' or state == 'confirmed' or state == 'pending'
-end
 local user = m[1] or ARGV[3]
 local quantity = tonumber(m[2] or ARGV[4])
 local variant = m[4] or ARGV[9]
@@ -42,9 +39,9 @@ local before = m[3]
 if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.unresolved, KEY)) then
   before = 'active'
 end
-if holds(before) and not holds(target) then
+if holds_units(before) and not holds_units(target) then
   give_back(user, quantity, variant)
-elseif not holds(before) and holds(target) then
+elseif not holds_units(before) and holds_units(target) then
   take(user, quantity, variant)
 end
 if not m[3] then

@@ -65,7 +65,8 @@ pub enum Activation {
     /// The pending admission is an active reservation now.
     Activated(View),
     /// It was not this attempt's pending admission any more: the marker as it
-    /// stands (taken over by a retry, activated by a replay, expired), or none.
+    /// stands (resolved and admitted afresh by a retry, activated by a replay,
+    /// expired), or none.
     Gone {
         marker: Option<Reservation>,
         remaining: i64,
@@ -184,7 +185,9 @@ fn int(s: &str) -> Option<i64> {
 }
 
 impl Wire {
-    pub(super) fn parse(parts: Vec<String>) -> RedisResult<Self> {
+    /// A script's answer: its fifteen fields, one line each (see prelude.lua).
+    pub(super) fn parse(text: String) -> RedisResult<Self> {
+        let parts: Vec<String> = text.split('\n').map(str::to_string).collect();
         let [
             outcome,
             user,
@@ -299,6 +302,7 @@ impl Wire {
             (Call::Reserve, "admitted") => Outcome::Admitted(self.view()?),
             (Call::Reserve, "already_reserved") => Outcome::AlreadyReserved(self.view()?),
             (Call::Reserve, "pending") => Outcome::Pending,
+            (Call::Reserve, "overdue") => Outcome::Overdue,
             (Call::Reserve, "sold_out") => Outcome::SoldOut {
                 remaining: self.remaining(),
             },

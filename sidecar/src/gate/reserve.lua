@@ -8,10 +8,12 @@
 -- buyer, write the marker. The marker starts 'pending': the sidecar still has to get
 -- a throttle permit and make the admission durable, and then activates it
 -- (activate.lua) or takes it back (undo.lua). A duplicate that finds it pending is
--- told so and asks again, so no one is promised a unit that is then undone.
-local cfg = redis.call('HMGET', K.config,
+-- told so and asks again, so no one is promised a unit that is then undone; one
+-- that finds it past its bound is told 'overdue'.
+RESERVE_CONFIG = RESERVE_CONFIG or redis.call('HMGET', K.config,
   'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt', 'limit', 'generation',
   'variants')
+local cfg = RESERVE_CONFIG
 if not cfg[1] then
   return reply('not_found')
 end
@@ -36,11 +38,11 @@ if ours() then
     if not granted() then
       if redis.call('HGET', K.marker, 'state') == 'pending'
         and tonumber(redis.call('HGET', K.marker, 'overdueAt')) <= now then
-        -- Its sidecar never finished it (it died): this retry of the same buyer
-        -- takes the admission over, with the unit it already holds.
-        redis.call('HSET', K.marker, 'attempt', attempt, 'overdueAt', now + bound)
-        redis.call('ZADD', K.unresolved, now + bound, KEY)
-        return answer('admitted')
+        -- Its sidecar never finished it (it died): the caller resolves it from the
+        -- ledger as the sweeper would (the reservation the ledger holds, or its
+        -- units back to stock) and asks again, so that a retry is decided on the
+        -- config as it is now.
+        return answer('overdue')
       end
       return answer('pending')
     end
@@ -103,9 +105,8 @@ bump()
 if cfg[6] ~= '' then
   -- Never in the past (an end moved back): that would delete them at once.
   local expire_at = math.max(tonumber(cfg[6]), now + 3600 * 1000)
-  for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.marker, K.seq, K.variants}) do
-    redis.call('PEXPIREAT', key, expire_at)
-  end
+  expire_shared(expire_at)
+  redis.call('PEXPIREAT', K.marker, expire_at)
 else
   redis.call('PEXPIREAT', K.marker, deadline + 7 * 86400 * 1000)
 end

@@ -156,8 +156,8 @@ const BATCH: usize = 512;
 
 /// How long the ledger's commit of a change may take (its deadline): past an
 /// admission's permit wait plus this, a pending admission is one its sidecar never
-/// finished (it died, or the ledger stalled), a retry of the same key takes it over,
-/// and a sweeper resolves it from the ledger; a prepared confirm or cancel likewise
+/// finished (it died, or the ledger stalled), and a retry of the same key or a
+/// sweeper resolves it from the ledger; a prepared confirm or cancel likewise
 /// past this alone. The writer refuses a change whose deadline has passed.
 pub const COMMIT_DEADLINE_MS: u64 = 2_000;
 
@@ -625,8 +625,8 @@ async fn apply_gate_change(
         }
         // The key has a record. The same attempt's admission recorded again is
         // nothing new; anything else (another reservation under a used key, or the
-        // same reservation made durable by another attempt, one that took this one
-        // over or that this one took over) is the key's record: its answer is that
+        // same reservation made durable by another attempt of the key) is the key's
+        // record: its answer is that
         // record's (`already_reserved`), not a second 201.
         let existing = fallback::read(tx, &change.drop_key, &change.key).await?;
         let attempt = fallback::attempt_of(tx, &change.drop_key, &change.key).await?;

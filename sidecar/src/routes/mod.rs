@@ -205,7 +205,7 @@ fn failed(app: &App, failure: Failure) -> Answer {
                 Throttled::NoPermit => format!(
                     "all {permits} reservation permits of this sidecar are in use: nothing was reserved"
                 ),
-                Throttled::KeyInFlight => "an earlier attempt with this key is unresolved; it is settled or taken over within a few seconds".into(),
+                Throttled::KeyInFlight => "an earlier attempt with this key is unresolved; it is activated or taken back, or past its bound resolved from the ledger, within a few seconds".into(),
                 Throttled::ExpiredWhileWaiting => {
                     "the admission's hold expired while it waited for a permit: nothing is held".into()
                 }

@@ -223,6 +223,7 @@ impl Asked<'_> {
             unacted @ (Outcome::Closed
             | Outcome::OffGate(_)
             | Outcome::Pending
+            | Outcome::Overdue
             | Outcome::Unsettled(_)
             | Outcome::ForeignLedger { .. }) => {
                 Answer::unavailable(format!("the gate answered {unacted:?}, which was not acted on"))

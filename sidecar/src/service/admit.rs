@@ -14,7 +14,7 @@ use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::Drop;
 use crate::faults::{self, Fault};
-use crate::gate::{self, Activation};
+use crate::gate::{self, Activation, Replay};
 use crate::input::Reserve;
 use crate::ledger::{Landed, RecordError};
 use crate::reservation::{Outcome, Reservation, State, View};
@@ -42,25 +42,47 @@ pub(super) async fn on_gate(
     // still pending then (its commit is slow) answers throttled, and the buyer's
     // retry asks again.
     let settle_by = Instant::now() + permit_wait + IN_FLIGHT_GRACE;
+    // A duplicate of a key this sidecar is admitting waits for that attempt in the
+    // process rather than ask Redis over and over (see crate::in_flight).
+    let terms = format!(
+        "{}\n{}\n{}",
+        request.user,
+        request.quantity,
+        request.variant.as_deref().unwrap_or("")
+    );
+    let _admitting = drop.in_flight.admit(&request.key, &terms, settle_by).await;
     let mut backoff = Backoff::new();
+    let mut tried_resolving = false;
+    let admission = gate::ReserveRequest {
+        key: request.key.clone(),
+        user: request.user.clone(),
+        quantity: request.quantity,
+        variant: request.variant.clone(),
+        attempt: attempt.clone(),
+        pending_bound_ms: pending_bound_ms(config),
+    };
     let reply = loop {
-        let reply = match gate::reserve(
-            &mut conn,
-            &drop.keys,
-            app.ledger.id(),
-            &request.key,
-            &request.user,
-            request.quantity,
-            request.variant.as_deref(),
-            &attempt,
-            pending_bound_ms(config),
-        )
-        .await
-        {
+        let reply = match drop.gate.reserve(&conn, app.ledger.id(), &admission).await {
             Ok(reply) => reply,
             Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
         };
         app.breaker(Some(drop)).answered();
+        if reply.outcome == Outcome::Overdue && Instant::now() < settle_by {
+            // An earlier attempt of this buyer's key that its sidecar never
+            // finished: resolved from the ledger, then this one is decided afresh
+            // (or hears the reservation the ledger holds). Still overdue after a
+            // resolution: asked again after a pause, not at once.
+            if tried_resolving {
+                backoff.wait(settle_by).await;
+            }
+            tried_resolving = true;
+            if let Err(why) = resolve_key(app, drop, &mut conn, &request.key).await {
+                return Turn::Done(Err(Failure::retry(format!(
+                    "an earlier attempt with this key is unresolved and could not be resolved now ({why}): nothing was reserved; retry the same key"
+                ))));
+            }
+            continue;
+        }
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
             break reply;
         }
@@ -72,7 +94,8 @@ pub(super) async fn on_gate(
         backoff.wait(settle_by).await;
     };
     // The admission's answer is due by the end of its pending bound: its commit
-    // may not land later (a sweeper resolves the key by then).
+    // may not begin later (a sweeper resolves the key by then, and its claim of the
+    // key in the ledger refuses a commit of this attempt still in flight).
     let deadline = now_ms() + pending_bound_ms(config) as i64;
     record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {
@@ -85,13 +108,14 @@ pub(super) async fn on_gate(
             let _ = app.drops.refresh(&mut conn, &drop.name).await;
             return Turn::Done(Err(moved_on(drop)));
         }
-        // Pending until activated below; also a retry's take-over of an admission
-        // its dead sidecar never finished (that one carries no change number).
+        // Pending until activated below.
         Outcome::Admitted(view) => view,
         Outcome::Closed => return Turn::Reopen { suspect: false },
         Outcome::OffGate(Mode::FailOpen) => return Turn::Reroute(Choice::Fallback(Reason::Mode)),
         Outcome::OffGate(_) => return Turn::Reroute(Choice::Refused(closed(drop))),
-        Outcome::Pending => {
+        // Another attempt still in flight, or a dead one not resolved within this
+        // request's wait: the buyer retries the same key.
+        Outcome::Pending | Outcome::Overdue => {
             return Turn::Done(Err(Failure::throttled(config, Throttled::KeyInFlight)));
         }
         // No ledger named (Redis lost the key, or a claim waits to be recorded):
@@ -164,8 +188,52 @@ pub(super) async fn on_gate(
         Ok(()) => app.ledger.record(change).await,
         Err(injected) => Err(RecordError::Failed(injected.to_string())),
     };
-    if let Err(RecordError::KeyUsed { .. }) = recorded
-        && let Ok(Some(row)) = app.ledger.reservation(&ledger_key, &request.key).await
+    // A commit that may have landed is asked about until the ledger says, so that
+    // the answer is true either way: taking back a durable admission would lose
+    // it, answering 503 for one would change what an error may not.
+    let recorded = match recorded {
+        Err(RecordError::Unknown(why)) => {
+            match admission_landed(app, &ledger_key, request, &attempt).await {
+                Some(Landed::Yes) => Ok(()),
+                Some(Landed::No) => Err(RecordError::Failed(why)),
+                // An earlier attempt's reservation of the key: answered from it
+                // below, as when the ledger refuses the key as used.
+                Some(Landed::Other(state)) => Err(RecordError::KeyUsed { state }),
+                None => {
+                    // The ledger cannot be asked: the marker stays pending, and the
+                    // key is resolved from the ledger past its bound (by a retry
+                    // or the sweeper), whichever way it went.
+                    std::mem::drop(permit);
+                    tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
+                    return Turn::Done(Err(Failure::retry(format!(
+                        "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry the same key",
+                        pending_bound_ms(config)
+                    ))));
+                }
+            }
+        }
+        other => other,
+    };
+    let earlier = match recorded {
+        Err(RecordError::KeyUsed { .. }) => {
+            match app.ledger.reservation(&ledger_key, &request.key).await {
+                Ok(row) => row,
+                Err(e) => {
+                    // Which reservation holds the key cannot be read: taking this
+                    // marker back could leave Redis without the unit of one the
+                    // ledger holds. It stays pending and is resolved from the
+                    // ledger past its bound.
+                    std::mem::drop(permit);
+                    return Turn::Done(Err(Failure::retry(format!(
+                        "the ledger holds a reservation under this key and could not be read ({e}); it is resolved within {} ms: retry the same key",
+                        pending_bound_ms(config)
+                    ))));
+                }
+            }
+        }
+        _ => None,
+    };
+    if let Some(row) = earlier
         && row.user == request.user
         && row.quantity == request.quantity
         && row.variant == request.variant
@@ -187,32 +255,6 @@ pub(super) async fn on_gate(
             },
         );
     }
-    // A commit that may have landed is asked about until the ledger says, so that
-    // the answer is true either way: taking back a durable admission would lose
-    // it, answering 503 for one would change what an error may not.
-    let recorded = match recorded {
-        Err(RecordError::Unknown(why)) => {
-            match admission_landed(app, &ledger_key, request, &attempt).await {
-                Some(Landed::Yes) => Ok(()),
-                Some(Landed::No) => Err(RecordError::Failed(why)),
-                // An earlier attempt's reservation of the key: answered from it
-                // below, as when the ledger refuses the key as used.
-                Some(Landed::Other(state)) => Err(RecordError::KeyUsed { state }),
-                None => {
-                    // The ledger cannot be asked: the marker stays pending, and the
-                    // key is resolved from the ledger past its bound (a retry's
-                    // takeover or the sweeper), whichever way it went.
-                    std::mem::drop(permit);
-                    tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
-                    return Turn::Done(Err(Failure::retry(format!(
-                        "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry the same key",
-                        pending_bound_ms(config)
-                    ))));
-                }
-            }
-        }
-        other => other,
-    };
     if let Err(refusal) = recorded {
         std::mem::drop(permit);
         let undone = undo(app, drop, &request.key, &attempt).await;
@@ -254,14 +296,9 @@ pub(super) async fn on_gate(
     };
     let activated = match faults::check(Fault::AfterLedgerCommit) {
         Ok(()) => {
-            gate::activate(
-                &mut conn,
-                &drop.keys,
-                app.ledger.id(),
-                &request.key,
-                &attempt,
-            )
-            .await
+            drop.gate
+                .activate(&conn, app.ledger.id(), &request.key, &attempt)
+                .await
         }
         Err(injected) => Err(redis::RedisError::from((
             redis::ErrorKind::Client,
@@ -294,8 +331,8 @@ pub(super) async fn on_gate(
             State::Pending | State::Active | State::Confirmed
         ) =>
         {
-            // Another attempt's marker (a retry that took this one over, or one
-            // admitted afresh after this one was taken for dead), or a replay from
+            // Another attempt's marker (one admitted afresh after this one was
+            // taken for dead), or a replay from
             // the ledger activated it: the replay makes Redis hold this durable
             // reservation whatever that attempt does.
             replay_later(app, drop, &ledger_key, &request.key).await;
@@ -507,5 +544,95 @@ async fn admission_landed(
             }
             Err(_) => return None,
         }
+    }
+}
+
+/// Resolves the admission of `key` left pending past its bound, if it still is. One not yet due (another
+/// retry resolved the dead one and was admitted afresh meanwhile) is left to its
+/// own attempt.
+async fn resolve_key(
+    app: &App,
+    drop: &Drop,
+    conn: &mut dropgate_redis::Connection,
+    key: &str,
+) -> Result<(), String> {
+    let now = now_ms();
+    match gate::unresolved(conn, &drop.keys, key).await {
+        Ok(Some(gate::Unresolved::Admission(admission))) if admission.due_ms <= now => {
+            resolve_dead_admission(app, drop, key, &admission, now).await
+        }
+        // Resolved meanwhile (activated, taken back, settling, admitted afresh):
+        // asked again.
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Resolves `admission`, an admission of `key` still pending past its bound (its
+/// sidecar died, or its commit stalled), as the ledger (its row of the sale the
+/// admission was made in) says it ended:
+/// - no reservation under the key: the key is claimed in the ledger for the
+///   admission's attempt, so that its commit, should it still come, is refused, and
+///   its units go back to stock;
+/// - this buyer's reservation (the same user, quantity and variant: the commit
+///   landed): Redis is brought forward to the ledger's record, whatever state it
+///   reached since;
+/// - another buyer's or other terms (the key was used before): the admission can
+///   never be recorded (the ledger replaces only abandoned rows), and its units go
+///   back.
+///
+/// The sweeper and a retry of the key (which then is decided afresh) call it alike.
+pub(crate) async fn resolve_dead_admission(
+    app: &App,
+    drop: &Drop,
+    key: &str,
+    admission: &gate::PendingAdmission,
+    now: i64,
+) -> Result<(), String> {
+    let mut conn = app.redis.clone();
+    let ledger = app.ledger.id();
+    let gate::PendingAdmission {
+        user,
+        quantity,
+        attempt,
+        variant,
+        sale,
+        ..
+    } = admission;
+    // The ledger row of the sale the admission was made in (the sidecar's copy of
+    // the config may be of an older sale, the drop re-created since).
+    let ledger_key = &sale
+        .as_deref()
+        .map_or_else(|| drop.ledger_key(), |sale| drop.ledger_key_of(sale));
+    let take_back = async |conn: &mut dropgate_redis::Connection| {
+        gate::abandon(conn, &drop.keys, ledger, key, attempt)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let claimed = app
+        .ledger
+        .claim_abandoned(ledger_key, key, user, *quantity, attempt, now)
+        .await
+        .map_err(|e| e.to_string())?;
+    if claimed {
+        return take_back(&mut conn).await;
+    }
+    match app.ledger.reservation(ledger_key, key).await {
+        Ok(Some(row))
+            if row.user == *user && row.quantity == *quantity && row.variant == *variant =>
+        {
+            match gate::replay(&mut conn, &drop.keys, ledger, &row, ledger_key).await {
+                Ok(Replay::Replayed | Replay::InLine) => Ok(()),
+                Ok(other) => Err(format!(
+                    "the ledger's record could not be replayed: {other:?}"
+                )),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+        Ok(Some(_)) => take_back(&mut conn).await,
+        // A claim is refused only where the key holds a row, and rows are never
+        // deleted: not reached; left for the next resolution.
+        Ok(None) => Ok(()),
+        Err(error) => Err(error.to_string()),
     }
 }

@@ -29,7 +29,7 @@ use crate::ledger::LedgerError;
 use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
 use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
 
-use super::{Failure, Served, pending_bound_ms};
+use super::{Failure, Served, Throttled, pending_bound_ms};
 
 /// Why a line of a cart was not held.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -349,7 +349,7 @@ async fn hold(
             quantity: line.quantity,
             variant: line.variant.clone(),
         };
-        match super::reserve(app, &line.drop, &request).await {
+        match reserve_line(app, &line.drop, &request).await {
             Ok(Served { outcome, .. }) => match outcome {
                 Outcome::Admitted(view) | Outcome::AlreadyReserved(view)
                     if view.reservation.state.holds_units() =>
@@ -583,6 +583,10 @@ async fn abandon(app: &App, cart: &CartReserve, lines_held: &[usize]) {
 /// A line's 503 after the lines held before it were given back.
 fn spent(key: &str, failure: Failure) -> Failure {
     let why = match &failure {
+        Failure::Throttled {
+            why: Throttled::KeyInFlight,
+            ..
+        } => "an earlier attempt at one of its lines was still unresolved".to_string(),
         Failure::Throttled { .. } => "a line found no throttle permit".to_string(),
         Failure::Unavailable { why, .. } => why.clone(),
         Failure::UnknownDrop { name, .. } => format!("drop {name} is not published any more"),
@@ -590,6 +594,27 @@ fn spent(key: &str, failure: Failure) -> Failure {
     Failure::unavailable(format!(
         "cart {key} could not be held ({why}); every line it held was given back, so nothing is held and this cart key is spent: retry with a new key"
     ))
+}
+
+/// Reserves one line of a cart. A line whose key an earlier attempt of this cart
+/// left pending (a retry that goes on with a cart whose sidecar died can come
+/// before that line's own bound has passed) is asked again until the bound has
+/// passed and the line resolved, rather than spend the cart's key on it.
+async fn reserve_line(app: &App, drop: &str, request: &Reserve) -> Result<Served, Failure> {
+    let found = super::find_drop(app, drop).await?;
+    let until = std::time::Instant::now()
+        + Duration::from_millis(pending_bound_ms(&found.config()))
+        + super::IN_FLIGHT_GRACE;
+    let mut backoff = super::Backoff::new();
+    loop {
+        match super::reserve(app, drop, request).await {
+            Err(Failure::Throttled {
+                why: Throttled::KeyInFlight,
+                ..
+            }) if std::time::Instant::now() < until => backoff.wait(until).await,
+            answered => return answered,
+        }
+    }
 }
 
 /// A ledger failure after which whether the cart's change was recorded is unknown.

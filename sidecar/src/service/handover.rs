@@ -332,7 +332,7 @@ async fn take_back_unrecorded(
 ) -> Result<(), HandoverError> {
     let mut conn = app.redis.clone();
     for pending in gate::overdue(&mut conn, &drop.keys, i64::MAX, REBUILD_BATCH as isize).await? {
-        if let Some(gate::Unresolved::Admission { attempt, .. }) =
+        if let Some(gate::Unresolved::Admission(gate::PendingAdmission { attempt, .. })) =
             gate::unresolved(&mut conn, &drop.keys, &pending).await?
             && app.ledger.reservation(key, &pending).await?.is_none()
         {

@@ -16,7 +16,7 @@
 //! - [`handover`]: moving a drop between its two gates (opening the gate after a
 //!   replay or rebuild, handing it to the ledger), and the refresh's check.
 
-mod admit;
+pub(crate) mod admit;
 pub mod cart;
 pub mod handover;
 pub mod record;
@@ -152,8 +152,9 @@ pub enum Throttled {
     /// Every permit of this sidecar is held by an unconfirmed reservation.
     NoPermit,
     /// An earlier attempt with this key is between admission and activation (on
-    /// this sidecar or another, or left so by one that died): it is settled, or
-    /// taken over by a retry, within a few seconds.
+    /// this sidecar or another, or left so by one that died): it is activated or
+    /// taken back, or past its bound resolved from the ledger by the sweeper or a
+    /// retry, within a few seconds.
     KeyInFlight,
     /// The admission's hold lapsed while it waited for its permit and its record.
     ExpiredWhileWaiting,

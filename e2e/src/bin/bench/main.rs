@@ -13,6 +13,8 @@
 //! (`--quick` for the few hundred calls the test command runs so the bench never
 //! rots).
 
+mod cpu_per_answer;
+
 use dropgate_sidecar::reservation::Outcome;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -41,6 +43,12 @@ struct Cli {
     /// outside the expected ones.
     #[arg(long)]
     soak: Option<u64>,
+    /// Only the CPU-per-answer table (see [`cpu_per_answer`]).
+    #[arg(long)]
+    cpu: bool,
+    /// Seconds each row of the CPU-per-answer table runs.
+    #[arg(long, default_value_t = 8)]
+    cpu_seconds: u64,
     /// Another dropgate-sidecar binary (an earlier build) measured in the same run:
     /// its reserve and sold-out rows come after this build's, on drops of their own.
     #[arg(long)]
@@ -76,6 +84,14 @@ async fn main() -> ExitCode {
 async fn run(cli: &Cli) -> Result<(), String> {
     if let Some(seconds) = cli.soak {
         return soak(cli.clients, Duration::from_secs(seconds)).await;
+    }
+    let cpu = cpu_per_answer::Options {
+        length: Duration::from_secs(if cli.quick { 1 } else { cli.cpu_seconds.max(1) }),
+        clients: cli.clients,
+        fleet: 8,
+    };
+    if cli.cpu {
+        return cpu_per_answer::table(&cpu).await;
     }
     let n = if cli.quick { 100 } else { cli.requests.max(10) };
     let redis = RedisServer::start().map_err(|e| e.to_string())?;
@@ -279,7 +295,7 @@ async fn run(cli: &Cli) -> Result<(), String> {
             return Err(format!("sidecar exited with {status}"));
         }
     }
-    Ok(())
+    cpu_per_answer::table(&cpu).await
 }
 
 async fn throughput<F, Fut>(clients: usize, per_client: usize, call: F) -> Result<f64, String>

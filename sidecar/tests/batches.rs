@@ -1,0 +1,301 @@
+//! The batched gate scripts decide exactly as one call per request does: for random
+//! sequences of reserves, retries, duplicates, activations, confirms and cancels on
+//! one drop by several buyers, two drops with the same terms are driven side by
+//! side, one a call per request, the other with each run of reserves (and of
+//! activations) sent as one batch, and every answer and the drops' whole state in
+//! Redis must be the same.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use dropgate_api::DropKeys;
+use dropgate_sidecar::gate::{self, ReserveRequest};
+use dropgate_sidecar::reservation::State;
+use dropgate_testkit::{DropSpec, RedisServer};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const LEDGER: &str = "the-sales-ledger";
+const ONE_BY_ONE: &str = "one-by-one";
+const BATCHED: &str = "batched";
+
+/// One step of a scenario.
+#[derive(Clone, Debug)]
+enum Op {
+    Reserve(ReserveRequest),
+    /// The activation of `attempt`'s admission of `key` (maybe not the marker's).
+    Activate {
+        key: String,
+        attempt: String,
+    },
+    Settle {
+        key: String,
+        to: State,
+        attempt: String,
+    },
+}
+
+/// A random scenario: keys reused across buyers and terms (duplicates and retries),
+/// quantities that reach the per-user limit and the stock.
+fn scenario(rng: &mut StdRng, variants: bool) -> Vec<Op> {
+    let mut ops = Vec::new();
+    let mut attempts: Vec<(String, String)> = Vec::new();
+    for i in 0..rng.random_range(20..60) {
+        let key = format!("k{}", rng.random_range(0..12));
+        match rng.random_range(0..10) {
+            0..6 => {
+                let attempt = format!("a{i}");
+                attempts.push((key.clone(), attempt.clone()));
+                ops.push(Op::Reserve(ReserveRequest {
+                    key,
+                    user: format!("u{}", rng.random_range(0..4)),
+                    quantity: rng.random_range(1..=3),
+                    variant: variants.then(|| ["s", "m", "x"][rng.random_range(0..3)].to_string()),
+                    attempt,
+                    pending_bound_ms: 600_000,
+                }));
+            }
+            6..9 if !attempts.is_empty() => {
+                let (key, attempt) = attempts[rng.random_range(0..attempts.len())].clone();
+                ops.push(Op::Activate { key, attempt });
+            }
+            _ => ops.push(Op::Settle {
+                key,
+                to: if rng.random_bool(0.5) {
+                    State::Confirmed
+                } else {
+                    State::Cancelled
+                },
+                attempt: format!("s{i}"),
+            }),
+        }
+    }
+    ops
+}
+
+/// Runs `ops` on `drop`, a call per step, or each run of reserves or activations as
+/// one batch when `batched` (split at random, so batches of one happen too). Every
+/// answer, as text.
+async fn drive(
+    conn: &mut dropgate_redis::Connection,
+    drop: &str,
+    ops: &[Op],
+    batched: Option<&mut StdRng>,
+) -> Vec<String> {
+    let keys = DropKeys::new(common::NS, drop);
+    let mut answers = Vec::new();
+    let mut rng = batched;
+    let mut i = 0;
+    while i < ops.len() {
+        let run = ops[i..]
+            .iter()
+            .take_while(|op| std::mem::discriminant(*op) == std::mem::discriminant(&ops[i]))
+            .count();
+        let n = match rng.as_deref_mut() {
+            Some(rng) if !matches!(ops[i], Op::Settle { .. }) => rng.random_range(1..=run),
+            _ => 1,
+        };
+        let group = &ops[i..i + n];
+        i += n;
+        match (&group[0], rng.is_some()) {
+            (Op::Reserve(_), true) => {
+                let requests: Vec<ReserveRequest> = group
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::Reserve(request) => Some(request.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                let replies = gate::reserve_batch(conn, &keys, LEDGER, &requests)
+                    .await
+                    .expect("a batch of reserves runs");
+                answers.extend(
+                    replies.into_iter().map(|reply| {
+                        format!("{:?}", reply.expect("each reserve of the batch runs"))
+                    }),
+                );
+            }
+            (Op::Activate { .. }, true) => {
+                let admissions: Vec<(String, String)> = group
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::Activate { key, attempt } => Some((key.clone(), attempt.clone())),
+                        _ => None,
+                    })
+                    .collect();
+                let replies = gate::activate_batch(conn, &keys, LEDGER, &admissions)
+                    .await
+                    .expect("a batch of activations runs");
+                answers.extend(replies.into_iter().map(|reply| {
+                    format!("{:?}", reply.expect("each activation of the batch runs"))
+                }));
+            }
+            _ => {
+                for op in group {
+                    answers.push(one(conn, &keys, op).await);
+                }
+            }
+        }
+    }
+    answers
+}
+
+/// One step, as one call.
+async fn one(conn: &mut dropgate_redis::Connection, keys: &DropKeys, op: &Op) -> String {
+    match op {
+        Op::Reserve(r) => format!(
+            "{:?}",
+            gate::reserve(
+                conn,
+                keys,
+                LEDGER,
+                &r.key,
+                &r.user,
+                r.quantity,
+                r.variant.as_deref(),
+                &r.attempt,
+                r.pending_bound_ms,
+            )
+            .await
+            .expect("a reserve runs")
+        ),
+        Op::Activate { key, attempt } => format!(
+            "{:?}",
+            gate::activate(conn, keys, LEDGER, key, attempt)
+                .await
+                .expect("an activation runs")
+        ),
+        // Prepared and finished at once, as a ledger that records it does.
+        Op::Settle { key, to, attempt } => {
+            let prepared = gate::prepare(conn, keys, LEDGER, key, *to, attempt, 600_000)
+                .await
+                .expect("a settle is prepared");
+            let finished = gate::finish(conn, keys, LEDGER, key, attempt)
+                .await
+                .expect("a settle finishes");
+            format!("{prepared:?} {finished:?}")
+        }
+    }
+}
+
+/// Everything Redis holds for `drop`, by key (its name taken out), with times (ms
+/// since the epoch, which differ between the two runs) taken out.
+fn state(redis: &RedisServer, drop: &str) -> BTreeMap<String, String> {
+    let mut conn = redis.connection().expect("connect");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("*{drop}*"))
+        .query(&mut conn)
+        .expect("KEYS");
+    keys.into_iter()
+        .map(|key| {
+            let kind: String = redis::cmd("TYPE").arg(&key).query(&mut conn).expect("TYPE");
+            let value = match kind.as_str() {
+                "string" => redis::cmd("GET").arg(&key).query::<String>(&mut conn),
+                "hash" => redis::cmd("HGETALL")
+                    .arg(&key)
+                    .query::<BTreeMap<String, String>>(&mut conn)
+                    .map(|fields| format!("{fields:?}")),
+                "zset" => redis::cmd("ZRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(-1)
+                    .query::<Vec<String>>(&mut conn)
+                    // Scored by times, which differ between the runs: as a set.
+                    .map(|mut members| {
+                        members.sort_unstable();
+                        format!("{members:?}")
+                    }),
+                other => Ok(format!("a {other}")),
+            }
+            .expect("reads");
+            // Whether it expires (the times differ between the runs).
+            let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut conn).expect("PTTL");
+            let value = format!("{value} ({})", if ttl > 0 { "expires" } else { "kept" });
+            (without(&key, drop), without(&value, drop))
+        })
+        .collect()
+}
+
+/// `text` with the drop's name and every time in ms since the epoch taken out.
+fn without(text: &str, drop: &str) -> String {
+    let text = text.replace(drop, "DROP");
+    let mut out = String::new();
+    let mut digits = String::new();
+    for c in text.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        out.push_str(if digits.len() >= 12 { "T" } else { &digits });
+        digits.clear();
+        out.push(c);
+    }
+    out.pop();
+    out
+}
+
+/// Both drops seeded with `spec`, claimed by [`LEDGER`] and their gates open.
+async fn sale(redis: &RedisServer, spec: DropSpec) -> dropgate_redis::Connection {
+    let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connect")
+        .into();
+    for drop in [ONE_BY_ONE, BATCHED] {
+        common::seed(&redis.url(), drop, spec.clone()).await;
+        let keys = DropKeys::new(common::NS, drop);
+        gate::claim(&mut conn, &keys, LEDGER, LEDGER)
+            .await
+            .expect("claims");
+        gate::open(&mut conn, &keys, LEDGER, 1, 0)
+            .await
+            .expect("opens");
+    }
+    conn
+}
+
+async fn same_answers_and_state(variants: bool, seeds: std::ops::Range<u64>) {
+    for seed in seeds {
+        let redis = RedisServer::start().expect("redis-server starts");
+        let spec = if variants {
+            DropSpec::new(12)
+                .variants(&[("s", 3), ("m", 5), ("x", 4)])
+                .per_user_limit(4)
+        } else {
+            DropSpec::new(9).per_user_limit(4)
+        };
+        // A sale with an end: its keys expire after it.
+        let spec = spec.hold_seconds(3600).ends_at("2099-01-01T00:00:00Z");
+        let mut conn = sale(&redis, spec).await;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let ops = scenario(&mut rng, variants);
+        let expected = drive(&mut conn, ONE_BY_ONE, &ops, None).await;
+        let got = drive(&mut conn, BATCHED, &ops, Some(&mut rng)).await;
+        for (n, (want, got)) in expected.iter().zip(&got).enumerate() {
+            assert_eq!(
+                without(want, ONE_BY_ONE),
+                without(got, BATCHED),
+                "seed {seed}, step {n} ({:?}) answered otherwise in a batch",
+                ops[n]
+            );
+        }
+        assert_eq!(expected.len(), got.len());
+        assert_eq!(
+            state(&redis, ONE_BY_ONE),
+            state(&redis, BATCHED),
+            "seed {seed}: the drops' state in Redis differs ({ops:#?})"
+        );
+    }
+}
+
+#[tokio::test]
+async fn batched_reserves_and_activations_answer_as_one_call_each() {
+    same_answers_and_state(false, 0..40).await;
+}
+
+#[tokio::test]
+async fn batched_reserves_of_variants_answer_as_one_call_each() {
+    same_answers_and_state(true, 100..130).await;
+}
