@@ -146,10 +146,21 @@ impl Summary {
             }
         }
         if !self.unexpected.is_empty() {
+            // The first answer of each kind (its outcome word), at most four kinds.
+            let mut kinds: Vec<&String> = Vec::new();
+            for answer in &self.unexpected {
+                let outcome = |text: &str| {
+                    serde_json::from_str::<serde_json::Value>(text)
+                        .ok()
+                        .and_then(|v| v["outcome"].as_str().map(str::to_string))
+                };
+                if kinds.len() < 4 && kinds.iter().all(|k| outcome(k) != outcome(answer)) {
+                    kinds.push(answer);
+                }
+            }
             out.push(format!(
-                "{} unexpected answers, first: {}",
+                "{} unexpected answers, the first of each kind: {kinds:?}",
                 self.unexpected.len(),
-                self.unexpected[0]
             ));
         }
         out

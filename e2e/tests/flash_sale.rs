@@ -24,11 +24,20 @@ async fn sale(manifest: &str, carts: bool) -> Summary {
     summary
 }
 
+/// Demand far beyond supply leaves nothing unsold but units returned by a cancel
+/// (one returned after the last buyer who wanted it had been answered stays).
+fn assert_sold_through(name: &str, remaining: i64, cancelled: u64) {
+    assert!(
+        (0..=cancelled as i64).contains(&remaining),
+        "{name}: {remaining} left, only returned units ({cancelled} cancelled) may be"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_buyers_never_oversell() {
     let summary = sale_of("drop.yaml").await;
     assert_eq!(summary.oversold, 0);
-    assert_eq!(summary.remaining, 0, "1000 buyers empty 100 units");
+    assert_sold_through("the drop", summary.remaining, summary.cancelled);
     assert!(summary.sold_out > 0);
     assert!(
         summary.retries_absorbed > 0,
@@ -41,11 +50,11 @@ async fn a_release_in_four_sizes_sells_each_size_exactly_once() {
     let summary = sale_of("drop-sizes.yaml").await;
     assert_eq!(summary.variants.len(), 4);
     for size in &summary.variants {
-        assert_eq!(size.remaining, 0, "{size:?}: 1000 buyers empty every size");
+        assert_sold_through(&size.name, size.remaining, size.cancelled);
         assert_eq!(size.oversold, 0, "{size:?}");
         assert_eq!(size.held, size.confirmed as i64, "{size:?}");
     }
-    assert_eq!(summary.remaining, 0);
+    assert_sold_through("the drop", summary.remaining, summary.cancelled);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -56,10 +65,9 @@ async fn buyers_checking_out_through_carts_sell_each_size_exactly_once() {
         assert_eq!(size.oversold, 0, "{size:?}");
         assert_eq!(size.held, size.confirmed as i64, "{size:?}");
     }
-    assert_eq!(
-        summary.remaining, 0,
-        "1000 buyers with carts empty every size"
-    );
+    for size in &summary.variants {
+        assert_sold_through(&size.name, size.remaining, size.cancelled);
+    }
     assert!(
         summary.retries_absorbed > 0,
         "duplicate carts were absorbed"

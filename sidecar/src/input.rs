@@ -48,6 +48,25 @@ impl Reserve {
     }
 }
 
+/// The optional body of a reservation's confirm and cancel: `{"user"}`, the buyer
+/// the caller acts for. Without it (an empty body) the key alone decides.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SettleAs {
+    pub user: Option<String>,
+}
+
+impl SettleAs {
+    pub fn parse(body: &[u8]) -> Result<Self, Invalid> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self::default());
+        }
+        let mut fields = Fields::parse(body, &["user"])?;
+        Ok(Self {
+            user: fields.optional_id("user")?,
+        })
+    }
+}
+
 /// Most lines a cart may have, as sent (before lines are added up).
 pub const MAX_CART_LINES: usize = 20;
 
@@ -283,6 +302,15 @@ impl Fields {
                 "`{name}` must be a string, not {}",
                 kind(&other)
             ))),
+        }
+    }
+
+    /// An optional identifier: when given, a string of 1 to 256 bytes.
+    pub fn optional_id(&mut self, field: &str) -> Result<Option<String>, Invalid> {
+        if self.map.contains_key(field) {
+            self.id(field).map(Some)
+        } else {
+            Ok(None)
         }
     }
 

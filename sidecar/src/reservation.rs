@@ -166,6 +166,9 @@ pub enum Outcome {
     Recording,
     /// No reservation has this key.
     NotFound,
+    /// The key's reservation is another buyer's than the caller named: nothing
+    /// was changed.
+    NotOwner,
     /// The drop's config is not in Redis (the gate's word for an unknown drop).
     UnknownDrop,
     /// The gate is closed (never opened, being rebuilt, or gone with Redis's data):
@@ -216,6 +219,7 @@ impl Outcome {
             | Outcome::Overruled { .. }
             | Outcome::Recording
             | Outcome::NotFound
+            | Outcome::NotOwner
             | Outcome::UnknownDrop
             | Outcome::Closed
             | Outcome::OffGate(_)

@@ -25,6 +25,11 @@ pub struct Throttle {
     /// Permits held for admitted reservations, by idempotency key, with the hold's
     /// deadline (ms since the epoch) so that expiry elsewhere still frees them.
     held: Mutex<HashMap<String, (Permit, i64)>>,
+    /// Permits taken ahead for a reservation key that is about to be asked for (a
+    /// cart's lines): its admission uses that permit instead of waiting for one,
+    /// so a cart never finds itself without a permit halfway through its lines.
+    /// By key: the attempt that took it, and the permit.
+    prepaid: Mutex<HashMap<String, (String, Permit)>>,
 }
 
 /// One throttle permit. Let go, it returns to the throttle, unless a shrink is
@@ -58,6 +63,7 @@ impl Throttle {
             size: Mutex::new(permits),
             debt: Arc::new(Mutex::new(0)),
             held: Mutex::new(HashMap::new()),
+            prepaid: Mutex::new(HashMap::new()),
         }
     }
 
@@ -101,11 +107,52 @@ impl Throttle {
             }
         };
         span.record("dropgate.throttle.granted", permit.is_some());
-        let permit = permit?;
-        Some(Permit {
+        Some(self.wrap(permit?))
+    }
+
+    /// `n` permits if that many are free now, without waiting (a waiter for several
+    /// would be served first as permits come free, ahead of single admissions).
+    pub fn try_acquire_many(&self, n: u32) -> Option<Vec<Permit>> {
+        let mut permits = self.semaphore.clone().try_acquire_many_owned(n).ok()?;
+        let mut each = Vec::with_capacity(n as usize);
+        while permits.num_permits() > 1 {
+            each.extend(permits.split(1).map(|one| self.wrap(one)));
+        }
+        each.push(self.wrap(permits));
+        Some(each)
+    }
+
+    fn wrap(&self, permit: OwnedSemaphorePermit) -> Permit {
+        Permit {
             permit: Some(permit),
             debt: self.debt.clone(),
-        })
+        }
+    }
+
+    /// The permit for admitting `key`: the one taken ahead for it, if any, or one
+    /// waited for at most `timeout`.
+    pub async fn acquire_for(&self, key: &str, timeout: Duration) -> Option<Permit> {
+        let prepaid = self.lock_prepaid().remove(key);
+        match prepaid {
+            Some((_, permit)) => Some(permit),
+            None => self.acquire(timeout).await,
+        }
+    }
+
+    /// Keeps `permit` for the next admission of `key` (see [`Throttle::acquire_for`]);
+    /// one kept for `key` already is given back.
+    pub fn prepay(&self, key: &str, attempt: &str, permit: Permit) {
+        self.lock_prepaid()
+            .insert(key.to_string(), (attempt.to_string(), permit));
+    }
+
+    /// Gives back the permit `attempt` took ahead for `key`, if it was not used
+    /// (one another attempt took for the same key since is left alone).
+    pub fn refund(&self, key: &str, attempt: &str) {
+        let mut prepaid = self.lock_prepaid();
+        if prepaid.get(key).is_some_and(|(by, _)| by == attempt) {
+            prepaid.remove(key);
+        }
     }
 
     /// Keeps `permit` for the reservation `key` until [`Throttle::release`] or its
@@ -131,6 +178,10 @@ impl Throttle {
     /// Permits currently held for reservations.
     pub fn in_use(&self) -> usize {
         self.lock_held().len()
+    }
+
+    fn lock_prepaid(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Permit)>> {
+        self.prepaid.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Permit, i64)>> {
@@ -160,6 +211,42 @@ mod tests {
         throttle.hold("b", permit, 5_000);
         throttle.release("b");
         assert!(throttle.acquire(Duration::ZERO).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_permit_taken_ahead_serves_its_key_alone_until_refunded() {
+        let throttle = Throttle::new(2);
+        let mut two = throttle.try_acquire_many(2).expect("both free");
+        assert!(throttle.try_acquire_many(1).is_none(), "none left");
+        throttle.prepay("cart:1", "a", two.remove(0));
+        throttle.prepay("cart:2", "a", two.remove(0));
+        assert!(
+            throttle
+                .acquire_for("other", Duration::ZERO)
+                .await
+                .is_none(),
+            "both permits are kept for the cart's lines"
+        );
+        let used = throttle
+            .acquire_for("cart:1", Duration::ZERO)
+            .await
+            .expect("cart:1 finds its permit");
+        throttle.refund("cart:2", "b");
+        assert!(
+            throttle
+                .acquire_for("other", Duration::ZERO)
+                .await
+                .is_none(),
+            "another attempt's refund leaves attempt a's permit alone"
+        );
+        throttle.refund("cart:2", "a");
+        assert!(
+            throttle
+                .acquire_for("other", Duration::ZERO)
+                .await
+                .is_some()
+        );
+        drop(used);
     }
 
     #[tokio::test]

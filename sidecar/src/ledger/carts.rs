@@ -142,7 +142,10 @@ pub struct CartMove<'a> {
 impl Ledger {
     /// Writes a new cart in state `holding` for `cart.attempt`, unless the key has
     /// one: then that one, unchanged. `Ok((row, true))` when this call wrote it.
-    pub async fn begin_cart(&self, cart: NewCart<'_>) -> Result<(CartRow, bool), LedgerError> {
+    pub async fn begin_cart(
+        &self,
+        cart: NewCart<'_>,
+    ) -> Result<Option<(CartRow, bool)>, LedgerError> {
         let written = sqlx::query(
             "INSERT INTO carts (namespace, cart_key, user_id, terms, state, attempt, deadline_ms, created_at_ms) \
              VALUES ($1, $2, $3, $4, 'holding', $5, $6, $7) ON CONFLICT (namespace, cart_key) DO NOTHING",
@@ -156,11 +159,9 @@ impl Ledger {
         .bind(cart.now_ms)
         .execute(self.pool())
         .await?;
-        let row = self
-            .cart(cart.namespace, cart.key)
-            .await?
-            .ok_or_else(|| LedgerError::Sql(sqlx::Error::RowNotFound))?;
-        Ok((row, written.rows_affected() == 1))
+        // `None`: the row that was in the way was forgotten before it could be read.
+        let row = self.cart(cart.namespace, cart.key).await?;
+        Ok(row.map(|row| (row, written.rows_affected() == 1)))
     }
 
     /// The cart recorded under `key`, if any.

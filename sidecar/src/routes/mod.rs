@@ -41,11 +41,13 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(warp::post())
         .and(caller())
         .and(app.clone())
+        .and(body)
         .then(reservations::confirm);
     let cancel = warp::path!("v1" / "drops" / String / "reservations" / String / "cancel")
         .and(warp::post())
         .and(caller())
         .and(app.clone())
+        .and(body)
         .then(reservations::cancel);
     let lookup = warp::path!("v1" / "drops" / String / "reservations" / String)
         .and(warp::get())

@@ -30,18 +30,40 @@ pub async fn reserve(
     .await
 }
 
-pub async fn confirm(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
-    let answer = settle(&app, &drop, &key, Settle::Confirm);
+pub async fn confirm(
+    drop: String,
+    key: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    let answer = async {
+        match body {
+            Ok(body) => settle(&app, &drop, &key, Settle::Confirm, &body).await,
+            Err(refusal) => refusal,
+        }
+    };
     served(&app, &CONFIRM, Some(&drop), caller, answer).await
 }
 
-pub async fn cancel(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
-    let answer = settle(&app, &drop, &key, Settle::Cancel);
+pub async fn cancel(
+    drop: String,
+    key: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    let answer = async {
+        match body {
+            Ok(body) => settle(&app, &drop, &key, Settle::Cancel, &body).await,
+            Err(refusal) => refusal,
+        }
+    };
     served(&app, &CANCEL, Some(&drop), caller, answer).await
 }
 
 pub async fn lookup(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
-    let answer = settle(&app, &drop, &key, Settle::Lookup);
+    let answer = settle(&app, &drop, &key, Settle::Lookup, b"");
     served(&app, &LOOKUP, Some(&drop), caller, answer).await
 }
 
@@ -67,10 +89,15 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
     }
 }
 
-async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle) -> Answer {
-    let parsed =
-        input::path_id("key", raw_key).and_then(|key| Ok((input::path_id("drop", raw_drop)?, key)));
-    let (drop, key) = match parsed {
+async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle, body: &[u8]) -> Answer {
+    let parsed = input::path_id("key", raw_key).and_then(|key| {
+        Ok((
+            input::path_id("drop", raw_drop)?,
+            key,
+            input::SettleAs::parse(body)?,
+        ))
+    });
+    let (drop, key, on_behalf) = match parsed {
         Ok(parsed) => parsed,
         Err(invalid) => return Answer::invalid(invalid.0),
     };
@@ -83,7 +110,7 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle) -> Ans
         quantity: 0,
         variant: None,
     };
-    match service::settle(app, &drop, &key, settle).await {
+    match service::settle_for(app, &drop, &key, settle, on_behalf.user.as_deref()).await {
         Ok(served) => asked.answer(served),
         Err(failure) => failed(app, failure),
     }
@@ -205,6 +232,13 @@ impl Asked<'_> {
                 StatusCode::NOT_FOUND,
                 "not_found",
                 format!("no reservation with key {key} in drop {drop}"),
+            ),
+            Outcome::NotOwner => Answer::refusal(
+                StatusCode::CONFLICT,
+                "not_owner",
+                format!(
+                    "reservation {key} of drop {drop} is another buyer's than the `user` named: nothing was changed"
+                ),
             ),
             Outcome::UnknownDrop => super::unknown_drop(self.app, drop),
             Outcome::VariantRefused(VariantRefusal::Missing) => Answer::invalid(format!(

@@ -161,7 +161,7 @@ pub(super) async fn on_gate(
         refused => return Turn::Done(Ok(refused)),
     };
 
-    let Some(permit) = drop.throttle.acquire(permit_wait).await else {
+    let Some(permit) = drop.throttle.acquire_for(&request.key, permit_wait).await else {
         return Turn::Done(match undo(app, drop, &request.key, &attempt).await {
             Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
             Err(e) => Err(Failure::unavailable(format!(
@@ -490,7 +490,7 @@ pub(super) async fn on_fallback(
     // permit never starts. (The window, the per-user limit and the stock are
     // checked in the ledger's transaction, on its newest terms.)
     let wait = Duration::from_millis(config.acquire_timeout_ms);
-    let Some(permit) = drop.throttle.acquire(wait).await else {
+    let Some(permit) = drop.throttle.acquire_for(&request.key, wait).await else {
         return Some(Err(Failure::throttled(config, Throttled::NoPermit)));
     };
     let outcome = match on_ledger(app, drop, reason, || {

@@ -236,85 +236,105 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
     let namespace = app.drops.namespace();
     let terms = cart.terms();
     let mine = attempt();
-    let now = now_ms();
     let bound = holding_bound(app, &cart.lines).await;
-    let (row, fresh) = app
-        .ledger
-        .begin_cart(NewCart {
-            namespace,
-            key: &cart.key,
-            user: &cart.user,
-            terms: &terms,
-            attempt: &mine,
-            deadline_ms: now + bound,
-            now_ms: now,
-        })
-        .await
-        .map_err(|e| ledger_down("record the cart", e))?;
-    if row.user != cart.user || row.terms != terms {
-        return Ok(CartOutcome::KeyReused);
-    }
-    if !fresh {
-        // A duplicate of a cart another attempt is deciding waits for that one's
-        // answer (a little while), as a duplicate reserve does.
-        let until = std::time::Instant::now() + WAIT_FOR_OTHER;
-        let mut backoff = super::Backoff::new();
-        let mut row = row;
-        loop {
-            let now = now_ms();
-            let busy = match row.state {
-                CartState::Holding | CartState::Releasing | CartState::Confirming => {
-                    row.deadline_ms >= now
-                }
-                _ => false,
-            };
-            if !busy || std::time::Instant::now() >= until {
-                break;
-            }
-            backoff.wait(until).await;
-            row = recorded(app, &cart.key).await?;
-        }
+    // A duplicate of a cart another attempt is deciding waits for that one's
+    // answer (a little while in all), as a duplicate reserve does. One that held
+    // nothing and answered 503 forgot the cart: a duplicate then begins it afresh.
+    let until = std::time::Instant::now() + WAIT_FOR_OTHER;
+    let row = loop {
         let now = now_ms();
-        match row.state {
-            CartState::Holding => {
-                // Its sidecar died (or is too slow) past the cart's bound: this
-                // retry goes on with it.
-                if row.deadline_ms >= now {
-                    return Err(in_flight(&cart.key));
-                }
-                let taken = app
-                    .ledger
-                    .move_cart(CartMove {
-                        namespace,
-                        key: &cart.key,
-                        from: CartState::Holding,
-                        attempt: &row.attempt,
-                        to: CartState::Holding,
-                        ends_as: None,
-                        new_attempt: &mine,
-                        deadline_ms: now + bound,
-                        expires_at_ms: 0,
-                        held: "[]",
-                        short: "[]",
-                    })
-                    .await
-                    .map_err(|e| ledger_down("take the cart over", e))?;
-                if !taken {
-                    return Err(in_flight(&cart.key));
-                }
-                return hold(app, cart, &mine, now + bound).await;
+        let begun = app
+            .ledger
+            .begin_cart(NewCart {
+                namespace,
+                key: &cart.key,
+                user: &cart.user,
+                terms: &terms,
+                attempt: &mine,
+                deadline_ms: now + bound,
+                now_ms: now,
+            })
+            .await
+            .map_err(|e| ledger_down("record the cart", e))?;
+        let waited = match begun {
+            Some((row, _)) if row.user != cart.user || row.terms != terms => {
+                return Ok(CartOutcome::KeyReused);
             }
-            CartState::Refused => return Ok(CartOutcome::Short(view(app, &row, false).await)),
-            // Given back before it was ever answered: nothing is held, the key is
-            // spent.
-            CartState::Released => return Ok(CartOutcome::Gone(view(app, &row, false).await)),
-            CartState::Releasing | CartState::Confirming => {
+            Some((_, true)) => return hold(app, cart, &mine, now + bound, Begun::Here).await,
+            Some((row, false)) => wait_for_other(app, row, until).await?,
+            None => None,
+        };
+        match waited {
+            Some(row) => break row,
+            None if std::time::Instant::now() < until => {}
+            None => return Err(in_flight(&cart.key)),
+        }
+    };
+    let now = now_ms();
+    match row.state {
+        CartState::Holding => {
+            // Its sidecar died (or is too slow) past the cart's bound: this
+            // retry goes on with it.
+            if row.deadline_ms >= now {
                 return Err(in_flight(&cart.key));
             }
-            _ => return Ok(CartOutcome::AlreadyReserved(view(app, &row, true).await)),
+            let taken = app
+                .ledger
+                .move_cart(CartMove {
+                    namespace,
+                    key: &cart.key,
+                    from: CartState::Holding,
+                    attempt: &row.attempt,
+                    to: CartState::Holding,
+                    ends_as: None,
+                    new_attempt: &mine,
+                    deadline_ms: now + bound,
+                    expires_at_ms: 0,
+                    held: "[]",
+                    short: "[]",
+                })
+                .await
+                .map_err(|e| ledger_down("take the cart over", e))?;
+            if !taken {
+                return Err(in_flight(&cart.key));
+            }
+            return hold(app, cart, &mine, now + bound, Begun::TakenOver).await;
         }
+        CartState::Refused => Ok(CartOutcome::Short(view(app, &row, false).await)),
+        // Given back before it was ever answered: nothing is held, the key is
+        // spent.
+        CartState::Released => Ok(CartOutcome::Gone(view(app, &row, false).await)),
+        CartState::Releasing | CartState::Confirming => Err(in_flight(&cart.key)),
+        _ => Ok(CartOutcome::AlreadyReserved(view(app, &row, true).await)),
     }
-    hold(app, cart, &mine, now + bound).await
+}
+
+/// The cart `row` once the attempt deciding it is done with it, or at `until` as
+/// it stands then; `None` when that attempt forgot it.
+async fn wait_for_other(
+    app: &App,
+    row: CartRow,
+    until: std::time::Instant,
+) -> Result<Option<CartRow>, Failure> {
+    let mut backoff = super::Backoff::new();
+    let mut row = row;
+    loop {
+        let busy = match row.state {
+            CartState::Holding | CartState::Releasing | CartState::Confirming => {
+                row.deadline_ms >= now_ms()
+            }
+            _ => false,
+        };
+        if !busy || std::time::Instant::now() >= until {
+            return Ok(Some(row));
+        }
+        backoff.wait(until).await;
+        row = match app.ledger.cart(app.drops.namespace(), &row.key).await {
+            Ok(Some(row)) => row,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(ledger_down("read the cart", e)),
+        };
+    }
 }
 
 /// Holds each line of `cart` for attempt `mine`, then answers as its mode says,
@@ -324,12 +344,14 @@ async fn hold(
     cart: &CartReserve,
     mine: &str,
     deadline_ms: i64,
+    begun: Begun,
 ) -> Result<CartOutcome, Failure> {
     let namespace = app.drops.namespace();
     let mut held: Vec<usize> = Vec::new();
     let mut reservations: Vec<HeldLine> = Vec::new();
     let mut short: Vec<ShortLine> = Vec::new();
     let mut stopped: Option<Stop> = None;
+    let permits = Prepaid::take(app, cart, mine).await;
     for (i, line) in cart.lines.iter().enumerate() {
         let n = i + 1;
         if i > 0 && faults::check(Fault::DieMidCart).is_err() {
@@ -363,7 +385,15 @@ async fn hold(
                     });
                 }
                 other => match ShortWhy::of(&other) {
-                    Some(why) => short.push(ShortLine { n, why }),
+                    Some(why) => {
+                        short.push(ShortLine { n, why });
+                        // A cart that must be whole cannot be any more: holding its
+                        // later lines only to give them back would turn away other
+                        // buyers meanwhile (in a rush, every cart of them).
+                        if cart.mode == CartMode::All {
+                            break;
+                        }
+                    }
                     None => {
                         stopped = Some(match other {
                             Outcome::VariantRefused(refusal) => {
@@ -384,6 +414,8 @@ async fn hold(
             }
         }
     }
+    // The permits of lines not admitted go back before anything is given back.
+    std::mem::drop(permits);
     let held_json = serde_json::to_string(&held).unwrap_or_else(|_| "[]".into());
     let short_json = serde_json::to_string(&short).unwrap_or_else(|_| "[]".into());
     let now = now_ms();
@@ -404,10 +436,12 @@ async fn hold(
         short: &short_json,
     };
     match stopped {
-        // A line could not be decided: the 503 must mean nothing is held. With
-        // nothing held yet the cart is forgotten and its retry starts afresh; lines
-        // held are given back, which spends the key (their keys are used).
-        Some(Stop::Failed(failure)) if held.is_empty() => {
+        // A line could not be decided: the 503 must mean nothing is held. A cart
+        // begun here with nothing held yet is forgotten and its retry starts
+        // afresh; lines held are given back, which spends the key (their keys are
+        // used). So are those of a cart taken over, which its dead attempt may
+        // have held beyond the lines this one reached.
+        Some(Stop::Failed(failure)) if held.is_empty() && begun == Begun::Here => {
             if let Err(e) = app.ledger.forget_cart(namespace, &cart.key, mine).await {
                 tracing::warn!(cart = %cart.key, error = %e, "an unheld cart could not be forgotten; its sweep releases it");
             }
@@ -418,9 +452,9 @@ async fn hold(
                 app,
                 cart,
                 mine,
+                begun,
                 CartState::Released,
                 &held,
-                &held_json,
                 &short_json,
             )
             .await?;
@@ -431,9 +465,9 @@ async fn hold(
                 app,
                 cart,
                 mine,
+                begun,
                 CartState::Refused,
                 &held,
-                &held_json,
                 &short_json,
             )
             .await?;
@@ -450,9 +484,9 @@ async fn hold(
             app,
             cart,
             mine,
+            begun,
             CartState::Refused,
             &held,
-            &held_json,
             &short_json,
         )
         .await?;
@@ -491,6 +525,62 @@ async fn hold(
     }
 }
 
+/// Throttle permits taken ahead for a cart's lines by one attempt: a line then
+/// finds its permit at once rather than, with earlier lines held, find none and
+/// spend the cart. Taken only if free at once (a cart waiting for several permits
+/// would go ahead of single admissions); lines of a drop whose permits were not
+/// all free take their own after the gate admits them, as a reserve does. Those
+/// not used are given back when this is dropped.
+struct Prepaid<'a> {
+    attempt: &'a str,
+    lines: Vec<(std::sync::Arc<crate::drops::Drop>, String)>,
+}
+
+impl<'a> Prepaid<'a> {
+    async fn take(app: &App, cart: &CartReserve, attempt: &'a str) -> Prepaid<'a> {
+        let mut taken = Prepaid {
+            attempt,
+            lines: Vec::new(),
+        };
+        let mut drops: Vec<&str> = cart.lines.iter().map(|l| l.drop.as_str()).collect();
+        drops.dedup();
+        for name in drops {
+            let Ok(drop) = super::find_drop(app, name).await else {
+                continue;
+            };
+            let keys: Vec<String> = (1..=cart.lines.len())
+                .filter(|n| cart.lines[n - 1].drop == name)
+                .map(|n| cart.line_key(n))
+                .collect();
+            let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+            let Some(permits) = drop.throttle.try_acquire_many(count) else {
+                continue;
+            };
+            for (key, permit) in keys.into_iter().zip(permits) {
+                drop.throttle.prepay(&key, attempt, permit);
+                taken.lines.push((drop.clone(), key));
+            }
+        }
+        taken
+    }
+}
+
+impl std::ops::Drop for Prepaid<'_> {
+    fn drop(&mut self) {
+        for (drop, key) in &self.lines {
+            drop.throttle.refund(key, self.attempt);
+        }
+    }
+}
+
+/// Whether the cart being held was begun by this attempt or taken over from one
+/// that died (whose lines may be held beyond those this attempt reaches).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Begun {
+    Here,
+    TakenOver,
+}
+
 /// Why holding a cart's lines stopped before the last.
 enum Stop {
     Failed(Failure),
@@ -504,12 +594,39 @@ async fn release_now(
     app: &App,
     cart: &CartReserve,
     mine: &str,
+    begun: Begun,
     ends_as: CartState,
     lines_held: &[usize],
-    held: &str,
     short: &str,
 ) -> Result<(), Failure> {
     let namespace = app.drops.namespace();
+    let held = serde_json::to_string(lines_held).unwrap_or_else(|_| "[]".into());
+    if lines_held.is_empty() && begun == Begun::Here {
+        // Nothing of it was ever held (the usual refusal in a sold-out rush): one
+        // write records the end, without looking up lines to give back.
+        let moved = app
+            .ledger
+            .move_cart(CartMove {
+                namespace,
+                key: &cart.key,
+                from: CartState::Holding,
+                attempt: mine,
+                to: ends_as,
+                ends_as: None,
+                new_attempt: "",
+                deadline_ms: 0,
+                expires_at_ms: 0,
+                held: "[]",
+                short,
+            })
+            .await
+            .map_err(|e| ledger_down("record the cart's refusal", e))?;
+        return if moved {
+            Ok(())
+        } else {
+            Err(in_flight(&cart.key))
+        };
+    }
     let releasing = attempt();
     let deadline = now_ms() + SETTLE_BOUND_MS;
     let moved = app
@@ -524,7 +641,7 @@ async fn release_now(
             new_attempt: &releasing,
             deadline_ms: deadline,
             expires_at_ms: 0,
-            held,
+            held: &held,
             short,
         })
         .await

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use dropgate_api::{DropConfig, FailurePolicy, Mode};
 
 pub use admit::reserve;
-pub use settle::settle;
+pub use settle::{settle, settle_for};
 
 use crate::app::App;
 use crate::drops::{Drop, LookupError};
@@ -500,7 +500,7 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
             Turn::Reroute(Choice::Gate) => {}
             Turn::Reopen { suspect } if !reopened => {
                 reopened = true;
-                match handover::open_gate(app, drop, suspect).await {
+                match handover::open_gate_for_retry(app, drop, suspect).await {
                     Opening::Open | Opening::NotGate(_) => {}
                     Opening::Busy => return Err(being_rebuilt(drop)),
                     Opening::Awaiting => {

@@ -26,7 +26,39 @@ pub async fn settle(
     key: &str,
     settle: Settle,
 ) -> Result<Served, Failure> {
+    settle_for(app, drop_name, key, settle, None).await
+}
+
+/// [`settle`] on behalf of buyer `user`, when named: a confirm or cancel of a
+/// reservation that is another buyer's answers [`Outcome::NotOwner`] and changes
+/// nothing. The reservation is looked up first (on whichever gate decides the
+/// drop) and settled only if it is `user`'s: a key's buyer never changes once its
+/// reservation was answered, and a key the look-up does not find is answered as
+/// not found rather than settled, so a reservation made under it meanwhile is
+/// never touched on the strength of a look-up that did not see it.
+pub async fn settle_for(
+    app: &App,
+    drop_name: &str,
+    key: &str,
+    settle: Settle,
+    user: Option<&str>,
+) -> Result<Served, Failure> {
     let drop = super::find_drop(app, drop_name).await?;
+    if let Some(user) = user
+        && settle != Settle::Lookup
+    {
+        let looked = decide(app, &drop, Call::Settle(key, Settle::Lookup)).await?;
+        match looked.outcome.view() {
+            None => return Ok(looked),
+            Some(view) if view.reservation.user != user => {
+                return Ok(Served {
+                    outcome: Outcome::NotOwner,
+                    path: looked.path,
+                });
+            }
+            Some(_) => {}
+        }
+    }
     decide(app, &drop, Call::Settle(key, settle)).await
 }
 
