@@ -30,9 +30,6 @@ pub struct Drop {
     /// Held while this sidecar opens the gate or hands the drop to the ledger, so
     /// that concurrent requests wait for one hand-over instead of racing their own.
     pub handover: tokio::sync::Mutex<()>,
-    /// How many times this sidecar opened the drop's gate (see
-    /// [`open_gate_for_retry`](crate::service::handover::open_gate_for_retry)).
-    pub openings: std::sync::atomic::AtomicU64,
     /// On a Redis Cluster, whether this drop's shard is reachable (see
     /// [`App::breaker`](crate::app::App::breaker)).
     pub breaker: crate::breaker::Breaker,
@@ -56,7 +53,6 @@ impl Drop {
             in_flight: crate::in_flight::InFlight::default(),
             config: RwLock::new(config),
             handover: tokio::sync::Mutex::new(()),
-            openings: std::sync::atomic::AtomicU64::new(0),
             breaker: crate::breaker::Breaker::default(),
             verified: std::sync::atomic::AtomicU64::new(u64::MAX),
             config_unreachable_at: std::sync::atomic::AtomicI64::new(0),

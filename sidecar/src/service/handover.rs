@@ -88,31 +88,12 @@ const REPLAY_ABANDONED_MS: i64 = 10_000;
 /// (a sidecar saw Redis hand out a change number twice) Redis is rebuilt even if
 /// its counter looks in line.
 pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
-    open(app, drop, suspect, false).await
-}
-
-/// [`open_gate`] for a request that found the gate closed and asks it again once
-/// it is open: when another request opened it while this one waited for the
-/// hand-over, it is not opened again (a sale's first burst would otherwise open it
-/// once per waiting request, one after the other). Should it be closed once more,
-/// the request hears a 503.
-pub async fn open_gate_for_retry(app: &App, drop: &Drop, suspect: bool) -> Opening {
-    open(app, drop, suspect, true).await
-}
-
-async fn open(app: &App, drop: &Drop, suspect: bool, retry: bool) -> Opening {
-    use std::sync::atomic::Ordering;
-    let seen = drop.openings.load(Ordering::Acquire);
     let _one_at_a_time = drop.handover.lock().await;
-    // A suspect Redis is rebuilt whatever happened meanwhile.
-    if retry && !suspect && drop.openings.load(Ordering::Acquire) != seen {
-        return Opening::Open;
-    }
     let era = app.redis_era(drop);
     match try_open(app, drop, suspect).await {
         Ok(Opening::Open) => {
-            drop.verified.store(era, Ordering::Release);
-            drop.openings.fetch_add(1, Ordering::AcqRel);
+            drop.verified
+                .store(era, std::sync::atomic::Ordering::Release);
             Opening::Open
         }
         Ok(opening) => opening,

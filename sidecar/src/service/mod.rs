@@ -500,7 +500,7 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
             Turn::Reroute(Choice::Gate) => {}
             Turn::Reopen { suspect } if !reopened => {
                 reopened = true;
-                match handover::open_gate_for_retry(app, drop, suspect).await {
+                match handover::open_gate(app, drop, suspect).await {
                     Opening::Open | Opening::NotGate(_) => {}
                     Opening::Busy => return Err(being_rebuilt(drop)),
                     Opening::Awaiting => {
