@@ -37,12 +37,7 @@ pub async fn confirm(
     app: Arc<App>,
     body: Result<Bytes, Answer>,
 ) -> Response {
-    let answer = async {
-        match body {
-            Ok(body) => settle(&app, &drop, &key, Settle::Confirm, &body).await,
-            Err(refusal) => refusal,
-        }
-    };
+    let answer = settle_with_body(&app, &drop, &key, Settle::Confirm, body);
     served(&app, &CONFIRM, Some(&drop), caller, answer).await
 }
 
@@ -53,13 +48,22 @@ pub async fn cancel(
     app: Arc<App>,
     body: Result<Bytes, Answer>,
 ) -> Response {
-    let answer = async {
-        match body {
-            Ok(body) => settle(&app, &drop, &key, Settle::Cancel, &body).await,
-            Err(refusal) => refusal,
-        }
-    };
+    let answer = settle_with_body(&app, &drop, &key, Settle::Cancel, body);
     served(&app, &CANCEL, Some(&drop), caller, answer).await
+}
+
+/// A confirm or cancel with its optional body (`{"user"}`), or the body's refusal.
+async fn settle_with_body(
+    app: &App,
+    drop: &str,
+    key: &str,
+    settle_as: Settle,
+    body: Result<Bytes, Answer>,
+) -> Answer {
+    match body {
+        Ok(body) => settle(app, drop, key, settle_as, &body).await,
+        Err(refusal) => refusal,
+    }
 }
 
 pub async fn lookup(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
