@@ -30,6 +30,9 @@ pub struct Drop {
     /// Held while this sidecar opens the gate or hands the drop to the ledger, so
     /// that concurrent requests wait for one hand-over instead of racing their own.
     pub handover: tokio::sync::Mutex<()>,
+    /// The openings of the gate under [`Drop::handover`], so that requests that
+    /// found it closed share one opening that began after they looked.
+    pub openings: Openings,
     /// On a Redis Cluster, whether this drop's shard is reachable (see
     /// [`App::breaker`](crate::app::App::breaker)).
     pub breaker: crate::breaker::Breaker,
@@ -53,6 +56,7 @@ impl Drop {
             in_flight: crate::in_flight::InFlight::default(),
             config: RwLock::new(config),
             handover: tokio::sync::Mutex::new(()),
+            openings: Openings::default(),
             breaker: crate::breaker::Breaker::default(),
             verified: std::sync::atomic::AtomicU64::new(u64::MAX),
             config_unreachable_at: std::sync::atomic::AtomicI64::new(0),
@@ -207,5 +211,62 @@ impl Drops {
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<Drop>>> {
         self.known.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Tickets of the gate openings one sidecar runs for a drop, one after another.
+///
+/// A sale's first burst finds the gate closed in hundreds of requests at once; each
+/// would open it in turn (reading the config, the ledger and Redis every time). A
+/// request may instead use an opening that *began* after it found the gate closed:
+/// that opening read everything the request's own would have read, or later. An
+/// opening that began earlier proves nothing about what the request saw (Redis may
+/// have lost the gate since), so it is not shared.
+#[derive(Debug, Default)]
+pub struct Openings {
+    /// Tickets handed out: one per opening begun.
+    begun: std::sync::atomic::AtomicU64,
+    /// The ticket of the last opening that left the gate open (0: none since the
+    /// last hand-over), and of the last one that also rebuilt a suspect Redis.
+    open: std::sync::atomic::AtomicU64,
+    open_suspect: std::sync::atomic::AtomicU64,
+}
+
+impl Openings {
+    /// Taken by a request when it found the gate closed, before it waits.
+    pub fn seen(&self) -> u64 {
+        self.begun.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether an opening begun after `seen` left the gate open (rebuilding
+    /// Redis if `suspect`). Asked under the hand-over lock.
+    pub fn opened_since(&self, seen: u64, suspect: bool) -> bool {
+        let last = if suspect {
+            &self.open_suspect
+        } else {
+            &self.open
+        };
+        last.load(std::sync::atomic::Ordering::Acquire) > seen
+    }
+
+    /// A new opening's ticket. Taken under the hand-over lock, before its reads.
+    pub fn begin(&self) -> u64 {
+        self.begun.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1
+    }
+
+    /// The opening `ticket` left the gate open.
+    pub fn opened(&self, ticket: u64, suspect: bool) {
+        use std::sync::atomic::Ordering;
+        self.open.store(ticket, Ordering::Release);
+        if suspect {
+            self.open_suspect.store(ticket, Ordering::Release);
+        }
+    }
+
+    /// The drop was handed to the ledger: no earlier opening says the gate is open.
+    pub fn forget(&self) {
+        use std::sync::atomic::Ordering;
+        self.open.store(0, Ordering::Release);
+        self.open_suspect.store(0, Ordering::Release);
     }
 }

@@ -87,13 +87,22 @@ const REPLAY_ABANDONED_MS: i64 = 10_000;
 /// Opens the gate of `drop` if it is closed or behind the ledger. With `suspect`
 /// (a sidecar saw Redis hand out a change number twice) Redis is rebuilt even if
 /// its counter looks in line.
+///
+/// Requests that wait here together share one opening that began after they came
+/// (see [`crate::drops::Openings`]).
 pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
+    let seen = drop.openings.seen();
     let _one_at_a_time = drop.handover.lock().await;
+    if drop.openings.opened_since(seen, suspect) {
+        return Opening::Open;
+    }
+    let ticket = drop.openings.begin();
     let era = app.redis_era(drop);
     match try_open(app, drop, suspect).await {
         Ok(Opening::Open) => {
             drop.verified
                 .store(era, std::sync::atomic::Ordering::Release);
+            drop.openings.opened(ticket, suspect);
             Opening::Open
         }
         Ok(opening) => opening,
@@ -393,6 +402,8 @@ pub enum Refusal {
 pub async fn hand_to_ledger(app: &App, drop: &Drop, reason: Reason) -> Result<Authority, Refusal> {
     let refused = |e: &dyn std::fmt::Display| Refusal::Refused(e.to_string());
     let _one_at_a_time = drop.handover.lock().await;
+    // Whatever happens below, an earlier opening no longer speaks for the gate.
+    drop.openings.forget();
     let key = drop.ledger_key();
     let mut conn = app.redis.clone();
     let current = app.ledger.authority(&key).await.map_err(|e| refused(&e))?;
