@@ -2,8 +2,8 @@
 //!
 //! It is a Redis hash at [`crate::DropKeys::config`]. Values are decimal strings; an
 //! optional value that is not set is the empty string. The gate's Lua scripts read
-//! `mode`, `perUserLimit`, `startsAt`, `endsAt`, `holdSeconds` and `expireAt` from it
-//! directly, inside the same atomic step that admits, so a mode change or a new
+//! `mode`, `perUserLimit`, `startsAt`, `endsAt`, `holdSeconds`, `paused` and
+//! `expireAt` from it directly, inside the same atomic step that admits, so a mode change or a new
 //! per-user limit takes effect at once in every sidecar, whatever it has cached.
 
 use std::collections::HashMap;
@@ -89,6 +89,8 @@ pub struct DropConfig {
     pub starts_at_ms: Option<i64>,
     pub ends_at_ms: Option<i64>,
     pub hold_seconds: i64,
+    /// No new reservations while true (see `spec.paused`).
+    pub paused: bool,
     /// Throttle permits per sidecar.
     pub permits: u32,
     pub acquire_timeout_ms: u64,
@@ -134,6 +136,7 @@ impl DropConfig {
             ("startsAt", opt(self.starts_at_ms)),
             ("endsAt", opt(self.ends_at_ms)),
             ("holdSeconds", self.hold_seconds.to_string()),
+            ("paused", if self.paused { "1" } else { "" }.to_string()),
             ("permits", self.permits.to_string()),
             ("acquireTimeoutMs", self.acquire_timeout_ms.to_string()),
             ("mode", self.mode.as_str().to_string()),
@@ -189,6 +192,13 @@ impl DropConfig {
             starts_at_ms: opt_int("startsAt")?,
             ends_at_ms: opt_int("endsAt")?,
             hold_seconds: int("holdSeconds")?,
+            // It came after format 1's first fields: a hash without it was
+            // published by an operator that knew no pause.
+            paused: match fields.get("paused").map(String::as_str) {
+                None | Some("") => false,
+                Some("1") => true,
+                Some(other) => return Err(invalid("paused", other)),
+            },
             permits: u32::try_from(permits)
                 .ok()
                 .filter(|p| *p > 0)
@@ -277,6 +287,7 @@ mod tests {
             starts_at_ms: Some(1_764_583_200_000),
             ends_at_ms: None,
             hold_seconds: 600,
+            paused: true,
             permits: 64,
             acquire_timeout_ms: 50,
             mode: Mode::FailOpen,
@@ -293,6 +304,24 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect()
+    }
+
+    #[test]
+    fn a_hash_without_paused_is_not_paused() {
+        let mut fields = as_map(&sample());
+        fields.remove("paused");
+        let read = DropConfig::from_fields(&fields)
+            .expect("reads")
+            .expect("published");
+        assert!(!read.paused);
+        fields.insert("paused".into(), "yes".into());
+        assert_eq!(
+            DropConfig::from_fields(&fields),
+            Err(ConfigError::Invalid {
+                field: "paused",
+                value: "yes".into()
+            })
+        );
     }
 
     #[test]

@@ -107,6 +107,11 @@ pub struct InventoryDropSpec {
     #[serde(default = "default_hold_seconds")]
     #[schemars(range(min = 1, max = 604800))]
     pub hold_seconds: i64,
+    /// True stops new reservations (a reserve answers 403 `paused`, a cart line is
+    /// short for it) and nothing else: confirms, cancels, look-ups and expiry go
+    /// on, the stock is untouched. Set it back to false to sell again at once.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
     /// The Redis that holds the drop's stock, and whether it must be highly
     /// available. Cannot change while the sale runs.
     pub redis: RedisSpec,
@@ -299,6 +304,8 @@ pub enum Phase {
     #[default]
     Pending,
     Active,
+    /// spec.paused: no new reservations until it is set back.
+    Paused,
     FailOpen,
     SoldOut,
     Ended,
@@ -640,6 +647,13 @@ spec:
         );
         let drop = parse(&window).expect("parses");
         assert_eq!(drop.spec.validate().map_err(|e| e.field), Err("endsAt"));
+    }
+
+    #[test]
+    fn paused_defaults_to_false() {
+        assert!(!parse(MINIMAL).expect("parses").spec.paused);
+        let paused = MINIMAL.replace("limitedQuantity: 5", "limitedQuantity: 5\n  paused: true");
+        assert!(parse(&paused).expect("parses").spec.paused);
     }
 
     fn with_sizes(limit: &str, sizes: &str) -> InventoryDropSpec {

@@ -124,9 +124,18 @@ impl DropKeys {
         format!("{}:variants", self.prefix)
     }
 
+    /// Sorted set, every score 0 so that it is ordered by member: one member
+    /// `<user>\n<admitted at, ms since the epoch, 13 digits>\n<key>` for each
+    /// reservation Redis made or replayed, so that a buyer's reservations, newest
+    /// first, are one range read (`ZREVRANGEBYLEX`). Users and keys hold no control
+    /// characters, so the line breaks separate them.
+    pub fn by_buyer(&self) -> String {
+        format!("{}:by-buyer", self.prefix)
+    }
+
     /// Every fixed key of the drop, config first: deleting in this order stops
     /// sidecars from admitting before the stock disappears.
-    pub fn fixed(&self) -> [String; 11] {
+    pub fn fixed(&self) -> [String; 12] {
         [
             self.config(),
             self.gate(),
@@ -138,6 +147,7 @@ impl DropKeys {
             self.pending(),
             self.seq(),
             self.ledger(),
+            self.by_buyer(),
             self.events(),
         ]
     }

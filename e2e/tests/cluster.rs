@@ -534,6 +534,7 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
         .await
         .unwrap_or_else(|e| in_one_slot("HGET config", e));
     let row = dropgate_sidecar::ledger::Recorded {
+        admitted_at_ms: None,
         key: "k6".into(),
         user: "k6".into(),
         quantity: 1,

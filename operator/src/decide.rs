@@ -76,6 +76,7 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         starts_at_ms: ms(&spec.starts_at),
         ends_at_ms,
         hold_seconds: spec.hold_seconds,
+        paused: spec.paused,
         permits: u32::try_from(spec.throttle.permits).unwrap_or(1),
         acquire_timeout_ms: u64::try_from(spec.throttle.acquire_timeout_ms).unwrap_or(0),
         mode,
@@ -142,6 +143,8 @@ pub fn phase(drop: &InventoryDrop, observed: &Observed) -> Phase {
         Phase::FailOpen
     } else if before(&drop.spec.starts_at) {
         Phase::Pending
+    } else if drop.spec.paused {
+        Phase::Paused
     } else if observed.stock.remaining <= 0 {
         Phase::SoldOut
     } else {
@@ -508,7 +511,19 @@ mod tests {
         let later =
             drop("{sku: X, limitedQuantity: 10, startsAt: '2026-12-02T00:00:00Z', redis: {}}");
         let over = drop("{sku: X, limitedQuantity: 10, endsAt: '2026-12-01T10:00:00Z', redis: {}}");
+        let paused = drop("{sku: X, limitedQuantity: 10, paused: true, redis: {}}");
         let cases = [
+            (
+                &paused,
+                observed(Mode::Gate, Tier::Standalone, 5, 5),
+                Phase::Paused,
+            ),
+            // Paused says more than sold out: holds may still come back.
+            (
+                &paused,
+                observed(Mode::Gate, Tier::Standalone, 0, 10),
+                Phase::Paused,
+            ),
             (
                 &plain,
                 observed(Mode::Gate, Tier::Standalone, 5, 5),

@@ -87,7 +87,8 @@ pub async fn seed(
         .key(keys.seq())
         .key(keys.ledger())
         .key(keys.deleted())
-        .key(keys.variants());
+        .key(keys.variants())
+        .key(keys.by_buyer());
     invocation.arg(config.limit);
     invocation.arg(
         config

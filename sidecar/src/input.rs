@@ -447,6 +447,35 @@ pub fn id(field: &str, value: &str) -> Result<(), Invalid> {
     }
 }
 
+/// The query of a buyer's look-up (`?user=U`): its one parameter, decoded (`+` is a
+/// space) and checked as an identifier; anything else in the query is refused.
+pub fn buyer_query(raw: &str) -> Result<String, Invalid> {
+    let mut user = None;
+    for pair in raw.split('&').filter(|pair| !pair.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if name != "user" {
+            return Err(Invalid(format!(
+                "unknown query parameter `{name}`: a look-up by buyer takes `user` only"
+            )));
+        }
+        if user.is_some() {
+            return Err(Invalid("query parameter `user` is given twice".into()));
+        }
+        let value = value.replace('+', " ");
+        let decoded = percent_encoding::percent_decode_str(&value)
+            .decode_utf8()
+            .map_err(|_| Invalid("query parameter `user` is not UTF-8".into()))?
+            .into_owned();
+        id("user", &decoded)?;
+        user = Some(decoded);
+    }
+    user.ok_or_else(|| {
+        Invalid(
+            "query parameter `user` is required: GET /v1/drops/{drop}/reservations?user=U".into(),
+        )
+    })
+}
+
 /// A percent-decoded path segment, checked as an identifier.
 pub fn path_id(field: &str, raw: &str) -> Result<String, Invalid> {
     let decoded = percent_encoding::percent_decode_str(raw)

@@ -143,6 +143,8 @@ pub enum Outcome {
     Ended {
         ends_at_ms: Option<i64>,
     },
+    /// The shop paused the sale (`spec.paused`): no new reservations for now.
+    Paused,
     /// A look-up's answer (a hold past its deadline is expired first).
     Found(View),
     Confirmed(View),
@@ -216,6 +218,7 @@ impl Outcome {
             | Outcome::VariantRefused(_)
             | Outcome::NotOpen { .. }
             | Outcome::Ended { .. }
+            | Outcome::Paused
             | Outcome::Overruled { .. }
             | Outcome::Recording
             | Outcome::NotFound
@@ -258,6 +261,7 @@ pub struct Terms {
     pub ends_at_ms: Option<i64>,
     pub per_user_limit: i64,
     pub hold_seconds: i64,
+    pub paused: bool,
 }
 
 impl Terms {
@@ -267,6 +271,7 @@ impl Terms {
             ends_at_ms: config.ends_at_ms,
             per_user_limit: config.per_user_limit,
             hold_seconds: config.hold_seconds,
+            paused: config.paused,
         }
     }
 }
@@ -311,6 +316,9 @@ pub struct Change {
     /// When the change's answer is due (ms since the epoch): past it the ledger
     /// refuses to record it, and whoever resolves the key decides.
     pub deadline_ms: Option<i64>,
+    /// When the reservation was admitted (ms since the epoch), where the gate said
+    /// (a new row without it is stamped with the time it is written).
+    pub admitted_at_ms: Option<i64>,
 }
 
 impl Change {
@@ -337,6 +345,7 @@ impl Change {
             from_pending: false,
             attempt: None,
             deadline_ms: None,
+            admitted_at_ms: None,
         }
     }
 

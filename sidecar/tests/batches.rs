@@ -201,8 +201,11 @@ fn state(redis: &RedisServer, drop: &str) -> BTreeMap<String, String> {
                     .arg(0)
                     .arg(-1)
                     .query::<Vec<String>>(&mut conn)
-                    // Scored by times, which differ between the runs: as a set.
-                    .map(|mut members| {
+                    // Scored by times, or naming them, which differ between the
+                    // runs: as a set, without the times.
+                    .map(|members| {
+                        let mut members: Vec<String> =
+                            members.iter().map(|m| without(m, drop)).collect();
                         members.sort_unstable();
                         format!("{members:?}")
                     }),

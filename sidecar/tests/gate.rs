@@ -447,6 +447,7 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
     let mut conn = gate_connection(&sidecar).await;
     let keys = dropgate_api::DropKeys::new(common::NS, "sale");
     let row = dropgate_sidecar::ledger::Recorded {
+        admitted_at_ms: None,
         key: "k-0".into(),
         user: "k-0".into(),
         quantity: 1,

@@ -14,6 +14,7 @@ pub struct DropSpec {
     limited_quantity: i64,
     per_user_limit: Option<i64>,
     hold_seconds: Option<i64>,
+    paused: bool,
     starts_at: Option<String>,
     ends_at: Option<String>,
     kill_switch: bool,
@@ -31,6 +32,7 @@ impl DropSpec {
             limited_quantity: limit,
             per_user_limit: None,
             hold_seconds: None,
+            paused: false,
             starts_at: None,
             ends_at: None,
             kill_switch: false,
@@ -67,6 +69,12 @@ impl DropSpec {
     /// `holdSeconds:`.
     pub fn hold_seconds(mut self, seconds: i64) -> Self {
         self.hold_seconds = Some(seconds);
+        self
+    }
+
+    /// `paused: true`: no new reservations.
+    pub fn paused(mut self) -> Self {
+        self.paused = true;
         self
     }
 
@@ -130,6 +138,9 @@ impl fmt::Display for DropSpec {
         }
         if let Some(seconds) = self.hold_seconds {
             writeln!(f, "  holdSeconds: {seconds}")?;
+        }
+        if self.paused {
+            writeln!(f, "  paused: true")?;
         }
         if let Some(at) = &self.starts_at {
             writeln!(f, "  startsAt: {at}")?;

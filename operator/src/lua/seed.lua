@@ -2,7 +2,7 @@
 --
 -- KEYS[1] config hash, KEYS[2] remaining, KEYS[3..] the drop's other state keys
 --   (gate, held, buyers, holds, pending, seq, ledger, the deletion tombstone,
---   the variants' stock)
+--   the variants' stock, the reservations by buyer)
 -- ARGV[1] the new limit
 -- ARGV[2] when the keys expire (ms since the epoch), or '' to keep them
 -- ARGV[3] the sale's identity (the object's uid, or a fixed word outside Kubernetes)

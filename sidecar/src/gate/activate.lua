@@ -10,6 +10,8 @@ end
 if m[2] == 'pending' and m[1] == ARGV[3] then
   redis.call('HSET', K.marker, 'state', 'active')
   redis.call('ZREM', K.unresolved, KEY)
+  local listed = redis.call('HMGET', K.marker, 'user', 'admittedAt')
+  list_for_buyer(listed[1], tonumber(listed[2]) or now_ms())
   return answer('admitted')
 end
 return answer('gone')

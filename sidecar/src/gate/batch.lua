@@ -2,18 +2,18 @@
 -- one drop, decided one after the other in the order given, in one atomic step.
 -- `one` is that script's body, exactly as a single call runs it (see mod.rs).
 --
--- KEYS: the drop's ten shared keys in the single call's order without the marker
--- (config, remaining, held, buyers, holds, gate, seq, ledger, unresolved,
--- variants), then one marker per request. ARGV: each request's arguments as a
+-- KEYS: the drop's eleven shared keys in the single call's order without the
+-- marker (config, remaining, held, buyers, holds, gate, seq, ledger, unresolved,
+-- variants, by buyer), then one marker per request. ARGV: each request's arguments as a
 -- single call takes them (idempotency key, ledger, then the script's own), all of
 -- the same width. Answers one reply per request, in order (a failed one as '!' and
 -- its error).
-local n = #KEYS - 10
+local n = #KEYS - 11
 local width = #ARGV / n
 local replies = {}
 for i = 1, n do
-  local keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[10 + i], KEYS[6], KEYS[7],
-    KEYS[8], KEYS[9], KEYS[10]}
+  local keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11 + i], KEYS[6], KEYS[7],
+    KEYS[8], KEYS[9], KEYS[10], KEYS[11]}
   local argv = {}
   for j = 1, width do
     argv[j] = ARGV[(i - 1) * width + j]

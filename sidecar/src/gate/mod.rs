@@ -82,7 +82,7 @@ pub use reply::{
 };
 use reply::{Call, Wire};
 
-/// Runs `script` on the drop's keys (every script gets the same eleven, so each call
+/// Runs `script` on the drop's keys (every script gets the same twelve, so each call
 /// stays in the drop's hash slot) for a sidecar of `ledger`, as one client span.
 async fn run(
     script: &GateScript,
@@ -104,6 +104,7 @@ async fn run(
         .key(keys.ledger())
         .key(keys.pending())
         .key(keys.variants())
+        .key(keys.by_buyer())
         .arg(key)
         .arg(ledger);
     for arg in args {
@@ -172,7 +173,8 @@ async fn run_batch(
         .key(keys.seq())
         .key(keys.ledger())
         .key(keys.pending())
-        .key(keys.variants());
+        .key(keys.variants())
+        .key(keys.by_buyer());
     for request in requests {
         invocation.key(keys.reservation(&request.key));
     }
@@ -603,6 +605,10 @@ pub async fn replay(
         row.expires_at_ms.to_string(),
         row.seq.to_string(),
     );
+    let admitted = row
+        .admitted_at_ms
+        .map(|at| at.to_string())
+        .unwrap_or_default();
     run(
         &REPLAY,
         conn,
@@ -617,10 +623,42 @@ pub async fn replay(
             &seq,
             dropgate_api::keys::ledger_sale(ledger_key),
             row.variant.as_deref().unwrap_or(""),
+            &admitted,
         ],
     )
     .await?
     .replay()
+}
+
+/// The keys of the reservations Redis lists under `user` (see
+/// [`DropKeys::by_buyer`]), newest admission first, at most `limit` entries (a key
+/// listed twice, admitted afresh after it was taken back, once).
+pub async fn keys_of_buyer(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    user: &str,
+    limit: usize,
+) -> RedisResult<Vec<String>> {
+    // Members are `<user>\n<time>\n<key>` and users hold no control characters:
+    // `\x0b` is the first byte past every member of this user.
+    let members: Vec<String> = redis::cmd("ZREVRANGEBYLEX")
+        .arg(keys.by_buyer())
+        .arg(format!("({user}\x0b"))
+        .arg(format!("[{user}\n"))
+        .arg("LIMIT")
+        .arg(0)
+        .arg(limit)
+        .query_async(conn)
+        .await?;
+    let mut found: Vec<String> = Vec::new();
+    for member in members {
+        if let Some(key) = member.splitn(3, '\n').nth(2)
+            && !found.iter().any(|k| k == key)
+        {
+            found.push(key.to_string());
+        }
+    }
+    Ok(found)
 }
 
 /// Opens the gate at `epoch` and raises the change counter to `seq_floor`.

@@ -4,7 +4,7 @@
 --   KEYS[1] config   KEYS[2] remaining   KEYS[3] held   KEYS[4] buyers
 --   KEYS[5] holds    KEYS[6] the reservation marker     KEYS[7] gate (its epoch)
 --   KEYS[8] seq      KEYS[9] the sale's ledger          KEYS[10] unresolved changes
---   KEYS[11] the variants' stock
+--   KEYS[11] the variants' stock                      KEYS[12] reservations by buyer
 -- and ARGV[1], the idempotency key, and ARGV[2], the id of the caller's ledger.
 --
 -- Every script answers outcome, user, quantity, state, expiresAt, remaining, seq,
@@ -36,7 +36,7 @@ local function begin(keys, argv)
   K = {
     config = keys[1], remaining = keys[2], held = keys[3], buyers = keys[4],
     holds = keys[5], marker = keys[6], gate = keys[7], seq = keys[8], ledger = keys[9],
-    unresolved = keys[10], variants = keys[11],
+    unresolved = keys[10], variants = keys[11], by_buyer = keys[12],
   }
   KEY, LEDGER = argv[1], argv[2]
   if not SHARED then
@@ -78,7 +78,7 @@ end
 -- a batch computes the same time).
 local function expire_shared(at)
   if EXPIRES_SHARED ~= at then
-    for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants}) do
+    for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants, K.by_buyer}) do
       redis.call('PEXPIREAT', key, at)
     end
     EXPIRES_SHARED = at
@@ -203,6 +203,12 @@ local function take_back(user, quantity)
   redis.call('ZREM', K.unresolved, KEY)
   give_back(user, quantity, marker_variant())
   redis.call('DEL', K.marker)
+end
+
+-- Lists KEY's reservation under its buyer (see DropKeys::by_buyer), admitted at
+-- `at` (ms): once it is one (activated, or replayed from the ledger).
+local function list_for_buyer(user, at)
+  redis.call('ZADD', K.by_buyer, 0, user .. '\n' .. string.format('%013d', at) .. '\n' .. KEY)
 end
 
 -- Ends a prepared confirm or cancel's bookkeeping (finished, aborted or replayed).

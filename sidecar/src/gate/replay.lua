@@ -2,7 +2,8 @@
 -- (after the fallback path changed it, or to rebuild a Redis that lost writes).
 -- ARGV[3] user, ARGV[4] quantity, ARGV[5] the ledger's state, ARGV[6] its deadline
 -- (ms), ARGV[7] the ledger's change number for it, ARGV[8] its sale, ARGV[9] its
--- variant ('' for none).
+-- variant ('' for none), ARGV[10] when it was admitted (ms; '' when the ledger
+-- does not say).
 --
 -- Only forward: pending < active < expired < confirmed < cancelled. A marker that
 -- is as far as the ledger or further is left alone (`in_line`), so an older ledger
@@ -47,8 +48,10 @@ end
 if not m[3] then
   redis.call('DEL', K.marker)
 end
+local admitted = tonumber(redis.call('HGET', K.marker, 'admittedAt') or ARGV[10]) or now_ms()
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', target,
-  'expiresAt', ARGV[6], 'sale', SALE, 'seq', ARGV[7])
+  'expiresAt', ARGV[6], 'sale', SALE, 'seq', ARGV[7], 'admittedAt', admitted)
+list_for_buyer(user, admitted)
 if variant ~= '' then
   redis.call('HSET', K.marker, 'variant', variant)
 end

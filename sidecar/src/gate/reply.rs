@@ -324,6 +324,7 @@ impl Wire {
             (Call::Reserve, "ended") => Outcome::Ended {
                 ends_at_ms: int(&self.when),
             },
+            (Call::Reserve, "paused") => Outcome::Paused,
             // A mode the sidecar does not know is no mode to sell under.
             (Call::Reserve, "mode") => {
                 Outcome::OffGate(Mode::parse(&self.state).unwrap_or(Mode::Closed))

@@ -4,7 +4,7 @@
 -- drop without variants): its stock and the drop's must both hold the quantity.
 --
 -- In one atomic step: the mode and the gate, the sale's ledger, the idempotency
--- marker, the sale window, the per-user limit, the stock; then decrement, count the
+-- marker, the sale window, a pause, the per-user limit, the stock; then decrement, count the
 -- buyer, write the marker. The marker starts 'pending': the sidecar still has to get
 -- a throttle permit and make the admission durable, and then activates it
 -- (activate.lua) or takes it back (undo.lua). A duplicate that finds it pending is
@@ -12,7 +12,7 @@
 -- that finds it past its bound is told 'overdue'.
 RESERVE_CONFIG = RESERVE_CONFIG or redis.call('HMGET', K.config,
   'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt', 'limit', 'generation',
-  'variants')
+  'variants', 'paused')
 local cfg = RESERVE_CONFIG
 if not cfg[1] then
   return reply('not_found')
@@ -76,6 +76,10 @@ end
 if cfg[4] ~= '' and now >= tonumber(cfg[4]) then
   return reply('ended', '', '', '', cfg[4])
 end
+-- A paused sale admits nothing new; everything already held goes on as it was.
+if cfg[10] == '1' then
+  return reply('paused')
+end
 
 local bought = tonumber(redis.call('HGET', K.buyers, user) or '0')
 if bought + quantity > tonumber(cfg[2]) then
@@ -94,7 +98,8 @@ take(user, quantity, variant)
 redis.call('ZADD', K.holds, deadline, KEY)
 redis.call('DEL', K.marker)
 redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
-  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound)
+  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound,
+  'admittedAt', now)
 if variant ~= '' then
   redis.call('HSET', K.marker, 'variant', variant)
 end

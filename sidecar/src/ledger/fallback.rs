@@ -35,6 +35,16 @@ pub struct Recorded {
     pub seq: i64,
     /// The variant it holds units of.
     pub variant: Option<String>,
+    /// When it was admitted (ms since the epoch; `None` for a row written before
+    /// the ledger kept it).
+    pub admitted_at_ms: Option<i64>,
+}
+
+/// The columns [`to_row`] reads, in its order.
+macro_rules! row_columns {
+    () => {
+        "res_key, user_id, quantity, state, expires_at_ms, seq, variant, admitted_at_ms"
+    };
 }
 
 impl Recorded {
@@ -164,6 +174,10 @@ impl Ledger {
                 return Ok(Decision::Done(Outcome::Ended {
                     ends_at_ms: terms.ends_at_ms,
                 }));
+            }
+            if terms.paused {
+                tx.rollback().await?;
+                return Ok(Decision::Done(Outcome::Paused));
             }
             sqlx::query(
                 "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
@@ -387,8 +401,8 @@ impl Ledger {
         batch: i64,
     ) -> Result<Vec<Recorded>, LedgerError> {
         let rows = sqlx::query(
-            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq, variant FROM reservations \
-             WHERE drop_key = $1 AND replayed = 0 AND state <> 'abandoned' ORDER BY updated_at_ms LIMIT $2",
+            concat!("SELECT ", row_columns!(), " FROM reservations \
+             WHERE drop_key = $1 AND replayed = 0 AND state <> 'abandoned' ORDER BY updated_at_ms LIMIT $2"),
         )
         .bind(drop_key)
         .bind(batch)
@@ -396,6 +410,29 @@ impl Ledger {
         .await?;
         rows.iter()
             .map(|row| to_row(row).map_err(Into::into))
+            .collect()
+    }
+
+    /// The keys of `user`'s reservations of the drop, newest admission first, at
+    /// most `limit`: a buyer's look-up on the fallback path, where this ledger is
+    /// the sale's and holds all of it.
+    pub async fn keys_of_buyer(
+        &self,
+        drop_key: &str,
+        user: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT res_key FROM reservations WHERE drop_key = $1 AND user_id = $2 AND state <> 'abandoned' \
+             ORDER BY COALESCE(admitted_at_ms, updated_at_ms) DESC, res_key DESC LIMIT $3",
+        )
+        .bind(drop_key)
+        .bind(user)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| row.try_get(0).map_err(Into::into))
             .collect()
     }
 
@@ -408,8 +445,8 @@ impl Ledger {
         batch: i64,
     ) -> Result<Vec<Recorded>, LedgerError> {
         let rows = sqlx::query(
-            "SELECT res_key, user_id, quantity, state, expires_at_ms, seq, variant FROM reservations \
-             WHERE drop_key = $1 AND res_key > $2 AND state <> 'abandoned' ORDER BY res_key LIMIT $3",
+            concat!("SELECT ", row_columns!(), " FROM reservations \
+             WHERE drop_key = $1 AND res_key > $2 AND state <> 'abandoned' ORDER BY res_key LIMIT $3"),
         )
         .bind(drop_key)
         .bind(after)
@@ -653,10 +690,12 @@ pub(super) async fn read(
     drop_key: &str,
     key: &str,
 ) -> Result<Option<Recorded>, sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT res_key, user_id, quantity, state, expires_at_ms, seq, variant FROM reservations \
-         WHERE drop_key = $1 AND res_key = $2 AND state <> 'abandoned'",
-    )
+    let row = sqlx::query(concat!(
+        "SELECT ",
+        row_columns!(),
+        " FROM reservations \
+         WHERE drop_key = $1 AND res_key = $2 AND state <> 'abandoned'"
+    ))
     .bind(drop_key)
     .bind(key)
     .fetch_optional(&mut **tx)
@@ -747,6 +786,7 @@ fn to_row(row: &sqlx::any::AnyRow) -> Result<Recorded, sqlx::Error> {
         expires_at_ms: row.try_get(4)?,
         seq: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
         variant: Some(row.try_get::<String, _>(6)?).filter(|v| !v.is_empty()),
+        admitted_at_ms: row.try_get(7)?,
     })
 }
 

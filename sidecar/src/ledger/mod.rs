@@ -702,8 +702,8 @@ async fn ensure_stock(
         if generation > stored {
             sqlx::query(
                 "UPDATE stock SET available = available + ($1 - lim), lim = $2, generation = $3, \
-                 starts_at_ms = $4, ends_at_ms = $5, per_user_limit = $6, hold_seconds = $7 \
-                 WHERE drop_key = $8 AND generation < $9",
+                 starts_at_ms = $4, ends_at_ms = $5, per_user_limit = $6, hold_seconds = $7, paused = $8 \
+                 WHERE drop_key = $9 AND generation < $10",
             )
             .bind(limit)
             .bind(limit)
@@ -712,6 +712,7 @@ async fn ensure_stock(
             .bind(terms.and_then(|t| t.ends_at_ms))
             .bind(terms.map(|t| t.per_user_limit))
             .bind(terms.map(|t| t.hold_seconds))
+            .bind(terms.map(|t| i64::from(t.paused)))
             .bind(drop_key)
             .bind(generation)
             .execute(&mut **tx)
@@ -725,9 +726,10 @@ async fn ensure_stock(
         return Ok((stored, stored_terms));
     }
     sqlx::query(
-        "INSERT INTO stock (drop_key, lim, available, generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds) \
-         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4, $5, $6, $7, $8 FROM reservations \
-         WHERE drop_key = $9 AND state IN ('active', 'confirmed') \
+        "INSERT INTO stock (drop_key, lim, available, generation, starts_at_ms, ends_at_ms, per_user_limit, \
+         hold_seconds, paused) \
+         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4, $5, $6, $7, $8, $9 FROM reservations \
+         WHERE drop_key = $10 AND state IN ('active', 'confirmed') \
          ON CONFLICT (drop_key) DO NOTHING",
     )
     .bind(drop_key)
@@ -738,6 +740,7 @@ async fn ensure_stock(
     .bind(terms.and_then(|t| t.ends_at_ms))
     .bind(terms.map(|t| t.per_user_limit))
     .bind(terms.map(|t| t.hold_seconds))
+    .bind(terms.map(|t| i64::from(t.paused)))
     .bind(drop_key)
     .execute(&mut **tx)
     .await?;
@@ -851,7 +854,8 @@ async fn stock_row(
     drop_key: &str,
 ) -> Result<Option<(i64, Option<Terms>)>, sqlx::Error> {
     let row: Option<AnyRow> = sqlx::query(
-        "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds FROM stock WHERE drop_key = $1",
+        "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds, paused \
+         FROM stock WHERE drop_key = $1",
     )
     .bind(drop_key)
     .fetch_optional(&mut **tx)
@@ -865,6 +869,8 @@ async fn stock_row(
                 ends_at_ms: row.try_get(2)?,
                 per_user_limit,
                 hold_seconds,
+                // Written before the pause existed: not paused.
+                paused: row.try_get::<Option<i64>, _>(5)?.is_some_and(|p| p != 0),
             }),
             _ => None,
         };
@@ -880,13 +886,14 @@ async fn set_terms(
     terms: Option<Terms>,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE stock SET starts_at_ms = $1, ends_at_ms = $2, per_user_limit = $3, hold_seconds = $4 \
-         WHERE drop_key = $5 AND generation = $6",
+        "UPDATE stock SET starts_at_ms = $1, ends_at_ms = $2, per_user_limit = $3, hold_seconds = $4, \
+         paused = $5 WHERE drop_key = $6 AND generation = $7",
     )
     .bind(terms.and_then(|t| t.starts_at_ms))
     .bind(terms.and_then(|t| t.ends_at_ms))
     .bind(terms.map(|t| t.per_user_limit))
     .bind(terms.map(|t| t.hold_seconds))
+    .bind(terms.map(|t| i64::from(t.paused)))
     .bind(drop_key)
     .bind(generation)
     .execute(&mut **tx)
@@ -906,10 +913,10 @@ async fn insert_reservation(
 ) -> Result<bool, sqlx::Error> {
     let inserted = sqlx::query(
         "INSERT INTO reservations \
-         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt, variant) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (drop_key, res_key) DO UPDATE SET \
+         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt, variant, admitted_at_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (drop_key, res_key) DO UPDATE SET \
          user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
-         expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, \
+         expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, admitted_at_ms = excluded.admitted_at_ms, \
          replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
          WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt",
     )
@@ -925,6 +932,7 @@ async fn insert_reservation(
     .bind(change.seq)
     .bind(change.attempt.as_deref())
     .bind(change.variant.as_deref().unwrap_or(""))
+    .bind(change.admitted_at_ms.unwrap_or(now))
     .execute(&mut **tx)
     .await?;
     Ok(inserted.rows_affected() == 1)

@@ -218,6 +218,10 @@ fn short_json(lines: &[CartLine], short: &ShortLine) -> Option<Value> {
             json["endsAt"] = ends_at_ms.map_or(Value::Null, rfc3339);
             ("ended", format!("drop {drop} has ended"))
         }
+        ShortWhy::Paused => (
+            "paused",
+            format!("drop {drop} is paused by the shop: no new reservations for now"),
+        ),
     };
     json["outcome"] = outcome.into();
     json["message"] = message.into();

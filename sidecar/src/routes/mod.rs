@@ -49,6 +49,12 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(app.clone())
         .and(body)
         .then(reservations::cancel);
+    let by_buyer = warp::path!("v1" / "drops" / String / "reservations")
+        .and(warp::get())
+        .and(warp::query::raw().or(warp::any().map(String::new)).unify())
+        .and(caller())
+        .and(app.clone())
+        .then(reservations::by_buyer);
     let lookup = warp::path!("v1" / "drops" / String / "reservations" / String)
         .and(warp::get())
         .and(caller())
@@ -112,30 +118,42 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         }
     });
 
-    empty_segment
-        .or(reserve)
-        .unify()
+    // Each group boxed: a request's poll then runs through a few boxed futures
+    // instead of one nested chain of every route (whose frames overflowed a
+    // worker's stack in debug builds).
+    let reservations = reserve
         .or(confirm)
         .unify()
         .or(cancel)
+        .unify()
+        .or(by_buyer)
         .unify()
         .or(lookup)
         .unify()
         .or(drop)
         .unify()
-        .or(cart_reserve)
-        .unify()
+        .boxed();
+    let carts = cart_reserve
         .or(cart_confirm)
         .unify()
         .or(cart_cancel)
         .unify()
         .or(cart_lookup)
         .unify()
-        .or(lock_acquire)
-        .unify()
+        .boxed();
+    let locks = lock_acquire
         .or(lock_renew)
         .unify()
         .or(lock_release)
+        .unify()
+        .boxed();
+
+    empty_segment
+        .or(reservations)
+        .unify()
+        .or(carts)
+        .unify()
+        .or(locks)
         .unify()
         .or(probes(app_state))
         .unify()
@@ -284,6 +302,7 @@ const CANCEL: Route = route!(
     "/v1/drops/{drop}/reservations/{key}/cancel"
 );
 const LOOKUP: Route = route!("lookup", "GET", "/v1/drops/{drop}/reservations/{key}");
+const BY_BUYER: Route = route!("by_buyer", "GET", "/v1/drops/{drop}/reservations");
 const CART_RESERVE: Route = route!("cart_reserve", "POST", "/v1/carts");
 const CART_CONFIRM: Route = route!("cart_confirm", "POST", "/v1/carts/{key}/confirm");
 const CART_CANCEL: Route = route!("cart_cancel", "POST", "/v1/carts/{key}/cancel");

@@ -8,7 +8,9 @@ use bytes::Bytes;
 use warp::http::StatusCode;
 use warp::reply::Response;
 
-use super::{CANCEL, CONFIRM, Caller, LOOKUP, RESERVE, failed, name_buyer, retry_later, served};
+use super::{
+    BY_BUYER, CANCEL, CONFIRM, Caller, LOOKUP, RESERVE, failed, name_buyer, retry_later, served,
+};
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
 use crate::input::{self, Reserve};
@@ -69,6 +71,45 @@ async fn settle_with_body(
 pub async fn lookup(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
     let answer = settle(&app, &drop, &key, Settle::Lookup, b"");
     served(&app, &LOOKUP, Some(&drop), caller, answer).await
+}
+
+/// `GET /v1/drops/{drop}/reservations?user=U`: the buyer's reservations.
+pub async fn by_buyer(drop: String, query: String, caller: Caller, app: Arc<App>) -> Response {
+    let answer = async {
+        let parsed =
+            input::buyer_query(&query).and_then(|user| Ok((input::path_id("drop", &drop)?, user)));
+        let (drop, user) = match parsed {
+            Ok(parsed) => parsed,
+            Err(invalid) => return Answer::invalid(invalid.0),
+        };
+        match service::reservations_of(&app, &drop, &user).await {
+            Ok(bought) => {
+                let listed: Vec<serde_json::Value> = bought
+                    .reservations
+                    .iter()
+                    .map(|(key, view)| {
+                        let reservation = &view.reservation;
+                        serde_json::json!({
+                            "key": key,
+                            "variant": reservation.variant,
+                            "quantity": reservation.quantity,
+                            "state": reservation.state.as_str(),
+                            "expiresAt": rfc3339(reservation.expires_at_ms),
+                        })
+                    })
+                    .collect();
+                mark(
+                    Answer::new(StatusCode::OK, "found")
+                        .with("drop", drop.as_str())
+                        .with("user", user.as_str())
+                        .with("reservations", serde_json::Value::Array(listed)),
+                    bought.path,
+                )
+            }
+            Err(failure) => failed(&app, failure),
+        }
+    };
+    served(&app, &BY_BUYER, Some(&drop), caller, answer).await
 }
 
 async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
@@ -198,6 +239,11 @@ impl Asked<'_> {
                 format!("drop {drop} has ended"),
             )
             .with("endsAt", ends_at_ms.map_or(serde_json::Value::Null, rfc3339)),
+            Outcome::Paused => Answer::refusal(
+                StatusCode::FORBIDDEN,
+                "paused",
+                format!("drop {drop} is paused by the shop: no new reservations for now, retry later"),
+            ),
             Outcome::Expired(view) => self
                 .reservation(StatusCode::CONFLICT, "expired", &view, path)
                 .with(

@@ -39,6 +39,7 @@ pub enum ShortWhy {
     PerUserLimitExceeded { held: i64, limit: i64 },
     NotOpen { starts_at_ms: Option<i64> },
     Ended { ends_at_ms: Option<i64> },
+    Paused,
 }
 
 impl ShortWhy {
@@ -59,6 +60,7 @@ impl ShortWhy {
             Outcome::Ended { ends_at_ms } => ShortWhy::Ended {
                 ends_at_ms: *ends_at_ms,
             },
+            Outcome::Paused => ShortWhy::Paused,
             _ => return None,
         })
     }

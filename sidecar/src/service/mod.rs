@@ -27,7 +27,7 @@ use std::sync::Arc;
 use dropgate_api::{DropConfig, FailurePolicy, Mode};
 
 pub use admit::reserve;
-pub use settle::{settle, settle_for};
+pub use settle::{BUYER_LOOKUP_MAX, Bought, reservations_of, settle, settle_for};
 
 use crate::app::App;
 use crate::drops::{Drop, LookupError};
@@ -579,8 +579,8 @@ const CONFIG_PROBE_EVERY_MS: i64 = 250;
 /// The drop's config as the operator published it now, read from Redis: what a
 /// fallback admission is decided on, so that a limit cut, an endsAt moved into the
 /// past or a pause published a moment ago is obeyed. Redis is asked even while the
-/// breaker is open (at most every [`CONFIG_PROBE_EVERY_MS`] per drop, each ask
-/// bounded by [`CONFIG_READ_BOUND`]): a Redis that came back from a restart or a
+/// breaker is open (each ask bounded by [`CONFIG_READ_BOUND`]; after an ask that
+/// timed out, at most every [`CONFIG_PROBE_EVERY_MS`] per drop): a Redis that came back from a restart or a
 /// failover, with the config published into it again, answers before the breaker
 /// closes, and a cut published there must not be sold past on the copy this sidecar
 /// read before. A config read is adopted as the drop's copy when it is of the same
@@ -613,7 +613,12 @@ async fn published_now(app: &App, drop: &Drop) -> Published {
             Published::Now(Box::new(config))
         }
         Ok(Ok(None)) => Published::Missing,
-        Ok(Err(_)) | Err(_) => {
+        // A refused or broken connection fails at once: the next admission asks
+        // again (a Redis back from a restart answers it with the change published
+        // again). Only a Redis that does not answer within the bound is left alone
+        // for a while, so that it does not cost every admission the bound.
+        Ok(Err(_)) => Published::Unreachable,
+        Err(_) => {
             drop.config_unreachable_at
                 .store(crate::clock::now_ms(), Ordering::Release);
             Published::Unreachable

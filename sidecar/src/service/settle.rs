@@ -62,6 +62,73 @@ pub async fn settle_for(
     decide(app, &drop, Call::Settle(key, settle)).await
 }
 
+/// At most this many reservations answer a buyer's look-up.
+pub const BUYER_LOOKUP_MAX: usize = 100;
+
+/// A buyer's reservations of a drop, newest first, each as a look-up of its key
+/// answers it (a hold past its deadline expired first), and the path that decided.
+#[derive(Debug)]
+pub struct Bought {
+    pub reservations: Vec<(String, View)>,
+    pub path: super::Path,
+}
+
+/// The reservations of buyer `user` in drop `drop_name`, newest first (at most
+/// [`BUYER_LOOKUP_MAX`]): listed by Redis on the gate (it sees the whole sale,
+/// whatever ledger each sidecar has), by the ledger on the fallback (then the
+/// sale's), then each looked up as [`settle`] looks one up.
+pub async fn reservations_of(app: &App, drop_name: &str, user: &str) -> Result<Bought, Failure> {
+    use super::Choice;
+    let drop = super::find_drop(app, drop_name).await?;
+    let config = drop.config();
+    // Entries of keys another look-up would not show (taken back, another sale's)
+    // are skipped: read some past the answer's bound.
+    let listed = 2 * BUYER_LOOKUP_MAX;
+    let keys = match super::choose(app, &drop, &config) {
+        Choice::Gate => {
+            let mut conn = app.redis.clone();
+            gate::keys_of_buyer(&mut conn, &drop.keys, user, listed)
+                .await
+                .map_err(|e| {
+                    app.breaker(Some(&drop)).failed(&e);
+                    Failure::unavailable(format!(
+                        "Redis could not list the reservations of drop {} ({e}): nothing was changed; retry",
+                        drop.name
+                    ))
+                })?
+        }
+        Choice::Fallback(_) => app
+            .ledger
+            .keys_of_buyer(&drop.ledger_key(), user, listed as i64)
+            .await
+            .map_err(|e| {
+                Failure::unavailable(format!(
+                    "Redis is not gating drop {} and the ledger could not list its reservations ({e}): retry",
+                    drop.name
+                ))
+            })?,
+        Choice::Refused(failure) => return Err(failure),
+    };
+    let mut bought = Bought {
+        reservations: Vec::new(),
+        path: super::Path::Gate,
+    };
+    for key in keys {
+        if bought.reservations.len() == BUYER_LOOKUP_MAX {
+            break;
+        }
+        // Boxed: a look-up's future is large, and this one runs up to a hundred.
+        let served = Box::pin(decide(app, &drop, Call::Settle(&key, Settle::Lookup))).await?;
+        bought.path = served.path;
+        if let Some(view) = served.outcome.view()
+            && view.reservation.user == user
+        {
+            bought.reservations.push((key, view.clone()));
+        }
+    }
+    Ok(bought)
+}
+
 /// A reservation that no longer waits for its buyer frees its permit at once,
 /// whichever call found it so (a look-up that expired it included), on either
 /// gate, before anything else can fail.
