@@ -486,8 +486,8 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
     gate::lookup(c, &keys, "ledger-a", "k1")
         .await
         .unwrap_or_else(|e| in_one_slot("lookup", e));
-    let confirm = dropgate_sidecar::reservation::State::Confirmed;
-    let cancel = dropgate_sidecar::reservation::State::Cancelled;
+    let confirm = gate::Settling::Confirm { quantity: None };
+    let cancel = gate::Settling::Cancel;
     gate::prepare(c, &keys, "ledger-a", "k1", confirm, "s-k1", 2_000)
         .await
         .unwrap_or_else(|e| in_one_slot("prepare a confirm", e));

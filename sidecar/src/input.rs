@@ -49,20 +49,33 @@ impl Reserve {
 }
 
 /// The optional body of a reservation's confirm and cancel: `{"user"}`, the buyer
-/// the caller acts for. Without it (an empty body) the key alone decides.
+/// the caller acts for, and for a confirm `{"quantity"}`, the units it keeps (a
+/// partial confirm). Without a body the key alone decides, and a confirm keeps all.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SettleAs {
     pub user: Option<String>,
+    pub quantity: Option<i64>,
 }
 
 impl SettleAs {
+    /// A cancel's body: `{"user"}` at most.
     pub fn parse(body: &[u8]) -> Result<Self, Invalid> {
+        Self::parse_fields(body, &["user"])
+    }
+
+    /// A confirm's body: `{"user", "quantity"}`, both optional.
+    pub fn parse_confirm(body: &[u8]) -> Result<Self, Invalid> {
+        Self::parse_fields(body, &["user", "quantity"])
+    }
+
+    fn parse_fields(body: &[u8], known: &[&str]) -> Result<Self, Invalid> {
         if body.iter().all(u8::is_ascii_whitespace) {
             return Ok(Self::default());
         }
-        let mut fields = Fields::parse(body, &["user"])?;
+        let mut fields = Fields::parse(body, known)?;
         Ok(Self {
             user: fields.optional_id("user")?,
+            quantity: fields.optional_int("quantity", 1, MAX_QUANTITY)?,
         })
     }
 }
@@ -328,6 +341,20 @@ impl Fields {
                 "`{field}` must be a string, not {}",
                 kind(&other)
             ))),
+        }
+    }
+
+    /// An optional integer: when given, in `min..=max` as [`Fields::int`] wants it.
+    pub fn optional_int(
+        &mut self,
+        field: &str,
+        min: i64,
+        max: i64,
+    ) -> Result<Option<i64>, Invalid> {
+        if self.map.contains_key(field) {
+            self.int(field, min, max).map(Some)
+        } else {
+            Ok(None)
         }
     }
 

@@ -92,7 +92,11 @@ impl VariantRefusal {
 /// What a call asks of an existing reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settle {
-    Confirm,
+    /// Confirms `quantity` of the units held (all when `None`); the rest go back
+    /// to stock and to the buyer's count in the same step (a partial confirm).
+    Confirm {
+        quantity: Option<i64>,
+    },
     Cancel,
     /// A look-up: changes nothing but a hold past its deadline.
     Lookup,
@@ -151,6 +155,11 @@ pub enum Outcome {
     AlreadyConfirmed(View),
     Cancelled(View),
     AlreadyCancelled(View),
+    /// A partial confirm asked for more units than the reservation holds: nothing
+    /// was changed.
+    AboveHeld {
+        held: i64,
+    },
     /// The hold lapsed and its units went back to stock: it can no longer change.
     Expired(View),
     /// A confirm of a cancelled reservation.
@@ -219,6 +228,7 @@ impl Outcome {
             | Outcome::NotOpen { .. }
             | Outcome::Ended { .. }
             | Outcome::Paused
+            | Outcome::AboveHeld { .. }
             | Outcome::Overruled { .. }
             | Outcome::Recording
             | Outcome::NotFound
@@ -297,6 +307,9 @@ pub struct Change {
     pub key: String,
     pub user: String,
     pub quantity: i64,
+    /// Units a partial confirm gives back (the reservation held `quantity` plus
+    /// these); 0 for every other change.
+    pub released: i64,
     /// The variant the reservation holds units of.
     pub variant: Option<String>,
     /// The state the change moves the reservation to (never `Pending`).
@@ -337,6 +350,7 @@ impl Change {
             key: key.to_string(),
             user: reservation.user.clone(),
             quantity: reservation.quantity,
+            released: 0,
             variant: reservation.variant.clone(),
             state,
             expires_at_ms: reservation.expires_at_ms,
@@ -346,6 +360,19 @@ impl Change {
             attempt: None,
             deadline_ms: None,
             admitted_at_ms: None,
+        }
+    }
+
+    /// A confirm that keeps `quantity` of the units held and gives the rest back
+    /// (no change when `None`, or when it keeps them all).
+    pub fn keeping(self, quantity: Option<i64>) -> Self {
+        match quantity {
+            Some(kept) if kept < self.quantity => Self {
+                released: self.quantity - kept,
+                quantity: kept,
+                ..self
+            },
+            _ => self,
         }
     }
 

@@ -168,7 +168,7 @@ async fn one(conn: &mut dropgate_redis::Connection, keys: &DropKeys, op: &Op) ->
         ),
         // Prepared and finished at once, as a ledger that records it does.
         Op::Settle { key, to, attempt } => {
-            let prepared = gate::prepare(conn, keys, LEDGER, key, *to, attempt, 600_000)
+            let prepared = gate::prepare(conn, keys, LEDGER, key, settling(*to), attempt, 600_000)
                 .await
                 .expect("a settle is prepared");
             let finished = gate::finish(conn, keys, LEDGER, key, attempt)
@@ -301,4 +301,12 @@ async fn batched_reserves_and_activations_answer_as_one_call_each() {
 #[tokio::test]
 async fn batched_reserves_of_variants_answer_as_one_call_each() {
     same_answers_and_state(true, 100..130).await;
+}
+
+/// The gate's confirm (of everything held) or cancel moving a reservation `to`.
+fn settling(to: State) -> gate::Settling {
+    match to {
+        State::Cancelled => gate::Settling::Cancel,
+        _ => gate::Settling::Confirm { quantity: None },
+    }
 }

@@ -6,19 +6,26 @@
 -- a cancel returns them only if the marker still counts them, and a confirm of a
 -- marker that no longer does takes them again, so no unit is returned twice and
 -- none is held uncounted. (While a change is prepared nothing else moves the
--- marker's state; this keeps it so for a Redis put back from an older copy.)
+-- marker's state; this keeps it so for a Redis put back from an older copy.) A
+-- partial confirm ('settleQuantity' fewer than held) gives the rest back.
 local m = redis.call('HMGET', K.marker, 'settling', 'settleAttempt', 'user', 'quantity',
-  'settleSeq', 'state')
+  'settleSeq', 'state', 'settleQuantity')
 if not ours() or m[2] ~= ARGV[3] then
   return answer('gone')
 end
 clear_settling()
 redis.call('ZREM', K.holds, KEY)
-local target, before = m[1], m[6]
-redis.call('HSET', K.marker, 'state', target, 'seq', m[5])
+local target, before, held = m[1], m[6], tonumber(m[4])
+local kept = held
+if target == 'confirmed' and m[7] and tonumber(m[7]) < held then
+  kept = tonumber(m[7])
+end
+redis.call('HSET', K.marker, 'state', target, 'seq', m[5], 'quantity', kept)
 if holds_units(before) and not holds_units(target) then
-  give_back(m[3], tonumber(m[4]), marker_variant())
+  give_back(m[3], held, marker_variant())
+elseif holds_units(before) and kept < held then
+  give_back(m[3], held - kept, marker_variant())
 elseif not holds_units(before) and holds_units(target) then
-  take(m[3], tonumber(m[4]), marker_variant())
+  take(m[3], kept, marker_variant())
 end
 return answer(target)

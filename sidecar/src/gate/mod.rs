@@ -462,22 +462,47 @@ async fn scored_until(
         .await
 }
 
-/// Prepares a confirm (`to` Confirmed) or a cancel (`to` Cancelled) of `key` by
-/// `attempt`: nothing changes for the buyer until [`finish`] (once the ledger
-/// recorded it) or [`abort`]; one not finished `bound_ms` later is overdue and
-/// resolved by a sweeper from the ledger's record.
+/// A confirm or cancel to prepare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settling {
+    /// Keeps `quantity` of the units held (all when `None`) and gives the rest back
+    /// when it finishes.
+    Confirm {
+        quantity: Option<i64>,
+    },
+    Cancel,
+}
+
+impl Settling {
+    /// The state the reservation moves to.
+    pub fn state(self) -> State {
+        match self {
+            Self::Confirm { .. } => State::Confirmed,
+            Self::Cancel => State::Cancelled,
+        }
+    }
+}
+
+/// Prepares a confirm or a cancel of `key` by `attempt`: nothing changes for the
+/// buyer until [`finish`] (once the ledger recorded it) or [`abort`]; one not
+/// finished `bound_ms` later is overdue and resolved by a sweeper from the
+/// ledger's record.
 pub async fn prepare(
     conn: &mut Connection,
     keys: &DropKeys,
     ledger: &str,
     key: &str,
-    to: State,
+    settling: Settling,
     attempt: &str,
     bound_ms: u64,
 ) -> RedisResult<Prepare> {
-    let (script, call) = match to {
-        State::Cancelled => (&CANCEL, Call::Cancel),
-        _ => (&CONFIRM, Call::Confirm),
+    let (script, call, kept) = match settling {
+        Settling::Cancel => (&CANCEL, Call::Cancel, String::new()),
+        Settling::Confirm { quantity } => (
+            &CONFIRM,
+            Call::Confirm,
+            quantity.map_or_else(String::new, |q| q.to_string()),
+        ),
     };
     run(
         script,
@@ -485,7 +510,7 @@ pub async fn prepare(
         keys,
         ledger,
         key,
-        &[attempt, &bound_ms.to_string()],
+        &[attempt, &bound_ms.to_string(), &kept],
     )
     .await?
     .prepared(call)

@@ -214,7 +214,8 @@ end
 -- Ends a prepared confirm or cancel's bookkeeping (finished, aborted or replayed).
 local function clear_settling()
   EXPIRES_SHARED = nil
-  redis.call('HDEL', K.marker, 'settling', 'settleAttempt', 'settleBy', 'settleSeq')
+  redis.call('HDEL', K.marker, 'settling', 'settleAttempt', 'settleBy', 'settleSeq',
+    'settleQuantity')
   redis.call('ZREM', K.unresolved, KEY)
 end
 

@@ -40,11 +40,20 @@ local before = m[3]
 if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.unresolved, KEY)) then
   before = 'active'
 end
+-- A confirm keeps the ledger's quantity (a partial confirm kept fewer than were
+-- held): Redis counts what it counted before, the ledger's count after.
+local kept = quantity
+if target == 'confirmed' then
+  kept = math.min(quantity, tonumber(ARGV[4]))
+end
 if holds_units(before) and not holds_units(target) then
   give_back(user, quantity, variant)
+elseif holds_units(before) and kept < quantity then
+  give_back(user, quantity - kept, variant)
 elseif not holds_units(before) and holds_units(target) then
-  take(user, quantity, variant)
+  take(user, kept, variant)
 end
+quantity = kept
 if not m[3] then
   redis.call('DEL', K.marker)
 end

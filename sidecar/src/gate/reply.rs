@@ -335,6 +335,9 @@ impl Wire {
             (Call::Confirm | Call::Cancel, "expired") => Outcome::Expired(self.view()?),
             (Call::Confirm, "already_confirmed") => Outcome::AlreadyConfirmed(self.view()?),
             (Call::Confirm, "cancelled") => Outcome::WasCancelled(self.view()?),
+            (Call::Confirm, "above_held") => Outcome::AboveHeld {
+                held: int(&self.quantity).unwrap_or(0),
+            },
             (Call::Cancel, "already_cancelled") => Outcome::AlreadyCancelled(self.view()?),
             (call, word) => {
                 return Err(unexpected(

@@ -301,18 +301,33 @@ impl Ledger {
                 tx.commit().await?;
                 return Ok(Decision::Done(Outcome::NotFound));
             };
+            let kept = match settle {
+                Settle::Confirm { quantity } => quantity,
+                _ => None,
+            };
+            if row.state == State::Active
+                && let Some(asked) = kept
+                && asked > row.quantity
+            {
+                // More than is held: nothing changes.
+                tx.commit().await?;
+                return Ok(Decision::Done(Outcome::AboveHeld { held: row.quantity }));
+            }
             let target = match (settle, row.state) {
-                (Settle::Confirm, State::Active) => Some(State::Confirmed),
+                (Settle::Confirm { .. }, State::Active) => Some(State::Confirmed),
                 (Settle::Cancel, State::Active | State::Confirmed) => Some(State::Cancelled),
                 _ => None,
             };
             if let Some(target) = target {
-                let change = Change::new(drop_key, stock(config), key, &row.reservation(), target);
+                let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
+                    .keeping(kept);
                 if !transition(&mut tx, &change, false, now).await? {
                     return Err(TxError::Raced);
                 }
                 if target == State::Cancelled {
-                    adjust_holdings(&mut tx, &change, 1).await?;
+                    adjust_holdings(&mut tx, &change, change.quantity).await?;
+                } else if change.released > 0 {
+                    adjust_holdings(&mut tx, &change, change.released).await?;
                 }
                 let mut ids = EventIds::for_events(1);
                 write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
@@ -322,9 +337,9 @@ impl Ledger {
                 // A look-up that expired the hold answers it like any look-up.
                 (Settle::Lookup, _) => Outcome::Found(view),
                 (_, State::Expired) => Outcome::Expired(view),
-                (Settle::Confirm, State::Active) => Outcome::Confirmed(view),
-                (Settle::Confirm, State::Confirmed) => Outcome::AlreadyConfirmed(view),
-                (Settle::Confirm, State::Cancelled) => Outcome::WasCancelled(view),
+                (Settle::Confirm { .. }, State::Active) => Outcome::Confirmed(view),
+                (Settle::Confirm { .. }, State::Confirmed) => Outcome::AlreadyConfirmed(view),
+                (Settle::Confirm { .. }, State::Cancelled) => Outcome::WasCancelled(view),
                 (Settle::Cancel, State::Active | State::Confirmed) => Outcome::Cancelled(view),
                 (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
                 // The ledger never records a pending admission.
@@ -813,7 +828,7 @@ async fn expire_if_due(
         State::Expired,
     );
     if transition(tx, &change, false, now).await? {
-        adjust_holdings(tx, &change, 1).await?;
+        adjust_holdings(tx, &change, change.quantity).await?;
         let mut ids = EventIds::for_events(1);
         write_event(tx, &mut ids, &change, "fallback", now).await?;
     }

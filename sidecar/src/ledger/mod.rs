@@ -648,8 +648,9 @@ async fn apply_gate_change(
     }
     if transition(tx, change, true, now).await? {
         write_event(tx, ids, change, "gate", now).await?;
+        // A partial confirm gives back what it does not keep.
         return Ok(Ok(if change.state.holds_units() {
-            0
+            change.released
         } else {
             change.quantity
         }));
@@ -941,7 +942,8 @@ async fn insert_reservation(
 /// Moves a reservation to the change's state if it is in a state that allows it
 /// (confirm and expire from active, cancel from active or confirmed), unless the
 /// change's attempt was fenced off (judged dead); true when moved. Only forward, so
-/// a late or repeated change moves nothing.
+/// a late or repeated change moves nothing. A partial confirm keeps the change's
+/// quantity of a row that holds it plus what the change releases.
 async fn transition(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
@@ -951,14 +953,18 @@ async fn transition(
     let sql = match change.state {
         State::Active | State::Pending => return Ok(false),
         State::Confirmed | State::Expired => {
-            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
+             quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
-             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7)"
+             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
+             AND ($9 = 0 OR quantity = $10)"
         }
         State::Cancelled => {
-            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
+             quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed') \
-             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7)"
+             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
+             AND ($9 = 0 OR quantity = $10)"
         }
     };
     let query = sqlx::query(sql)
@@ -968,18 +974,20 @@ async fn transition(
         .bind(change.seq)
         .bind(&change.drop_key)
         .bind(&change.key)
-        .bind(change.attempt.as_deref());
+        .bind(change.attempt.as_deref())
+        .bind(change.released)
+        .bind(change.released)
+        .bind(change.quantity + change.released);
     Ok(query.execute(&mut **tx).await?.rows_affected() == 1)
 }
 
-/// Moves a change's units in the fallback stock and the buyer's count:
-/// `direction` -1 takes them (admission), +1 returns them.
+/// Moves `units` of a change in the fallback stock and the buyer's count:
+/// negative takes them (admission), positive returns them.
 async fn adjust_holdings(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
-    direction: i64,
+    units: i64,
 ) -> Result<(), sqlx::Error> {
-    let units = direction * change.quantity;
     sqlx::query("UPDATE stock SET available = available + $1 WHERE drop_key = $2")
         .bind(units)
         .bind(&change.drop_key)
@@ -1091,9 +1099,15 @@ async fn write_event(
         "type": event(change.state),
         "user": change.user,
     });
-    // A drop with variants: the event names the reservation's.
-    if let (Some(variant), Some(fields)) = (&change.variant, event_body.as_object_mut()) {
-        fields.insert("variant".into(), variant.as_str().into());
+    if let Some(fields) = event_body.as_object_mut() {
+        // A drop with variants: the event names the reservation's.
+        if let Some(variant) = &change.variant {
+            fields.insert("variant".into(), variant.as_str().into());
+        }
+        // A partial confirm: the units it gave back.
+        if change.released > 0 {
+            fields.insert("released".into(), change.released.into());
+        }
     }
     let payload = outbox::canonical(&event_body).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let id = ids.take(tx).await?;

@@ -39,7 +39,7 @@ pub async fn confirm(
     app: Arc<App>,
     body: Result<Bytes, Answer>,
 ) -> Response {
-    let answer = settle_with_body(&app, &drop, &key, Settle::Confirm, body);
+    let answer = settle_with_body(&app, &drop, &key, Settle::Confirm { quantity: None }, body);
     served(&app, &CONFIRM, Some(&drop), caller, answer).await
 }
 
@@ -54,7 +54,8 @@ pub async fn cancel(
     served(&app, &CANCEL, Some(&drop), caller, answer).await
 }
 
-/// A confirm or cancel with its optional body (`{"user"}`), or the body's refusal.
+/// A confirm or cancel with its optional body (`{"user"}`, and a confirm's
+/// `{"quantity"}`), or the body's refusal.
 async fn settle_with_body(
     app: &App,
     drop: &str,
@@ -136,15 +137,21 @@ async fn admit(app: &App, raw_drop: &str, body: &[u8]) -> Answer {
 
 async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle, body: &[u8]) -> Answer {
     let parsed = input::path_id("key", raw_key).and_then(|key| {
-        Ok((
-            input::path_id("drop", raw_drop)?,
-            key,
-            input::SettleAs::parse(body)?,
-        ))
+        let body = match settle {
+            Settle::Confirm { .. } => input::SettleAs::parse_confirm(body)?,
+            Settle::Cancel | Settle::Lookup => input::SettleAs::parse(body)?,
+        };
+        Ok((input::path_id("drop", raw_drop)?, key, body))
     });
     let (drop, key, on_behalf) = match parsed {
         Ok(parsed) => parsed,
         Err(invalid) => return Answer::invalid(invalid.0),
+    };
+    let settle = match settle {
+        Settle::Confirm { .. } => Settle::Confirm {
+            quantity: on_behalf.quantity,
+        },
+        other => other,
     };
     name_buyer(app, &key, None);
     let asked = Asked {
@@ -152,7 +159,7 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle, body: 
         drop: &drop,
         key: &key,
         user: None,
-        quantity: 0,
+        quantity: on_behalf.quantity.unwrap_or(0),
         variant: None,
     };
     match service::settle_for(app, &drop, &key, settle, on_behalf.user.as_deref()).await {
@@ -244,6 +251,10 @@ impl Asked<'_> {
                 "paused",
                 format!("drop {drop} is paused by the shop: no new reservations for now, retry later"),
             ),
+            Outcome::AboveHeld { held } => Answer::invalid(format!(
+                "`quantity` {} is more than the {held} units reservation {key} of drop {drop} holds: nothing was changed",
+                self.quantity
+            )),
             Outcome::Expired(view) => self
                 .reservation(StatusCode::CONFLICT, "expired", &view, path)
                 .with(

@@ -939,8 +939,13 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         let Some(line) = lines.get(n.wrapping_sub(1)) else {
             continue;
         };
-        let served =
-            super::settle(app, &line.drop, &line_key(&row.key, n), Settle::Confirm).await?;
+        let served = super::settle(
+            app,
+            &line.drop,
+            &line_key(&row.key, n),
+            Settle::Confirm { quantity: None },
+        )
+        .await?;
         match served.outcome {
             Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => {}
             // A line that lapsed or was cancelled on its own (through its

@@ -13,7 +13,7 @@ use super::{
 use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::Drop;
-use crate::gate::{self, Finished, Prepare, Reply};
+use crate::gate::{self, Finished, Prepare, Reply, Settling};
 use crate::ledger::COMMIT_DEADLINE_MS;
 use crate::ledger::{RecordError, Recorded};
 use crate::reservation::{Outcome, Settle, State, View};
@@ -174,8 +174,10 @@ pub(super) async fn on_gate(
 ) -> Turn<Outcome> {
     match settle {
         Settle::Lookup => lookup_on_gate(app, drop, config, key).await,
-        Settle::Confirm => change_on_gate(app, drop, config, key, State::Confirmed).await,
-        Settle::Cancel => change_on_gate(app, drop, config, key, State::Cancelled).await,
+        Settle::Confirm { quantity } => {
+            change_on_gate(app, drop, config, key, Settling::Confirm { quantity }).await
+        }
+        Settle::Cancel => change_on_gate(app, drop, config, key, Settling::Cancel).await,
     }
 }
 
@@ -242,17 +244,22 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
     Turn::Done(Ok(outcome))
 }
 
-/// Confirm (`to` Confirmed) or cancel (`to` Cancelled) on the gate: prepared, then
-/// recorded, then finished; an attempt the ledger does not record is aborted and
-/// changes nothing. Another confirm or cancel of the key in flight is waited for
-/// (its answer is the reservation's next state), within its bound.
+/// A confirm or cancel on the gate: prepared, then recorded, then finished; an
+/// attempt the ledger does not record is aborted and changes nothing. Another
+/// confirm or cancel of the key in flight is waited for (its answer is the
+/// reservation's next state), within its bound.
 async fn change_on_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
     key: &str,
-    to: State,
+    settling: Settling,
 ) -> Turn<Outcome> {
+    let to = settling.state();
+    let kept = match settling {
+        Settling::Confirm { quantity } => quantity,
+        Settling::Cancel => None,
+    };
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
     let settle_by = Instant::now() + unresolved_bound(config);
@@ -263,7 +270,7 @@ async fn change_on_gate(
             &drop.keys,
             app.ledger.id(),
             key,
-            to,
+            settling,
             &attempt,
             COMMIT_DEADLINE_MS,
         )
@@ -287,7 +294,9 @@ async fn change_on_gate(
         Prepare::Answered(reply) => return answered(app, drop, config, key, to, reply).await,
         Prepare::Prepared { view, step } => (view, step),
     };
-    let change = change_of(drop, config, key, &step, &view.reservation, to).by(&attempt, deadline);
+    let change = change_of(drop, config, key, &step, &view.reservation, to)
+        .keeping(kept)
+        .by(&attempt, deadline);
     let abort = |why: &str| {
         tracing::warn!(drop = %drop.name, key, why, "a confirm or cancel was not recorded: undone");
     };
@@ -297,6 +306,7 @@ async fn change_on_gate(
             tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
         }
     };
+    let quantity = change.quantity;
     match app.ledger.record(change).await {
         Ok(()) => {}
         Err(RecordError::KeyUsed { state: recorded }) => {
@@ -367,13 +377,13 @@ async fn change_on_gate(
     // Durable from here on: whatever Redis does next, the answer is the change.
     let done = match gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await {
         Ok(Finished::Done(view)) => view,
-        Ok(Finished::Gone) => with_state(view, to),
+        Ok(Finished::Gone) => with_state(view, to, quantity),
         Err(error) => {
             // The resolver or the refresh's replay makes Redis follow the ledger.
             app.breaker(Some(drop)).failed(&error);
             tracing::warn!(drop = %drop.name, %error, "a recorded confirm or cancel could not be finished in Redis yet");
             replay_later(app, drop, &change_key(drop, &step), key).await;
-            with_state(view, to)
+            with_state(view, to, quantity)
         }
     };
     drop.throttle.release(key);
@@ -390,11 +400,12 @@ async fn change_on_gate(
     }))
 }
 
-/// The reservation of `view` moved to `state`.
-fn with_state(view: View, state: State) -> View {
+/// The reservation of `view` moved to `state`, holding `quantity`.
+fn with_state(view: View, state: State, quantity: i64) -> View {
     View {
         reservation: crate::reservation::Reservation {
             state,
+            quantity,
             ..view.reservation
         },
         remaining: view.remaining,
@@ -427,7 +438,7 @@ async fn answered(
     record_expiry(app, drop, config, key, &reply.step).await;
     let settle = match to {
         State::Cancelled => Settle::Cancel,
-        _ => Settle::Confirm,
+        _ => Settle::Confirm { quantity: None },
     };
     if reply.outcome == Outcome::NotFound {
         // Redis has no granted marker of this sale: an admission still being
@@ -485,9 +496,9 @@ fn from_ledger(row: Recorded, settle: Settle) -> Outcome {
         (Settle::Lookup, _) => Outcome::Found(view),
         (_, State::Active) if expires_at_ms > now_ms() => Outcome::Recording,
         (_, State::Active | State::Expired) => Outcome::Expired(view),
-        (Settle::Confirm, State::Confirmed) => Outcome::AlreadyConfirmed(view),
+        (Settle::Confirm { .. }, State::Confirmed) => Outcome::AlreadyConfirmed(view),
         (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
-        (Settle::Confirm, State::Cancelled) => Outcome::WasCancelled(view),
+        (Settle::Confirm { .. }, State::Cancelled) => Outcome::WasCancelled(view),
         (Settle::Cancel, State::Confirmed) | (_, State::Pending) => Outcome::RecordExpired(view),
     }
 }
