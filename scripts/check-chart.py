@@ -84,6 +84,12 @@ def strip_release_metadata(crd):
     return crd
 
 
+def secret_reader(doc):
+    """The operator's Role (or RoleBinding) for the Secrets of one namespace."""
+    return doc.get("kind") in ("Role", "RoleBinding") and \
+        str((doc.get("metadata") or {}).get("name", "")).endswith("operator-secrets")
+
+
 def validate(version, release, namespace, path, secret_access):
     docs = load(path)
     kinds = {}
@@ -113,7 +119,7 @@ def validate(version, release, namespace, path, secret_access):
         if doc.get("kind") in CLUSTER_SCOPED:
             if "namespace" in meta:
                 fail(f"{what}: a cluster-scoped object with a namespace")
-        elif meta.get("namespace") != namespace:
+        elif meta.get("namespace") != namespace and not secret_reader(doc):
             fail(f"{what}: namespace {meta.get('namespace')!r}, want the release's {namespace!r}")
         name = str(meta.get("name", ""))
         limit = 63 if doc.get("kind") in ("Service", "Deployment") else 253
@@ -197,13 +203,26 @@ def validate(version, release, namespace, path, secret_access):
     kinds["ClusterRole"] = [r for r in kinds.get("ClusterRole", []) if r not in aggregated]
 
     if secret_access:
+        access, _, listed = secret_access.partition(":")
         role = one("ClusterRole")
         if role:
             secrets = [r for r in role["rules"] if "secrets" in r.get("resources", [])]
-            if secret_access == "none" and secrets:
-                fail(f"operator.secretAccess=none, yet the ClusterRole grants {secrets}")
-            if secret_access == "cluster" and [r["verbs"] for r in secrets] != [["get"]]:
+            if access in ("none", "namespaces") and secrets:
+                fail(f"operator.secretAccess={access}, yet the ClusterRole grants {secrets}")
+            if access == "cluster" and [r["verbs"] for r in secrets] != [["get"]]:
                 fail(f"operator.secretAccess=cluster: the ClusterRole grants {secrets}, want get only")
+        # secretAccess=namespaces: a Role granting get on Secrets, and its binding,
+        # in exactly the namespaces listed (none for the other settings).
+        want = sorted(n for n in listed.split(",") if n)
+        readers = [d for d in docs if secret_reader(d)]
+        for kind in ("Role", "RoleBinding"):
+            found = sorted(d["metadata"]["namespace"] for d in readers if d["kind"] == kind)
+            if found != want:
+                fail(f"operator.secretAccess={secret_access}: a Secret-reading {kind} in {found}, want {want}")
+        for r in readers:
+            if r["kind"] == "Role" and r.get("rules") != [
+                    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]:
+                fail(f"{name_of(r)}: grants {r.get('rules')}, want get on Secrets only")
 
     print(f"  {len(docs)} manifests checked against Kubernetes {version}")
 

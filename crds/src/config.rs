@@ -2,8 +2,8 @@
 //!
 //! It is a Redis hash at [`crate::DropKeys::config`]. Values are decimal strings; an
 //! optional value that is not set is the empty string. The gate's Lua scripts read
-//! `mode`, `perUserLimit`, `startsAt`, `endsAt`, `holdSeconds`, `paused` and
-//! `expireAt` from it directly, inside the same atomic step that admits, so a mode change or a new
+//! `mode`, `perUserLimit`, `startsAt`, `endsAt`, `holdSeconds`, `maxHoldSeconds`,
+//! `paused` and `expireAt` from it directly, inside the same atomic step that admits, so a mode change or a new
 //! per-user limit takes effect at once in every sidecar, whatever it has cached.
 
 use std::collections::HashMap;
@@ -89,6 +89,9 @@ pub struct DropConfig {
     pub starts_at_ms: Option<i64>,
     pub ends_at_ms: Option<i64>,
     pub hold_seconds: i64,
+    /// How far an extension may move a hold's deadline, counted from its admission
+    /// (`spec.maxHoldSeconds`, holdSeconds when not set).
+    pub max_hold_seconds: i64,
     /// No new reservations while true (see `spec.paused`).
     pub paused: bool,
     /// Throttle permits per sidecar.
@@ -136,6 +139,7 @@ impl DropConfig {
             ("startsAt", opt(self.starts_at_ms)),
             ("endsAt", opt(self.ends_at_ms)),
             ("holdSeconds", self.hold_seconds.to_string()),
+            ("maxHoldSeconds", self.max_hold_seconds.to_string()),
             ("paused", if self.paused { "1" } else { "" }.to_string()),
             ("permits", self.permits.to_string()),
             ("acquireTimeoutMs", self.acquire_timeout_ms.to_string()),
@@ -192,6 +196,12 @@ impl DropConfig {
             starts_at_ms: opt_int("startsAt")?,
             ends_at_ms: opt_int("endsAt")?,
             hold_seconds: int("holdSeconds")?,
+            // It came after format 1's first fields: a hash without it was published
+            // by an operator that knew no extension (none is allowed).
+            max_hold_seconds: match opt_int("maxHoldSeconds")? {
+                Some(max) => max,
+                None => int("holdSeconds")?,
+            },
             // It came after format 1's first fields: a hash without it was
             // published by an operator that knew no pause.
             paused: match fields.get("paused").map(String::as_str) {
@@ -287,6 +297,7 @@ mod tests {
             starts_at_ms: Some(1_764_583_200_000),
             ends_at_ms: None,
             hold_seconds: 600,
+            max_hold_seconds: 900,
             paused: true,
             permits: 64,
             acquire_timeout_ms: 50,
@@ -304,6 +315,16 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect()
+    }
+
+    #[test]
+    fn a_hash_without_max_hold_allows_no_extension() {
+        let mut fields = as_map(&sample());
+        fields.remove("maxHoldSeconds");
+        let read = DropConfig::from_fields(&fields)
+            .expect("reads")
+            .expect("published");
+        assert_eq!(read.max_hold_seconds, read.hold_seconds);
     }
 
     #[test]

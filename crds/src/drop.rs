@@ -65,6 +65,9 @@ use crate::config::{FailurePolicy, Mode};
     validation = Rule::new("self.throttle.acquireTimeoutMs < self.holdSeconds * 1000")
         .message("throttle.acquireTimeoutMs must be shorter than holdSeconds (an admission waits for its permit within its hold)")
         .field_path(".throttle.acquireTimeoutMs"),
+    validation = Rule::new("!has(self.maxHoldSeconds) || self.maxHoldSeconds >= self.holdSeconds")
+        .message("maxHoldSeconds must be at least holdSeconds (a hold is never cut short by it)")
+        .field_path(".maxHoldSeconds"),
     validation = Rule::new("has(self.limitedQuantity) || (has(self.variants) && size(self.variants) > 0)")
         .message("set limitedQuantity, or variants (whose quantities add up to the drop's), or both")
         .field_path(".limitedQuantity"),
@@ -87,7 +90,7 @@ pub struct InventoryDropSpec {
     /// quantity restocks that variant by the difference; a variant removed keeps its
     /// holds (they count in status.reserved) and sells nothing more: new reserves of
     /// it answer 404, and it leaves status.variants and the sidecars' GET.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     #[schemars(length(max = 100))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub variants: Vec<Variant>,
@@ -107,10 +110,16 @@ pub struct InventoryDropSpec {
     #[serde(default = "default_hold_seconds")]
     #[schemars(range(min = 1, max = 604800))]
     pub hold_seconds: i64,
+    /// How far an extension (`POST .../reservations/{key}/extend`) may move a hold's
+    /// deadline, in seconds counted from its admission. Defaults to holdSeconds: no
+    /// extension unless set. At least holdSeconds, at most 604800 (one week).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 604800))]
+    pub max_hold_seconds: Option<i64>,
     /// True stops new reservations (a reserve answers 403 `paused`, a cart line is
     /// short for it) and nothing else: confirms, cancels, look-ups and expiry go
     /// on, the stock is untouched. Set it back to false to sell again at once.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default)]
     pub paused: bool,
     /// The Redis that holds the drop's stock, and whether it must be highly
     /// available. Cannot change while the sale runs.
@@ -340,10 +349,10 @@ pub struct InventoryDropStatus {
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Pending, Active, FailOpen, SoldOut, Ended or Error.
+    /// Pending, Active, Paused, FailOpen, SoldOut, Ended or Error.
     #[serde(default)]
     pub phase: Phase,
-    /// The mode published to the sidecars: gate, fail_open or closed.
+    /// The mode published to the sidecars: gate, fail-open or closed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
     /// Units for sale as published: limitedQuantity, or the sum of the variants'.
@@ -404,6 +413,12 @@ impl InventoryDropSpec {
     /// Units for sale: limitedQuantity, or the sum of the variants' quantities.
     pub fn limit(&self) -> i64 {
         self.limited_quantity.or(self.variants_total()).unwrap_or(0)
+    }
+
+    /// How far an extension may move a hold, from its admission (s): maxHoldSeconds,
+    /// else holdSeconds (no extension).
+    pub fn max_hold_seconds(&self) -> i64 {
+        self.max_hold_seconds.unwrap_or(self.hold_seconds)
     }
 
     /// The sum of the variants' quantities; `None` without variants.
@@ -483,6 +498,14 @@ impl InventoryDropSpec {
         }
         if !(1..=604_800).contains(&self.hold_seconds) {
             return err("holdSeconds", "must be from 1 to 604800 (one week)");
+        }
+        if let Some(max) = self.max_hold_seconds {
+            if !(1..=604_800).contains(&max) {
+                return err("maxHoldSeconds", "must be from 1 to 604800 (one week)");
+            }
+            if max < self.hold_seconds {
+                return err("maxHoldSeconds", "must be at least holdSeconds");
+            }
         }
         if let (Some(start), Some(end)) = (&self.starts_at, &self.ends_at)
             && end.0 <= start.0
@@ -622,6 +645,13 @@ spec:
         assert!(parse(&typo).is_ok(), "a watch tolerates them");
         let value: serde_json::Value = serde_norway::from_str(MINIMAL).expect("yaml");
         assert!(unknown_spec_fields(&value).is_empty());
+        // Defaults written out are known fields (how a sale is resumed).
+        let defaults = MINIMAL.replace(
+            "limitedQuantity: 5",
+            "limitedQuantity: 5\n  paused: false\n  variants: []",
+        );
+        let value: serde_json::Value = serde_norway::from_str(&defaults).expect("yaml");
+        assert_eq!(unknown_spec_fields(&value), Vec::<String>::new());
     }
 
     #[test]
@@ -654,6 +684,65 @@ spec:
         assert!(!parse(MINIMAL).expect("parses").spec.paused);
         let paused = MINIMAL.replace("limitedQuantity: 5", "limitedQuantity: 5\n  paused: true");
         assert!(parse(&paused).expect("parses").spec.paused);
+    }
+
+    /// The status's descriptions name what the operator writes (`kubectl explain`).
+    #[test]
+    fn the_status_text_names_every_phase_and_mode() {
+        let schema =
+            serde_json::to_value(schemars::schema_for!(InventoryDropStatus)).expect("a schema");
+        let field = |name: &str| {
+            schema["properties"][name]["description"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        };
+        for phase in [
+            Phase::Pending,
+            Phase::Active,
+            Phase::Paused,
+            Phase::FailOpen,
+            Phase::SoldOut,
+            Phase::Ended,
+            Phase::Error,
+        ] {
+            let word = serde_json::to_value(phase).expect("a word");
+            let word = word.as_str().expect("a string");
+            assert!(field("phase").contains(word), "phase text lacks {word}");
+        }
+        for mode in [Mode::Gate, Mode::FailOpen, Mode::Closed] {
+            assert!(
+                field("mode").contains(mode.as_str()),
+                "mode text lacks {}",
+                mode.as_str()
+            );
+        }
+    }
+
+    #[test]
+    fn max_hold_defaults_to_the_hold_and_is_never_shorter() {
+        let spec = parse(MINIMAL).expect("parses").spec;
+        assert_eq!(spec.max_hold_seconds(), spec.hold_seconds);
+        let longer = MINIMAL.replace(
+            "limitedQuantity: 5",
+            "limitedQuantity: 5\n  holdSeconds: 60\n  maxHoldSeconds: 300",
+        );
+        let spec = parse(&longer).expect("parses").spec;
+        assert_eq!(spec.max_hold_seconds(), 300);
+        assert_eq!(spec.validate(), Ok(()));
+        for (max, says) in [("30", "at least holdSeconds"), ("604801", "604800")] {
+            let yaml = MINIMAL.replace(
+                "limitedQuantity: 5",
+                &format!("limitedQuantity: 5\n  holdSeconds: 60\n  maxHoldSeconds: {max}"),
+            );
+            let refused = parse(&yaml)
+                .expect("parses")
+                .spec
+                .validate()
+                .expect_err(max);
+            assert_eq!(refused.field, "maxHoldSeconds");
+            assert!(refused.to_string().contains(says), "{refused}");
+        }
     }
 
     fn with_sizes(limit: &str, sizes: &str) -> InventoryDropSpec {

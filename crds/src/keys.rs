@@ -215,6 +215,13 @@ impl LockKeys {
         self.prefix.clone()
     }
 
+    /// Sorted set: the lock names of `namespace` in use, each scored with when its
+    /// keys lapse (a day past its last lease): what bounds the names a namespace
+    /// holds at once. Its own slot (one per namespace), apart from the locks'.
+    pub fn names(namespace: &str) -> String {
+        format!("dropgate:locks:{{{namespace}}}:names")
+    }
+
     /// Integer: the lock's last fence, which only grows (see the acquire script: a
     /// fence is never below Redis's clock in microseconds, so it keeps growing when
     /// Redis lost the counter, or when this key expired a day after the last lease).

@@ -167,3 +167,119 @@ fn log_lines_are_json_objects_when_asked() {
     assert_eq!(code(&refused), 2, "clap refuses an unknown format");
     assert!(String::from_utf8_lossy(&refused.stderr).contains("text or json"));
 }
+
+/// Hostile Redis and ledger URLs, each with a secret in it, through every path the
+/// binaries print a URL on (the override and the drop's own URL in `apply`, the
+/// sidecar's start-up): whatever fails, no secret reaches standard output or error.
+#[test]
+fn no_secret_in_a_url_is_ever_printed() {
+    let secrets = [
+        "p@ss",
+        "hunter2",
+        "topsecret",
+        "s3cr3t",
+        "sëcret",
+        "SECRET-VALUE",
+    ];
+    let printed = |out: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let assert_clean = |what: &str, out: &Output| {
+        let text = printed(out);
+        assert!(!text.is_empty(), "{what}: says nothing of what failed");
+        for secret in secrets {
+            assert!(!text.contains(secret), "{what} printed {secret:?}: {text}");
+        }
+    };
+    let hostile = [
+        "redis://:p@ss@127.0.0.1:1/0",
+        "redis://user:hunter2@127.0.0.1:1/0?password=topsecret",
+        "rediss://:sëcret@127.0.0.1:1",
+        "redis://127.0.0.1:1/0?sslpassword=s3cr3t&x=1",
+        "hunter2-SECRET-VALUE",
+    ];
+    let good = DropSpec::new(5).yaml();
+    for url in hostile {
+        // As the operator's override.
+        let out = apply(&drop_manifest("sale", &good), url, &[], &[]);
+        assert_ne!(code(&out), 0, "{url}");
+        assert_clean(&format!("apply --redis-url {url}"), &out);
+        // As the drop's own spec.redis.url.
+        let manifest = drop_manifest("sale", &good).replace("redis://unused:1", url);
+        let mut child = Command::new(binary("dropgate-operator"))
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("dropgate-operator runs");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(manifest.as_bytes())
+            .expect("manifest written");
+        let out = child.wait_with_output().expect("it exits");
+        assert_ne!(code(&out), 0, "{url}");
+        assert_clean(&format!("apply of spec.redis.url {url}"), &out);
+    }
+    // The sidecar: its Redis URL is logged at start, its ledger's fails to open.
+    for (redis_url, database_url) in [
+        (
+            "redis://:p@ss@127.0.0.1:1/0",
+            "postgres://u:hunter2@127.0.0.1:1/x?password=topsecret",
+        ),
+        (
+            "redis://user:hunter2@127.0.0.1:1/0?password=topsecret",
+            "postgres://u@127.0.0.1:1/x?sslpassword=s3cr3t",
+        ),
+        ("redis://127.0.0.1:1", "hunter2-SECRET-VALUE"),
+    ] {
+        let out = Command::new(binary("dropgate-sidecar"))
+            .args(["--listen", "127.0.0.1:0", "--health-listen", "127.0.0.1:0"])
+            .args(["--redis-url", redis_url, "--database-url", database_url])
+            .output()
+            .expect("dropgate-sidecar runs");
+        assert_ne!(code(&out), 0, "{database_url}: the ledger cannot open");
+        assert_clean(
+            &format!("dropgate-sidecar with {redis_url} and {database_url}"),
+            &out,
+        );
+    }
+}
+
+/// `dropgate-operator run` whose admin port is taken stops at once with an error
+/// naming the port, rather than running on without /healthz and /metrics.
+#[test]
+fn run_stops_when_its_admin_port_is_taken() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let addr = taken.local_addr().expect("its address");
+    let mut child = Command::new(binary("dropgate-operator"))
+        .args(["run", "--admin-listen", &addr.to_string()])
+        .env("KUBECONFIG", "/nonexistent")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("dropgate-operator runs");
+    // Bounded: a process that ran on would be killed here and fail the test.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while child.try_wait().expect("waits").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("dropgate-operator kept running with its admin port taken");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("it exits");
+    assert_ne!(code(&out), 0);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("cannot listen on {addr}")),
+        "{stderr}"
+    );
+    drop(taken);
+}

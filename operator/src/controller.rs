@@ -136,10 +136,16 @@ impl Context {
             name: format!("{namespace}/{}", secret_ref.name),
             problem: problem.to_string(),
         };
-        let secret = secrets
-            .get_opt(&secret_ref.name)
-            .await?
-            .ok_or_else(|| problem("does not exist"))?;
+        let secret = match secrets.get_opt(&secret_ref.name).await {
+            Ok(secret) => secret.ok_or_else(|| problem("does not exist"))?,
+            // The chart grants Secrets per namespace by default: say how to grant it.
+            Err(kube::Error::Api(status)) if status.code == 403 => {
+                return Err(problem(&format!(
+                    "cannot be read: the operator may not get Secrets in namespace {namespace} (add it to the chart's operator.secretNamespaces)"
+                )));
+            }
+            Err(error) => return Err(error.into()),
+        };
         let bytes = secret
             .data
             .as_ref()

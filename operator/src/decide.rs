@@ -76,13 +76,15 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         starts_at_ms: ms(&spec.starts_at),
         ends_at_ms,
         hold_seconds: spec.hold_seconds,
+        max_hold_seconds: spec.max_hold_seconds(),
         paused: spec.paused,
         permits: u32::try_from(spec.throttle.permits).unwrap_or(1),
         acquire_timeout_ms: u64::try_from(spec.throttle.acquire_timeout_ms).unwrap_or(0),
         mode,
         failure_policy: spec.gate.failure_policy,
         generation: drop.metadata.generation.unwrap_or(0),
-        expire_at_ms: ends_at_ms.map(|end| end + spec.hold_seconds * 1000 + KEY_GRACE_MS),
+        // A hold admitted at the end may be extended to its longest.
+        expire_at_ms: ends_at_ms.map(|end| end + spec.max_hold_seconds() * 1000 + KEY_GRACE_MS),
         seeded_at_ms: None,
         sale: sale_of(drop),
     }

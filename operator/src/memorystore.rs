@@ -162,15 +162,15 @@ async fn serves_elsewhere(
             }
         }
     };
+    // Its own endpoints are not named: whoever may create a drop could otherwise
+    // read any instance's addresses through the operator's credentials.
     (!same).then(|| {
-        let theirs: Vec<String> = endpoints.iter().map(|(h, p)| format!("{h}:{p}")).collect();
         HaReport::verdict(
             Tier::Unknown,
             false,
             "InstanceMismatch",
             format!(
-                "Memorystore {name} serves {}, not the drop's Redis {host}:{port}",
-                theirs.join(", ")
+                "Memorystore {name} does not serve the drop's Redis {host}:{port} (its host and port are others)"
             ),
         )
     })

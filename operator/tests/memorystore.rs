@@ -157,7 +157,7 @@ async fn every_answer_of_the_api_is_judged() {
             Tier::Unknown,
             NotHa,
             "InstanceMismatch",
-            "10.9.9.9:6379",
+            "does not serve the drop's Redis 127.0.0.1:6379",
         ),
         (
             "missing",
@@ -204,6 +204,12 @@ async fn every_answer_of_the_api_is_judged() {
         assert_eq!(report.verdict, verdict, "{name}: {report:?}");
         assert_eq!(report.reason, reason, "{name}: {report:?}");
         assert!(report.message.contains(word), "{name}: {}", report.message);
+        // Another instance's addresses are never shown to whoever made the drop.
+        assert!(
+            !report.message.contains("10.9.9.9"),
+            "{name}: {}",
+            report.message
+        );
     }
 }
 
@@ -241,7 +247,7 @@ async fn every_answer_about_a_cluster_is_judged() {
             Tier::Unknown,
             NotHa,
             "InstanceMismatch",
-            "10.9.9.9:6379",
+            "does not serve the drop's Redis 127.0.0.1:6379",
         ),
         (
             "missing",
@@ -303,6 +309,13 @@ async fn a_verdict_is_reused_for_a_minute_and_a_failed_call_is_not() {
         .verify(&instance("ha-ready"), "redis://127.0.0.1:6380")
         .await;
     assert_eq!(report.reason, "InstanceMismatch");
+    // The drop's own address is named, never the instance's.
+    assert!(
+        report.message.contains("127.0.0.1:6380"),
+        "{}",
+        report.message
+    );
+    assert!(!report.message.contains(":6379"), "{}", report.message);
     assert_eq!(calls.0.load(Ordering::SeqCst), 2);
     for _ in 0..2 {
         assert!(

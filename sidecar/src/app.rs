@@ -36,6 +36,8 @@ pub struct App {
     pub quiet_ms: i64,
     /// `--trace-buyer-ids`: name the buyer on request spans.
     pub trace_buyer_ids: bool,
+    /// `--max-lock-names`: lock names one namespace may have in use at once.
+    pub max_lock_names: u32,
 }
 
 impl App {
@@ -73,6 +75,7 @@ impl App {
                 .unwrap_or(i64::MAX)
                 .max(1000),
             trace_buyer_ids: settings.trace_buyer_ids,
+            max_lock_names: settings.max_lock_names,
         })
     }
 

@@ -80,6 +80,24 @@ impl SettleAs {
     }
 }
 
+/// The body of a hold's extension: `{"expiresAt"}`, the deadline asked for (RFC
+/// 3339 with an offset), and optionally `{"user"}`, the buyer the caller acts for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtendTo {
+    pub until_ms: i64,
+    pub user: Option<String>,
+}
+
+impl ExtendTo {
+    pub fn parse(body: &[u8]) -> Result<Self, Invalid> {
+        let mut fields = Fields::parse(body, &["expiresAt", "user"])?;
+        Ok(Self {
+            until_ms: fields.time_ms("expiresAt")?,
+            user: fields.optional_id("user")?,
+        })
+    }
+}
+
 /// Most lines a cart may have, as sent (before lines are added up).
 pub const MAX_CART_LINES: usize = 20;
 
@@ -241,6 +259,30 @@ impl Fields {
         self.map
             .remove(field)
             .ok_or_else(|| Invalid(format!("missing field `{}`", self.name(field))))
+    }
+
+    /// A required instant, RFC 3339 with an offset (`2026-12-01T10:00:00Z`), as ms
+    /// since the epoch; one before the epoch is refused.
+    pub fn time_ms(&mut self, field: &str) -> Result<i64, Invalid> {
+        let value = self.take(field)?;
+        let name = self.name(field);
+        let refused = || {
+            Invalid(format!(
+                "`{name}` must be an RFC 3339 time with an offset, such as 2026-12-01T10:00:00Z"
+            ))
+        };
+        match value {
+            Value::String(s) => s
+                .parse::<jiff::Timestamp>()
+                .map(|t| t.as_millisecond())
+                .ok()
+                .filter(|ms| *ms >= 0)
+                .ok_or_else(refused),
+            other => Err(Invalid(format!(
+                "`{name}` must be an RFC 3339 time string, not {}",
+                kind(&other)
+            ))),
+        }
     }
 
     /// A required array of 1 to `max` objects, each with fields from `allowed`.

@@ -38,7 +38,13 @@ pub async fn run(
     let mut refresh_tick = tokio::time::interval(refresh);
     let mut sweep_tick = tokio::time::interval(sweep);
     let mut dispatch_tick = tokio::time::interval(DISPATCH_EVERY);
-    for tick in [&mut refresh_tick, &mut sweep_tick, &mut dispatch_tick] {
+    let mut prune_tick = tokio::time::interval(PRUNE_EVERY);
+    for tick in [
+        &mut refresh_tick,
+        &mut sweep_tick,
+        &mut dispatch_tick,
+        &mut prune_tick,
+    ] {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
     loop {
@@ -49,11 +55,27 @@ pub async fn run(
             }
             _ = sweep_tick.tick() => expire_due_holds(&app).await,
             _ = dispatch_tick.tick() => dispatch_events(&app).await,
+            _ = prune_tick.tick() => prune_lock_fences(&app).await,
             _ = stop.changed() => {
                 let _ = carts.await;
                 return;
             }
         }
+    }
+}
+
+/// How often the ledger forgets the fences of locks long unused.
+const PRUNE_EVERY: Duration = Duration::from_secs(3600);
+/// How long a lock's fence is kept after it was last taken: past its longest lease
+/// (a day) and the day its fence key outlives that in Redis.
+const FENCE_KEPT_MS: i64 = 2 * 86_400_000;
+
+/// Forgets the ledger's fences of locks not taken for [`FENCE_KEPT_MS`].
+async fn prune_lock_fences(app: &App) {
+    match crate::ledger::fences::prune(app.ledger.pool(), now_ms() - FENCE_KEPT_MS).await {
+        Ok(0) => {}
+        Ok(pruned) => tracing::debug!(pruned, "fences of locks long unused forgotten"),
+        Err(error) => tracing::debug!(%error, "lock fences not pruned"),
     }
 }
 
@@ -299,7 +321,6 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
             return;
         }
     };
-    let ledger_key = drop.ledger_key();
     let ledger = app.ledger.id();
     for key in overdue {
         let resolved = match gate::unresolved(&mut conn, &drop.keys, &key).await {
@@ -308,24 +329,25 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
             // was prepared): only one overdue now is judged, and by its own attempt.
             Ok(Some(
                 Unresolved::Admission(PendingAdmission { due_ms, .. })
-                | Unresolved::Settle { due_ms, .. },
+                | Unresolved::Settle { due_ms, .. }
+                | Unresolved::Extend { due_ms, .. },
             )) if due_ms > now => Ok(()),
             Ok(Some(Unresolved::Admission(admission))) => {
                 admit::resolve_dead_admission(app, drop, &key, &admission, now).await
             }
             Ok(Some(Unresolved::Settle { attempt, to, .. })) => {
-                match app.ledger.fence_settle(&ledger_key, &key, &attempt).await {
-                    Ok(Some(state)) if state == to => {
-                        gate::finish(&mut conn, &drop.keys, ledger, &key, &attempt)
-                            .await
-                            .map(|_| drop.throttle.release(&key))
-                            .map_err(|e| e.to_string())
-                    }
-                    Ok(_) => gate::abort(&mut conn, &drop.keys, ledger, &key, &attempt)
-                        .await
-                        .map_err(|e| e.to_string()),
-                    Err(error) => Err(error.to_string()),
-                }
+                // Whether a confirm landed does not depend on what it kept.
+                let settling = match to {
+                    State::Cancelled => gate::Settling::Cancel,
+                    _ => gate::Settling::Confirm { quantity: None },
+                };
+                resolve_settle(app, drop, &key, &attempt, settling).await
+            }
+            Ok(Some(Unresolved::Extend {
+                attempt, until_ms, ..
+            })) => {
+                let settling = gate::Settling::Extend { until_ms };
+                resolve_settle(app, drop, &key, &attempt, settling).await
             }
             // Nothing unresolved any more: the entry goes (abandon drops it).
             Ok(None) => gate::abandon(&mut conn, &drop.keys, ledger, &key, "")
@@ -336,6 +358,41 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
         if let Err(error) = resolved {
             tracing::debug!(drop = %drop.name, %error, "overdue change not resolved");
         }
+    }
+}
+
+/// Resolves the overdue confirm, cancel or extension `attempt` of `key`: fenced
+/// off in the ledger first (its late commit refused from then on), then finished
+/// if the ledger recorded it, else undone.
+async fn resolve_settle(
+    app: &App,
+    drop: &crate::drops::Drop,
+    key: &str,
+    attempt: &str,
+    settling: gate::Settling,
+) -> Result<(), String> {
+    let mut conn = app.redis.clone();
+    let ledger = app.ledger.id();
+    match app
+        .ledger
+        .fence_settle(&drop.ledger_key(), key, attempt)
+        .await
+    {
+        Ok(row) if crate::service::landed(settling, row.as_ref()) => {
+            gate::finish(&mut conn, &drop.keys, ledger, key, attempt)
+                .await
+                .map(|_| {
+                    // A confirmed or cancelled hold no longer needs its permit.
+                    if !matches!(settling, gate::Settling::Extend { .. }) {
+                        drop.throttle.release(key);
+                    }
+                })
+                .map_err(|e| e.to_string())
+        }
+        Ok(_) => gate::abort(&mut conn, &drop.keys, ledger, key, attempt)
+            .await
+            .map_err(|e| e.to_string()),
+        Err(error) => Err(error.to_string()),
     }
 }
 

@@ -98,6 +98,11 @@ pub enum Settle {
         quantity: Option<i64>,
     },
     Cancel,
+    /// Moves an active hold's deadline to `until_ms` (ms since the epoch), within
+    /// `spec.maxHoldSeconds` from its admission.
+    Extend {
+        until_ms: i64,
+    },
     /// A look-up: changes nothing but a hold past its deadline.
     Lookup,
 }
@@ -162,8 +167,21 @@ pub enum Outcome {
     },
     /// The hold lapsed and its units went back to stock: it can no longer change.
     Expired(View),
-    /// A confirm of a cancelled reservation.
+    /// A confirm or extension of a cancelled reservation.
     WasCancelled(View),
+    /// An extension of a confirmed reservation (nothing is held to extend).
+    WasConfirmed(View),
+    /// An active hold's deadline as an extension left it (moved, or already at or
+    /// past the time asked).
+    Extended(View),
+    /// An extension past `spec.maxHoldSeconds` from the admission: nothing changed.
+    ExtensionRefused(View),
+    /// An extension or partial confirm (`asked`) of a line of cart `cart`: a line is
+    /// held, confirmed and cancelled with its cart. Nothing changed.
+    CartLine {
+        cart: String,
+        asked: Settle,
+    },
     /// The gate's record of the reservation is gone (its marker outlived its TTL)
     /// and the ledger keeps it in a state this call cannot change.
     RecordExpired(View),
@@ -177,6 +195,9 @@ pub enum Outcome {
     Recording,
     /// No reservation has this key.
     NotFound,
+    /// The keys of a buyer's reservations, newest first (a listing, not an answer:
+    /// each key is then looked up).
+    Listed(Vec<String>),
     /// The key's reservation is another buyer's than the caller named: nothing
     /// was changed.
     NotOwner,
@@ -219,6 +240,9 @@ impl Outcome {
             | Outcome::AlreadyCancelled(view)
             | Outcome::Expired(view)
             | Outcome::WasCancelled(view)
+            | Outcome::WasConfirmed(view)
+            | Outcome::Extended(view)
+            | Outcome::ExtensionRefused(view)
             | Outcome::RecordExpired(view)
             | Outcome::Unsettled(view) => Some(view),
             Outcome::SoldOut { .. }
@@ -229,9 +253,11 @@ impl Outcome {
             | Outcome::Ended { .. }
             | Outcome::Paused
             | Outcome::AboveHeld { .. }
+            | Outcome::CartLine { .. }
             | Outcome::Overruled { .. }
             | Outcome::Recording
             | Outcome::NotFound
+            | Outcome::Listed(_)
             | Outcome::NotOwner
             | Outcome::UnknownDrop
             | Outcome::Closed
@@ -272,6 +298,8 @@ pub struct Terms {
     pub per_user_limit: i64,
     pub hold_seconds: i64,
     pub paused: bool,
+    /// How far an extension may move a hold, from its admission (s).
+    pub max_hold_seconds: i64,
 }
 
 impl Terms {
@@ -282,6 +310,7 @@ impl Terms {
             per_user_limit: config.per_user_limit,
             hold_seconds: config.hold_seconds,
             paused: config.paused,
+            max_hold_seconds: config.max_hold_seconds,
         }
     }
 }
@@ -310,6 +339,9 @@ pub struct Change {
     /// Units a partial confirm gives back (the reservation held `quantity` plus
     /// these); 0 for every other change.
     pub released: i64,
+    /// An extension: the reservation stays active and its deadline moves forward to
+    /// `expires_at_ms` (never back).
+    pub extension: bool,
     /// The variant the reservation holds units of.
     pub variant: Option<String>,
     /// The state the change moves the reservation to (never `Pending`).
@@ -351,6 +383,7 @@ impl Change {
             user: reservation.user.clone(),
             quantity: reservation.quantity,
             released: 0,
+            extension: false,
             variant: reservation.variant.clone(),
             state,
             expires_at_ms: reservation.expires_at_ms,

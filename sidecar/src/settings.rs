@@ -41,6 +41,12 @@ pub struct Settings {
         default_value = "sqlite://dropgate-ledger.db"
     )]
     pub database_url: String,
+    /// Lock names one namespace may have in use at once (each leaves keys in Redis
+    /// for a day past its last lease, and Redis evicts nothing): past it, a lock of
+    /// a new name answers 429 `too_many_locks` until older names lapse.
+    #[arg(long, env = "DROPGATE_MAX_LOCK_NAMES", default_value_t = 10_000,
+        value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_lock_names: u32,
     /// How often known drops' configs are re-read from Redis.
     #[arg(long, env = "DROPGATE_REFRESH_MS", default_value_t = 500)]
     pub refresh_ms: u64,

@@ -185,6 +185,15 @@ async fn a_locks_keys_expire_after_its_last_lease() {
         (86_400_000..=86_410_000).contains(&fence),
         "fence key PTTL {fence}: a day past the lease"
     );
+    // Renewed for a day: the fence key stays a day past the new lease.
+    renew(&sidecar, "once", &held.body["token"], 86_400_000)
+        .await
+        .assert_answer(200, "renewed");
+    let fence = ttl(keys.fence(), &mut conn);
+    assert!(
+        (2 * 86_400_000 - 10_000..=2 * 86_400_000).contains(&fence),
+        "fence key PTTL {fence}: a day past the renewed lease"
+    );
 }
 
 #[tokio::test]
@@ -425,4 +434,100 @@ async fn fences_keep_growing_across_pods_when_redis_loses_the_counter() {
         "fence {fence} after {fences:?}: a storage guarded by it would take a stale holder's write"
     );
     other_pod.shutdown().await;
+}
+
+/// A namespace holds at most `--max-lock-names` lock names at once: a new name past
+/// it answers 429 and leaves nothing behind, a name in use is always served, and a
+/// name whose time lapsed makes room.
+#[tokio::test]
+async fn a_namespace_holds_a_bounded_number_of_lock_names() {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("dir");
+    let sidecar = common::Peer::start_custom(
+        &redis.url(),
+        &format!("sqlite://{}", dir.path().join("ledger.db").display()),
+        |settings| settings.max_lock_names = 3,
+    )
+    .await;
+    let take = |name: &'static str| {
+        let http = sidecar.http.clone();
+        async move {
+            http.post(
+                &format!("/v1/locks/{name}"),
+                r#"{"owner":"w","ttlMs":10000,"waitMs":0}"#,
+            )
+            .await
+            .expect("answers")
+        }
+    };
+    for name in ["a", "b", "c"] {
+        take(name).await.assert_answer(200, "acquired");
+    }
+    let refused = take("d").await;
+    refused.assert_answer(429, "too_many_locks");
+    assert!(
+        refused.text.contains("--max-lock-names"),
+        "{}",
+        refused.text
+    );
+    let keys = dropgate_api::LockKeys::new(common::NS, "d");
+    let mut conn = redis.connection().expect("connect");
+    let left: bool = redis::cmd("EXISTS")
+        .arg(keys.lock())
+        .arg(keys.fence())
+        .query(&mut conn)
+        .expect("EXISTS");
+    assert!(!left, "a refused lock leaves no key");
+    // A name in use is served whatever the count: busy, not refused.
+    take("a").await.assert_answer(409, "busy");
+    // A name whose time ran out (its lease and the day after) makes room.
+    redis::cmd("ZADD")
+        .arg(dropgate_api::LockKeys::names(common::NS))
+        .arg(1)
+        .arg("b")
+        .query::<()>(&mut conn)
+        .expect("ZADD");
+    take("d").await.assert_answer(200, "acquired");
+    sidecar.shutdown().await;
+}
+
+/// The ledger forgets the fence of a lock not taken for days (one row per name
+/// ever used would stay for good), and the next fence of that name is still above
+/// every earlier one.
+#[tokio::test]
+async fn fences_of_locks_long_unused_are_forgotten_and_never_reused() {
+    let sidecar = Sidecar::start().await;
+    let first = acquire(&sidecar, "old", "w", 100, 0).await;
+    let first_fence = first.body["fence"].as_i64().expect("fence");
+    release(&sidecar, "old", &first.body["token"])
+        .await
+        .assert_answer(200, "released");
+    let ledger = common::ledger_of(&sidecar).await;
+    let now_ms = jiff::Timestamp::now().as_millisecond();
+    // Two days from now, the row is long unused.
+    assert_eq!(
+        fences::prune(ledger.pool(), now_ms + 2 * 86_400_000)
+            .await
+            .expect("prunes"),
+        1
+    );
+    assert_eq!(
+        fences::high_water(ledger.pool(), &format!("{}/old", common::NS))
+            .await
+            .expect("reads"),
+        0
+    );
+    // Not yet: a row taken a moment ago stays.
+    let second = acquire(&sidecar, "old", "w", 100, 0).await;
+    let second_fence = second.body["fence"].as_i64().expect("fence");
+    assert!(
+        second_fence > first_fence,
+        "{second_fence} after {first_fence}"
+    );
+    assert_eq!(
+        fences::prune(ledger.pool(), now_ms - 60_000)
+            .await
+            .expect("prunes"),
+        0
+    );
 }

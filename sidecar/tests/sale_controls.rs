@@ -275,14 +275,15 @@ async fn a_buyers_reservations_survive_a_redis_loss() {
         .query::<()>(&mut conn)
         .expect("FLUSHALL");
     sidecar.seed("sale", spec()).await;
-    // The next buyer's reserve finds Redis behind the ledger: it is rebuilt first.
+    // The look-up itself finds Redis behind the ledger: it is rebuilt first.
+    let after = by_buyer(&sidecar, "?user=alice").await;
+    after.assert_answer(200, "found");
+    assert_eq!(listed(&after), before, "{}", after.text);
     sidecar
         .reserve("sale", "c", "bob", 1)
         .await
         .assert_answer(201, "admitted");
-    let after = by_buyer(&sidecar, "?user=alice").await;
-    after.assert_answer(200, "found");
-    assert_eq!(listed(&after), before, "{}", after.text);
+    sidecar.assert_invariants("sale", 10);
     sidecar.shutdown().await;
 }
 
@@ -544,5 +545,540 @@ async fn a_partial_confirm_survives_a_redis_loss() {
     assert_eq!(looked.body["state"], "confirmed", "{}", looked.text);
     assert_eq!(remaining(&sidecar).await, 7);
     sidecar.assert_invariants("sale", 10);
+    sidecar.shutdown().await;
+}
+
+/// `POST .../{key}/extend` to `until` (ms since the epoch), with more `fields`.
+async fn extend(sidecar: &Sidecar, key: &str, until: i64, fields: &str) -> Reply {
+    let at = jiff::Timestamp::from_millisecond(until).expect("a time");
+    let body = format!(r#"{{"expiresAt":"{at}"{fields}}}"#);
+    settle_with(sidecar, key, "extend", &body).await
+}
+
+/// An answer's `expiresAt`, in ms since the epoch.
+fn expires_at(reply: &Reply) -> i64 {
+    reply.body["expiresAt"]
+        .as_str()
+        .and_then(|at| at.parse::<jiff::Timestamp>().ok())
+        .unwrap_or_else(|| panic!("an expiresAt: {}", reply.text))
+        .as_millisecond()
+}
+
+/// The ledger's deadline of reservation `key`.
+async fn ledger_expires_at(ledger: &sqlx::AnyPool, key: &str) -> i64 {
+    use sqlx::Row;
+    sqlx::query(
+        "SELECT expires_at_ms FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND res_key = $1",
+    )
+    .bind(key)
+    .fetch_one(ledger)
+    .await
+    .expect("the ledger has the reservation")
+    .get(0)
+}
+
+/// Holds of 60 s that may be extended to 300 s from their admission, on each gate.
+const EXTENSIBLE: [(&str, Spec); 2] = [
+    ("gate", || {
+        DropSpec::new(10)
+            .per_user_limit(3)
+            .hold_seconds(60)
+            .max_hold_seconds(300)
+    }),
+    ("fallback", || {
+        DropSpec::new(10)
+            .per_user_limit(3)
+            .hold_seconds(60)
+            .max_hold_seconds(300)
+            .kill_switch()
+    }),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_is_extended_within_its_bound_and_retries_change_nothing() {
+    for (gate, spec) in EXTENSIBLE {
+        let sidecar = Sidecar::start().await;
+        sidecar.seed("sale", spec()).await;
+        let held = sidecar.reserve("sale", "a", "alice", 1).await;
+        held.assert_answer_because(201, "admitted", gate);
+        let deadline = expires_at(&held);
+        // Admitted 60 s before its deadline: 300 s from then is the bound.
+        let asked = deadline + 120_000;
+        let moved = extend(&sidecar, "a", asked, "").await;
+        moved.assert_answer_because(200, "extended", gate);
+        assert_eq!(expires_at(&moved), asked, "{gate}: {}", moved.text);
+        assert_eq!(moved.body["state"], "active", "{gate}");
+        // A retry, and a time before the deadline: nothing moves, both hear it.
+        for again in [asked, deadline + 1_000] {
+            let same = extend(&sidecar, "a", again, "").await;
+            same.assert_answer_because(200, "extended", gate);
+            assert_eq!(expires_at(&same), asked, "{gate}: {}", same.text);
+        }
+        // Past the bound: refused, nothing changed.
+        let refused = extend(&sidecar, "a", deadline + 300_000, "").await;
+        refused.assert_answer_because(409, "extension_refused", gate);
+        assert_eq!(expires_at(&refused), asked, "{gate}: {}", refused.text);
+        let looked = sidecar.lookup("sale", "a").await;
+        assert_eq!(expires_at(&looked), asked, "{gate}: {}", looked.text);
+
+        let pool = open_ledger(&format!("sqlite://{}", sidecar.database_path().display())).await;
+        assert_eq!(ledger_expires_at(&pool, "a").await, asked, "{gate}");
+        let event = event_of(&pool, "a", &format!("extended/{asked}")).await;
+        assert_eq!(event["type"], "extended", "{gate}: {event}");
+        assert_eq!(event["expiresAt"], asked, "{gate}: {event}");
+        // Still a hold: it is confirmed as any other.
+        sidecar
+            .settle("sale", "a", "confirm")
+            .await
+            .assert_answer_because(200, "confirmed", gate);
+        assert_eq!(remaining(&sidecar).await, 9, "{gate}");
+        pool.close().await;
+        sidecar.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_an_active_hold_of_a_drop_that_allows_it_is_extended() {
+    for (gate, spec) in GATES {
+        let sidecar = Sidecar::start().await;
+        // Without maxHoldSeconds a hold cannot be extended at all.
+        sidecar.seed("sale", spec()).await;
+        let held = sidecar.reserve("sale", "a", "alice", 1).await;
+        let deadline = expires_at(&held);
+        extend(&sidecar, "a", deadline + 1_000, "")
+            .await
+            .assert_answer_because(409, "extension_refused", gate);
+        extend(&sidecar, "a", deadline - 1_000, "")
+            .await
+            .assert_answer_because(200, "extended", gate);
+        extend(&sidecar, "a", deadline, r#","user":"mallory""#)
+            .await
+            .assert_answer_because(409, "not_owner", gate);
+        extend(&sidecar, "a", deadline, r#","user":"alice""#)
+            .await
+            .assert_answer_because(200, "extended", gate);
+        for (body, says) in [
+            ("", "not valid JSON"),
+            ("{}", "missing field `expiresAt`"),
+            (r#"{"expiresAt":"tomorrow"}"#, "RFC 3339"),
+            (r#"{"expiresAt":"2026-12-01T10:00:00"}"#, "RFC 3339"),
+            (
+                r#"{"expiresAt":1764583200000}"#,
+                "must be an RFC 3339 time string",
+            ),
+            (
+                r#"{"expiresAt":"2026-12-01T10:00:00Z","quantity":1}"#,
+                "quantity",
+            ),
+        ] {
+            let refused = settle_with(&sidecar, "a", "extend", body).await;
+            refused.assert_answer_because(400, "invalid", &format!("{gate}: {body}"));
+            assert!(
+                refused.text.contains(says),
+                "{gate}: {body}: {}",
+                refused.text
+            );
+        }
+        let looked = sidecar.lookup("sale", "a").await;
+        assert_eq!(expires_at(&looked), deadline, "{gate}: {}", looked.text);
+
+        sidecar
+            .seed("sale", spec().hold_seconds(600).max_hold_seconds(900))
+            .await;
+        for (key, op, outcome) in [("b", "confirm", "confirmed"), ("c", "cancel", "cancelled")] {
+            let held = sidecar.reserve("sale", key, key, 1).await;
+            held.assert_answer_because(201, "admitted", gate);
+            sidecar
+                .settle("sale", key, op)
+                .await
+                .assert_answer(200, outcome);
+            extend(&sidecar, key, expires_at(&held) + 1_000, "")
+                .await
+                .assert_answer_because(409, outcome, &format!("{gate}: {key}"));
+        }
+        extend(&sidecar, "nope", deadline, "")
+            .await
+            .assert_answer_because(404, "not_found", gate);
+        sidecar.shutdown().await;
+    }
+}
+
+/// Extensions race their holds' expiry: each hold is either extended (and then
+/// still held after its first deadline) or expired (and its unit back), never
+/// answered extended and then lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extension_racing_expiry_is_either_kept_or_refused() {
+    for (gate, spec) in [
+        (
+            "gate",
+            (|| {
+                DropSpec::new(20)
+                    .hold_seconds(1)
+                    .max_hold_seconds(60)
+                    .permits(1000)
+                    .acquire_timeout_ms(100)
+            }) as Spec,
+        ),
+        ("fallback", || {
+            DropSpec::new(20)
+                .hold_seconds(1)
+                .max_hold_seconds(60)
+                .permits(1000)
+                .acquire_timeout_ms(100)
+                .kill_switch()
+        }),
+    ] {
+        let sidecar = Arc::new(Sidecar::start().await);
+        sidecar.seed("sale", spec()).await;
+        let mut races = Vec::new();
+        for i in 0..20 {
+            let key = format!("k{i}");
+            let held = sidecar.reserve("sale", &key, &key, 1).await;
+            held.assert_answer_because(201, "admitted", gate);
+            let deadline = expires_at(&held);
+            let sidecar = sidecar.clone();
+            races.push(tokio::spawn(async move {
+                // Asked around the deadline, a few ms either side.
+                let wait = deadline - common_now_ms() - 10 + (i as i64 % 5) * 5;
+                if wait > 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(wait as u64)).await;
+                }
+                let answer = extend(&sidecar, &key, deadline + 30_000, "").await;
+                (key, answer)
+            }));
+        }
+        let mut answers = Vec::new();
+        for race in races {
+            answers.push(race.await.expect("race"));
+        }
+        // Past every first deadline, with time for the sweeper.
+        tokio::time::sleep(std::time::Duration::from_millis(2_500)).await;
+        let mut kept = 0;
+        for (key, answer) in answers {
+            let looked = sidecar.lookup("sale", &key).await;
+            match answer.outcome() {
+                "extended" => {
+                    assert_eq!(
+                        looked.body["state"], "active",
+                        "{gate}: {key}: {}",
+                        looked.text
+                    );
+                    kept += 1;
+                }
+                "expired" => {
+                    assert_eq!(
+                        looked.body["state"], "expired",
+                        "{gate}: {key}: {}",
+                        looked.text
+                    );
+                }
+                other => panic!("{gate}: {key}: unexpected {other}: {}", answer.text),
+            }
+        }
+        assert_eq!(remaining(&sidecar).await, 20 - kept, "{gate}");
+        if gate == "gate" {
+            sidecar.assert_invariants("sale", 20);
+        }
+        let sidecar = Arc::into_inner(sidecar).expect("races are done");
+        sidecar.shutdown().await;
+    }
+}
+
+/// The wall clock, as the gate's deadlines are counted.
+fn common_now_ms() -> i64 {
+    jiff::Timestamp::now().as_millisecond()
+}
+
+/// An extension made on the ledger's gate reaches Redis when the gate takes the
+/// drop back (the marker's deadline moves forward), and one made on the gate
+/// survives Redis losing everything: in both cases the hold outlives its first
+/// deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extension_survives_a_mode_switch_and_a_redis_loss() {
+    let sidecar = Sidecar::start().await;
+    let spec = || {
+        DropSpec::new(10)
+            .per_user_limit(3)
+            .hold_seconds(2)
+            .max_hold_seconds(120)
+    };
+    sidecar.seed("sale", spec()).await;
+    let on_gate = sidecar.reserve("sale", "a", "alice", 1).await;
+    on_gate.assert_answer(201, "admitted");
+    let on_fallback_until = expires_at(&on_gate) + 60_000;
+    // The kill switch: extended on the ledger only.
+    sidecar.seed("sale", spec().kill_switch()).await;
+    extend(&sidecar, "a", on_fallback_until, "")
+        .await
+        .assert_answer(200, "extended");
+    sidecar.seed("sale", spec()).await;
+    let on_gate = sidecar.reserve("sale", "b", "bob", 1).await;
+    on_gate.assert_answer(201, "admitted");
+    let gate_until = expires_at(&on_gate) + 60_000;
+    extend(&sidecar, "b", gate_until, "")
+        .await
+        .assert_answer(200, "extended");
+    // Past a's first deadline: Redis had it, the extension came from the ledger.
+    tokio::time::sleep(std::time::Duration::from_millis(2_500)).await;
+    let looked = sidecar.lookup("sale", "a").await;
+    assert_eq!(looked.body["state"], "active", "{}", looked.text);
+    assert_eq!(expires_at(&looked), on_fallback_until, "{}", looked.text);
+
+    let mut conn = sidecar.redis.connection().expect("connect");
+    redis::cmd("FLUSHALL")
+        .query::<()>(&mut conn)
+        .expect("FLUSHALL");
+    sidecar.seed("sale", spec()).await;
+    sidecar
+        .reserve("sale", "c", "carol", 1)
+        .await
+        .assert_answer(201, "admitted");
+    // Past both first deadlines and the sweeper's turn.
+    tokio::time::sleep(std::time::Duration::from_millis(3_000)).await;
+    for (key, until) in [("a", on_fallback_until), ("b", gate_until)] {
+        let looked = sidecar.lookup("sale", key).await;
+        assert_eq!(looked.body["state"], "active", "{key}: {}", looked.text);
+        assert_eq!(expires_at(&looked), until, "{key}: {}", looked.text);
+    }
+    // c expired on its own: its unit is back.
+    assert_eq!(remaining(&sidecar).await, 8);
+    sidecar.assert_invariants("sale", 10);
+    sidecar.shutdown().await;
+}
+
+/// The ledger's record of an extension Redis missed (its finish was lost) moves the
+/// marker's deadline forward when it is replayed; an older record never moves it
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_extension_moves_a_deadline_forward_only() {
+    use dropgate_api::DropKeys;
+    use dropgate_sidecar::gate;
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            DropSpec::new(10).hold_seconds(60).max_hold_seconds(300),
+        )
+        .await;
+    let held = sidecar.reserve("sale", "a", "alice", 1).await;
+    held.assert_answer(201, "admitted");
+    let deadline = expires_at(&held);
+    let ledger = common::ledger_of(&sidecar).await;
+    let ledger_key = sidecar.ledger_key("sale");
+    let row = ledger
+        .reservation(&ledger_key, "a")
+        .await
+        .expect("the ledger answers")
+        .expect("it has the reservation");
+    let mut conn: dropgate_redis::Connection = redis::Client::open(sidecar.redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connect")
+        .into();
+    let keys = DropKeys::new(common::NS, "sale");
+    let deadline_in_redis = |conn: &mut redis::Connection| -> (i64, i64) {
+        let at: i64 = redis::cmd("HGET")
+            .arg(keys.reservation("a"))
+            .arg("expiresAt")
+            .query(conn)
+            .expect("HGET");
+        let due: i64 = redis::cmd("ZSCORE")
+            .arg(keys.holds())
+            .arg("a")
+            .query(conn)
+            .expect("ZSCORE");
+        (at, due)
+    };
+    let mut plain = sidecar.redis.connection().expect("connect");
+    for (replayed, expected) in [
+        (deadline + 60_000, deadline + 60_000),
+        // Older than what Redis has now: nothing moves back.
+        (deadline, deadline + 60_000),
+    ] {
+        let record = dropgate_sidecar::ledger::Recorded {
+            expires_at_ms: replayed,
+            ..row.clone()
+        };
+        gate::replay(&mut conn, &keys, ledger.id(), &record, &ledger_key)
+            .await
+            .expect("replays");
+        assert_eq!(deadline_in_redis(&mut plain), (expected, expected));
+    }
+    sidecar.assert_invariants("sale", 10);
+    sidecar.shutdown().await;
+}
+
+/// An extension whose sidecar died between its preparation and its finish is
+/// resolved by a sweeper past its bound: finished when the ledger recorded it,
+/// undone when not; meanwhile the hold neither expires nor changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extension_left_unfinished_is_resolved_by_the_ledger() {
+    use dropgate_api::DropKeys;
+    use dropgate_sidecar::gate::{self, Settling};
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            DropSpec::new(10).hold_seconds(60).max_hold_seconds(300),
+        )
+        .await;
+    let ledger = common::ledger_of(&sidecar).await;
+    let ledger_key = sidecar.ledger_key("sale");
+    let keys = DropKeys::new(common::NS, "sale");
+    let mut conn: dropgate_redis::Connection = redis::Client::open(sidecar.redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connect")
+        .into();
+    for (key, recorded) in [("lost", false), ("landed", true)] {
+        let held = sidecar.reserve("sale", key, key, 1).await;
+        held.assert_answer(201, "admitted");
+        let deadline = expires_at(&held);
+        let until = deadline + 60_000;
+        // Prepared by an attempt that then died, with a bound of 300 ms.
+        gate::prepare(
+            &mut conn,
+            &keys,
+            ledger.id(),
+            key,
+            Settling::Extend { until_ms: until },
+            "a-dead-attempt",
+            300,
+        )
+        .await
+        .expect("prepares");
+        if recorded {
+            // Its commit landed before it died.
+            sqlx::query(
+                "UPDATE reservations SET expires_at_ms = $1 WHERE drop_key = $2 AND res_key = $3",
+            )
+            .bind(until)
+            .bind(&ledger_key)
+            .bind(key)
+            .execute(ledger.pool())
+            .await
+            .expect("the ledger records it");
+        }
+        let expected = if recorded { until } else { deadline };
+        let settling = || -> Option<String> {
+            let mut plain = sidecar.redis.connection().expect("connect");
+            redis::cmd("HGET")
+                .arg(keys.reservation(key))
+                .arg("settling")
+                .query(&mut plain)
+                .expect("HGET")
+        };
+        assert_eq!(settling().as_deref(), Some("extended"), "{key}");
+        for _ in 0..200 {
+            if settling().is_none() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert_eq!(settling(), None, "{key}: never resolved");
+        let looked = sidecar.lookup("sale", key).await;
+        assert_eq!(looked.body["state"], "active", "{key}: {}", looked.text);
+        assert_eq!(expires_at(&looked), expected, "{key}: {}", looked.text);
+        // A new extension of the key is decided as any other.
+        extend(&sidecar, key, until + 1_000, "")
+            .await
+            .assert_answer_because(200, "extended", key);
+    }
+    sidecar.assert_invariants("sale", 10);
+    sidecar.shutdown().await;
+}
+
+/// A cart's line is held, confirmed and cancelled with its cart: extending it alone
+/// or confirming part of it is refused, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_carts_line_is_neither_extended_nor_confirmed_in_part_alone() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            DropSpec::new(10)
+                .per_user_limit(5)
+                .hold_seconds(60)
+                .max_hold_seconds(300),
+        )
+        .await;
+    let cart = json!({"key": "cart", "user": "alice", "lines": [{"drop": "sale", "quantity": 2}]});
+    sidecar
+        .http
+        .post("/v1/carts", &cart.to_string())
+        .await
+        .expect("answers")
+        .assert_answer(201, "reserved");
+    let line = sidecar.lookup("sale", "cart:1").await;
+    line.assert_answer(200, "found");
+    let refused = extend(&sidecar, "cart:1", expires_at(&line) + 10_000, "").await;
+    refused.assert_answer(409, "extension_refused");
+    assert!(
+        refused.text.contains("line of cart cart"),
+        "{}",
+        refused.text
+    );
+    let refused = settle_with(&sidecar, "cart:1", "confirm", r#"{"quantity":1}"#).await;
+    refused.assert_answer(400, "invalid");
+    assert!(
+        refused.text.contains("/v1/carts/cart/confirm"),
+        "{}",
+        refused.text
+    );
+    let after = sidecar.lookup("sale", "cart:1").await;
+    assert_eq!(after.body["quantity"], 2, "{}", after.text);
+    assert_eq!(expires_at(&after), expires_at(&line), "{}", after.text);
+    // A key that only looks like a line is a reservation like any other.
+    sidecar
+        .reserve("sale", "order:7", "bob", 2)
+        .await
+        .assert_answer(201, "admitted");
+    settle_with(&sidecar, "order:7", "confirm", r#"{"quantity":1}"#)
+        .await
+        .assert_answer(200, "confirmed");
+    sidecar.shutdown().await;
+}
+
+/// A refund after a partial confirm returns what the ledger holds, even when the
+/// gate's marker says more (a Redis put back from a copy older than the confirm):
+/// the ledger's stock, which the fallback sells from, is never credited twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_returns_what_the_ledger_kept() {
+    use dropgate_api::DropKeys;
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("sale", DropSpec::new(10).per_user_limit(3))
+        .await;
+    sidecar
+        .reserve("sale", "a", "alice", 3)
+        .await
+        .assert_answer(201, "admitted");
+    settle_with(&sidecar, "a", "confirm", r#"{"quantity":1}"#)
+        .await
+        .assert_answer(200, "confirmed");
+    let pool = open_ledger(&format!("sqlite://{}", sidecar.database_path().display())).await;
+    assert_eq!(ledger_available(&pool).await, 9);
+    // The marker as an older copy of Redis would have it: all three units.
+    let mut conn = sidecar.redis.connection().expect("connect");
+    redis::cmd("HSET")
+        .arg(DropKeys::new(common::NS, "sale").reservation("a"))
+        .arg("quantity")
+        .arg(3)
+        .query::<()>(&mut conn)
+        .expect("HSET");
+    sidecar
+        .settle("sale", "a", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    assert_eq!(
+        ledger_available(&pool).await,
+        10,
+        "one unit back, not three"
+    );
+    let event = event_of(&pool, "a", "cancelled").await;
+    assert_eq!(event["quantity"], 1, "{event}");
+    pool.close().await;
     sidecar.shutdown().await;
 }

@@ -14,6 +14,7 @@ pub struct DropSpec {
     limited_quantity: i64,
     per_user_limit: Option<i64>,
     hold_seconds: Option<i64>,
+    max_hold_seconds: Option<i64>,
     paused: bool,
     starts_at: Option<String>,
     ends_at: Option<String>,
@@ -32,6 +33,7 @@ impl DropSpec {
             limited_quantity: limit,
             per_user_limit: None,
             hold_seconds: None,
+            max_hold_seconds: None,
             paused: false,
             starts_at: None,
             ends_at: None,
@@ -69,6 +71,12 @@ impl DropSpec {
     /// `holdSeconds:`.
     pub fn hold_seconds(mut self, seconds: i64) -> Self {
         self.hold_seconds = Some(seconds);
+        self
+    }
+
+    /// `maxHoldSeconds:`: how far an extension may move a hold.
+    pub fn max_hold_seconds(mut self, seconds: i64) -> Self {
+        self.max_hold_seconds = Some(seconds);
         self
     }
 
@@ -138,6 +146,9 @@ impl fmt::Display for DropSpec {
         }
         if let Some(seconds) = self.hold_seconds {
             writeln!(f, "  holdSeconds: {seconds}")?;
+        }
+        if let Some(seconds) = self.max_hold_seconds {
+            writeln!(f, "  maxHoldSeconds: {seconds}")?;
         }
         if self.paused {
             writeln!(f, "  paused: true")?;

@@ -31,9 +31,13 @@ const (
 )
 
 const (
-	release       = "dropgate"
-	operatorNS    = "dropgate-system"
-	operatorSA    = "dropgate-operator"
+	release    = "dropgate"
+	operatorNS = "dropgate-system"
+	operatorSA = "dropgate-operator"
+	// The namespace whose Secrets the chart lets the operator read
+	// (operator.secretNamespaces); never deleted by a scenario, so that a later
+	// `helm upgrade` renders its Role into a namespace that exists.
+	secretsNS     = "e2e-secrets"
 	operatorID    = "e2e-operator"
 	finalizerName = "dropgate.io/cleanup"
 	leaseName     = "dropgate-operator" // the chart's DROPGATE_LEASE_NAME
@@ -137,8 +141,12 @@ func (e *env) installChart(t *testing.T) {
 	// cluster does: the chart's Pods must pass it to be stored.
 	e.ensureNamespace(t, operatorNS)
 	e.kubectl(t, "label", "--overwrite", "namespace", operatorNS, "pod-security.kubernetes.io/enforce=restricted")
+	// Secrets are granted per namespace (the chart's default): the suite's one
+	// namespace for drops whose URL lives in a Secret exists first.
+	e.ensureNamespace(t, secretsNS)
 	args := []string{"upgrade", "--install", release, e.path("charts/dropgate"),
-		"--namespace", operatorNS, "--create-namespace"}
+		"--namespace", operatorNS, "--create-namespace",
+		"--set-json", `operator.secretNamespaces=["` + secretsNS + `"]`}
 	if e.helmSet != "" {
 		args = append(args, "--set", e.helmSet)
 	}

@@ -80,6 +80,17 @@ func sidecarInjectedByWebhook(t *testing.T, e *env) {
 		t.Errorf("a pod that names no ledger: %v; want refused naming dropgate.io/database-secret and dropgate.io/ledger", err)
 	}
 
+	// A hostNetwork pod is refused: the sidecar's API would sit on the node's loopback.
+	hostNet := strings.Replace(appPod(ns, "host-net", `dropgate.io/inject: "true"`, perPod), "spec:\n", "spec:\n  hostNetwork: true\n", 1)
+	_, err = e.runIn(hostNet, "kubectl", "apply", "-f", "-")
+	// (Said by the webhook, which runs before Pod Security would refuse it too.)
+	if err == nil || !strings.Contains(err.Error(), "dropgate is not injected into hostNetwork pods") {
+		t.Errorf("a hostNetwork pod: %v; want refused by the webhook, naming hostNetwork", err)
+	}
+	if _, err := e.run("kubectl", "-n", ns, "get", "pod", "host-net"); err == nil {
+		t.Errorf("the hostNetwork pod was stored")
+	}
+
 	// A namespace that opts in: every pod but those labelled "false".
 	optIn := "e2e-inject-ns"
 	e.ensureNamespace(t, optIn)

@@ -102,7 +102,8 @@ func operatorRBACIsEnough(t *testing.T, e *env) {
 	e.waitField(t, ns, "inventorydrop/rbac-drop", "{.status.remaining}", "7")
 
 	// What the chart grants: get (not list or watch) of Secrets, for
-	// spec.redis.secretRef; nothing that writes them, and no other workload access.
+	// spec.redis.secretRef, in the namespaces of operator.secretNamespaces only;
+	// nothing that writes them, and no other workload access.
 	canI := func(want string, args ...string) {
 		t.Helper()
 		out, _ := as(append([]string{"auth", "can-i"}, args...)...) // exit 1 means "no"
@@ -110,11 +111,16 @@ func operatorRBACIsEnough(t *testing.T, e *env) {
 			t.Errorf("kubectl auth can-i %s as the operator: %q, want %q", strings.Join(args, " "), got, want)
 		}
 	}
-	canI("yes", "get", "secrets", "-n", ns)
+	canI("yes", "get", "secrets", "-n", secretsNS)
+	for _, elsewhere := range []string{ns, "kube-system", "default", operatorNS} {
+		canI("no", "get", "secrets", "-n", elsewhere)
+	}
+	canI("no", "get", "secrets", "--all-namespaces")
 	for _, verb := range []string{"list", "watch", "create", "update", "patch", "delete"} {
-		canI("no", verb, "secrets", "-n", ns)
+		canI("no", verb, "secrets", "-n", secretsNS)
 		canI("no", verb, "secrets", "--all-namespaces")
 	}
+
 	canI("no", "get", "configmaps", "-n", ns)
 	canI("no", "create", "pods", "-n", ns)
 	canI("no", "delete", "inventorydrops.dropgate.io", "-n", ns)
@@ -126,6 +132,22 @@ func operatorRBACIsEnough(t *testing.T, e *env) {
 	if log, err := os.ReadFile(e.operator.log); err == nil && strings.Contains(strings.ToLower(string(log)), "forbidden") {
 		t.Errorf("the operator was refused something (its log says forbidden): see %s", e.operator.log)
 	}
+
+	// A drop outside those namespaces that names a Secret, read as in a cluster (no
+	// --redis-url override): the API server refuses the read, and the drop says how
+	// to grant it.
+	e.startOperatorWith(t, map[string]string{"DROPGATE_REDIS_URL": ""})
+	e.kubectl(t, "-n", ns, "create", "secret", "generic", "sale-redis", "--from-literal=url="+e.redisURL)
+	e.createDrop(t, ns, "secret-elsewhere", `{sku: X, limitedQuantity: 3, redis: {secretRef: {name: sale-redis, key: url}}}`)
+	e.waitCondition(t, ns, "inventorydrop/secret-elsewhere", "Ready", "False")
+	e.eventually(t, "the drop names the missing grant", func() (bool, string) {
+		msg, err := e.run("kubectl", "-n", ns, "get", "inventorydrop/secret-elsewhere", "-o",
+			`jsonpath={.status.conditions[?(@.type=="Ready")].message}`)
+		return err == nil && strings.Contains(msg, "operator.secretNamespaces") && !strings.Contains(msg, e.redisURL), msg
+	})
+	// The suite's operator again (its --redis-url lets both drops go).
+	e.startOperator(t)
+	e.deleteDrop(t, ns, "secret-elsewhere")
 
 	e.kubectl(t, "-n", ns, "delete", "inventorydrop/rbac-drop", "--wait", "--timeout=120s")
 	e.kubectl(t, "delete", "namespace", ns, "--wait=false")

@@ -36,6 +36,9 @@ if state == 'active' then
     return answer('above_held')
   end
   prepare('confirmed', ARGV[3], now + tonumber(ARGV[4]))
+  -- Never a leftover of an earlier preparation (one an older sidecar cleared
+  -- without knowing the field): only this confirm's own.
+  redis.call('HDEL', K.marker, 'settleQuantity')
   if kept < held then
     redis.call('HSET', K.marker, 'settleQuantity', kept)
   end

@@ -1,5 +1,5 @@
--- finish: ARGV[3] the attempt that prepared a confirm or cancel, which the ledger
--- has recorded: it takes effect in Redis. An attempt that no longer matches (a
+-- finish: ARGV[3] the attempt that prepared a confirm, cancel or extension, which
+-- the ledger has recorded: it takes effect in Redis. An attempt that no longer matches (a
 -- rebuild replayed the ledger's record meanwhile) changes nothing: 'gone'.
 --
 -- The units follow the state from the one the marker is in now, as a replay's do:
@@ -12,6 +12,23 @@ local m = redis.call('HMGET', K.marker, 'settling', 'settleAttempt', 'user', 'qu
   'settleSeq', 'state', 'settleQuantity')
 if not ours() or m[2] ~= ARGV[3] then
   return answer('gone')
+end
+if m[1] == 'extended' then
+  -- An extension: the hold's deadline moves (never back), nothing else.
+  local until_ms = tonumber(redis.call('HGET', K.marker, 'settleExpiresAt'))
+  clear_settling()
+  local at = math.max(tonumber(redis.call('HGET', K.marker, 'expiresAt')), until_ms)
+  redis.call('HSET', K.marker, 'expiresAt', at, 'seq', m[5])
+  if m[6] == 'active' then
+    redis.call('ZADD', K.holds, at, KEY)
+  end
+  -- A sale without an end keeps a marker a week past its hold (see reserve.lua):
+  -- past the new deadline too. With an end, the drop's keys outlive every hold.
+  local expire_at = redis.call('HGET', K.config, 'expireAt')
+  if not expire_at or expire_at == '' then
+    redis.call('PEXPIREAT', K.marker, at + 7 * 86400 * 1000)
+  end
+  return answer('extended')
 end
 clear_settling()
 redis.call('ZREM', K.holds, KEY)

@@ -60,6 +60,7 @@ static RESERVE: LazyLock<GateScript> = gate_script!("reserve");
 static RESERVES: LazyLock<GateScript> = batch_script!("reserve");
 static CONFIRM: LazyLock<GateScript> = gate_script!("confirm");
 static CANCEL: LazyLock<GateScript> = gate_script!("cancel");
+static EXTEND: LazyLock<GateScript> = gate_script!("extend");
 static LOOKUP: LazyLock<GateScript> = gate_script!("lookup");
 static EXPIRE: LazyLock<GateScript> = gate_script!("expire");
 static UNDO: LazyLock<GateScript> = gate_script!("undo");
@@ -357,6 +358,14 @@ pub enum Unresolved {
         /// When it is overdue (its `settleBy`).
         due_ms: i64,
     },
+    /// An extension prepared by `attempt`, moving an active hold's deadline to
+    /// `until_ms`.
+    Extend {
+        attempt: String,
+        until_ms: i64,
+        /// When it is overdue (its `settleBy`).
+        due_ms: i64,
+    },
 }
 
 /// The unresolved change of `key` as it stands, if the key holds one.
@@ -366,7 +375,7 @@ pub async fn unresolved(
     key: &str,
 ) -> RedisResult<Option<Unresolved>> {
     // state, user, quantity, attempt, overdueAt, variant; settling, settleAttempt,
-    // settleBy; sale
+    // settleBy; sale; settleExpiresAt
     type Fields = (
         Option<String>,
         Option<String>,
@@ -378,6 +387,7 @@ pub async fn unresolved(
         Option<String>,
         Option<i64>,
         Option<String>,
+        Option<i64>,
     );
     let (
         state,
@@ -390,6 +400,7 @@ pub async fn unresolved(
         settle_attempt,
         settle_by,
         sale,
+        settle_expires_at,
     ): Fields = redis::cmd("HMGET")
         .arg(keys.reservation(key))
         .arg("state")
@@ -402,6 +413,7 @@ pub async fn unresolved(
         .arg("settleAttempt")
         .arg("settleBy")
         .arg("sale")
+        .arg("settleExpiresAt")
         .query_async(conn)
         .await?;
     Ok(
@@ -422,6 +434,11 @@ pub async fn unresolved(
                     sale: sale.filter(|s| !s.is_empty()),
                 }))
             }
+            (_, _, _, Some("extended"), Some(attempt)) => Some(Unresolved::Extend {
+                attempt,
+                until_ms: settle_expires_at.unwrap_or(0),
+                due_ms: settle_by.unwrap_or(0),
+            }),
             (_, _, _, Some(to), Some(attempt)) => State::parse(to)
                 .filter(|to| matches!(to, State::Confirmed | State::Cancelled))
                 .map(|to| Unresolved::Settle {
@@ -462,7 +479,7 @@ async fn scored_until(
         .await
 }
 
-/// A confirm or cancel to prepare.
+/// A confirm, cancel or extension to prepare.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settling {
     /// Keeps `quantity` of the units held (all when `None`) and gives the rest back
@@ -471,14 +488,19 @@ pub enum Settling {
         quantity: Option<i64>,
     },
     Cancel,
+    /// Moves an active hold's deadline to `until_ms` (ms since the epoch).
+    Extend {
+        until_ms: i64,
+    },
 }
 
 impl Settling {
-    /// The state the reservation moves to.
+    /// The state the reservation moves to (an extension leaves it active).
     pub fn state(self) -> State {
         match self {
             Self::Confirm { .. } => State::Confirmed,
             Self::Cancel => State::Cancelled,
+            Self::Extend { .. } => State::Active,
         }
     }
 }
@@ -496,13 +518,14 @@ pub async fn prepare(
     attempt: &str,
     bound_ms: u64,
 ) -> RedisResult<Prepare> {
-    let (script, call, kept) = match settling {
+    let (script, call, asked) = match settling {
         Settling::Cancel => (&CANCEL, Call::Cancel, String::new()),
         Settling::Confirm { quantity } => (
             &CONFIRM,
             Call::Confirm,
             quantity.map_or_else(String::new, |q| q.to_string()),
         ),
+        Settling::Extend { until_ms } => (&EXTEND, Call::Extend, until_ms.to_string()),
     };
     run(
         script,
@@ -510,7 +533,7 @@ pub async fn prepare(
         keys,
         ledger,
         key,
-        &[attempt, &bound_ms.to_string(), &kept],
+        &[attempt, &bound_ms.to_string(), &asked],
     )
     .await?
     .prepared(call)
@@ -653,6 +676,12 @@ pub async fn replay(
     )
     .await?
     .replay()
+}
+
+/// Whether the drop's gate is open (at some epoch): not absent, not closed.
+pub async fn is_open(conn: &mut Connection, keys: &DropKeys) -> RedisResult<bool> {
+    let gate: Option<String> = redis::cmd("GET").arg(keys.gate()).query_async(conn).await?;
+    Ok(gate.is_some_and(|gate| !gate.is_empty() && !gate.starts_with("closed:")))
 }
 
 /// The keys of the reservations Redis lists under `user` (see

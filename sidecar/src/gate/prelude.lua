@@ -215,7 +215,7 @@ end
 local function clear_settling()
   EXPIRES_SHARED = nil
   redis.call('HDEL', K.marker, 'settling', 'settleAttempt', 'settleBy', 'settleSeq',
-    'settleQuantity')
+    'settleQuantity', 'settleExpiresAt')
   redis.call('ZREM', K.unresolved, KEY)
 end
 

@@ -29,6 +29,19 @@ if ours() then
   m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'variant')
 end
 if m[3] and (rank[m[3]] or 0) >= rank[target] then
+  -- An active hold the ledger extended (Redis missed the extension's finish): its
+  -- deadline moves forward, never back.
+  local expires_at = tonumber(redis.call('HGET', K.marker, 'expiresAt') or '0')
+  if m[3] == 'active' and target == 'active' and not settling()
+    and tonumber(ARGV[6]) > expires_at then
+    redis.call('HSET', K.marker, 'expiresAt', ARGV[6])
+    redis.call('ZADD', K.holds, ARGV[6], KEY)
+    return answer('replayed')
+  end
+  -- Listed under its buyer as a replayed one is (a marker an older sidecar
+  -- activated has no entry yet).
+  local admitted = tonumber(redis.call('HGET', K.marker, 'admittedAt') or ARGV[10]) or now_ms()
+  list_for_buyer(m[1], admitted)
   return answer('in_line')
 end
 local user = m[1] or ARGV[3]
@@ -76,6 +89,8 @@ if expire_at and expire_at ~= '' then
   -- its keys (an hour past now at least): a PEXPIREAT in the past would delete the
   -- marker it just wrote, and the next replay would count its units again.
   redis.call('PEXPIREAT', K.marker, math.max(tonumber(expire_at), now_ms() + 3600 * 1000))
+  -- The buyers' index lives as long as the drop's keys (it may be new here).
+  redis.call('PEXPIREAT', K.by_buyer, math.max(tonumber(expire_at), now_ms() + 3600 * 1000))
 else
   redis.call('PEXPIREAT', K.marker, tonumber(ARGV[6]) + 7 * 86400 * 1000)
 end

@@ -151,6 +151,7 @@ pub(super) enum Call {
     Reserve,
     Confirm,
     Cancel,
+    Extend,
     Lookup,
 }
 
@@ -331,8 +332,16 @@ impl Wire {
             }
             (Call::Lookup, "found") => Outcome::Found(self.view()?),
             (Call::Lookup | Call::Reserve, "settling") => Outcome::Unsettled(self.view()?),
-            (Call::Confirm | Call::Cancel, "settling") | (_, "pending") => Outcome::Pending,
-            (Call::Confirm | Call::Cancel, "expired") => Outcome::Expired(self.view()?),
+            (Call::Confirm | Call::Cancel | Call::Extend, "settling") | (_, "pending") => {
+                Outcome::Pending
+            }
+            (Call::Confirm | Call::Cancel | Call::Extend, "expired") => {
+                Outcome::Expired(self.view()?)
+            }
+            (Call::Extend, "extended") => Outcome::Extended(self.view()?),
+            (Call::Extend, "extension_refused") => Outcome::ExtensionRefused(self.view()?),
+            (Call::Extend, "confirmed") => Outcome::WasConfirmed(self.view()?),
+            (Call::Extend, "cancelled") => Outcome::WasCancelled(self.view()?),
             (Call::Confirm, "already_confirmed") => Outcome::AlreadyConfirmed(self.view()?),
             (Call::Confirm, "cancelled") => Outcome::WasCancelled(self.view()?),
             (Call::Confirm, "above_held") => Outcome::AboveHeld {
@@ -368,7 +377,9 @@ impl Wire {
     /// A confirm's or cancel's preparation.
     pub(super) fn prepared(self, call: Call) -> RedisResult<Prepare> {
         match (call, self.outcome.as_str()) {
-            (Call::Confirm, "confirming") | (Call::Cancel, "cancelling") => Ok(Prepare::Prepared {
+            (Call::Confirm, "confirming")
+            | (Call::Cancel, "cancelling")
+            | (Call::Extend, "extending") => Ok(Prepare::Prepared {
                 view: self.view()?,
                 step: self.step()?,
             }),
@@ -378,7 +389,7 @@ impl Wire {
 
     pub(super) fn finished(self) -> RedisResult<Finished> {
         match self.outcome.as_str() {
-            "confirmed" | "cancelled" => Ok(Finished::Done(self.view()?)),
+            "confirmed" | "cancelled" | "extended" => Ok(Finished::Done(self.view()?)),
             "gone" => Ok(Finished::Gone),
             word => Err(unexpected("finish answered", word)),
         }

@@ -102,6 +102,52 @@ fn stock(config: &DropConfig) -> Stock {
     Stock::of(config)
 }
 
+/// Extends the active hold `row` to `until_ms` on the ledger's gate, within
+/// `terms.max_hold_seconds` from its admission: the row's deadline and its event,
+/// in the caller's transaction. A deadline at or before the current one changes
+/// nothing.
+async fn extend_on_fallback(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    config: &DropConfig,
+    row: &Recorded,
+    terms: Terms,
+    until_ms: i64,
+    now: i64,
+) -> Result<Outcome, TxError> {
+    let current = View {
+        reservation: row.reservation(),
+        remaining: 0,
+    };
+    if until_ms <= row.expires_at_ms {
+        return Ok(Outcome::Extended(current));
+    }
+    // A row written before admissions kept their time: its deadline minus the hold.
+    let admitted = row
+        .admitted_at_ms
+        .unwrap_or(row.expires_at_ms - terms.hold_seconds * 1000);
+    if until_ms > admitted + terms.max_hold_seconds * 1000 {
+        return Ok(Outcome::ExtensionRefused(current));
+    }
+    let change = Change {
+        extension: true,
+        expires_at_ms: until_ms,
+        ..Change::new(
+            drop_key,
+            stock(config),
+            &row.key,
+            &row.reservation(),
+            State::Active,
+        )
+    };
+    if !super::extend_hold(tx, &change, false, now).await? {
+        return Err(TxError::Raced);
+    }
+    let mut ids = EventIds::for_events(1);
+    write_event(tx, &mut ids, &change, "fallback", now).await?;
+    Ok(Outcome::Extended(view(tx, drop_key, &row.key).await?))
+}
+
 /// The terms a fallback admission is decided on: the newest the ledger has seen,
 /// which are the caller's own when its config is as new. A caller whose config is
 /// older than a generation the ledger knows no terms of is told to read it again.
@@ -295,12 +341,20 @@ impl Ledger {
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            ensure_stock(&mut tx, drop_key, &stock(config)).await?;
+            let stored = ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             // A hold past its deadline expires first, whatever was asked.
             let Some(row) = expire_if_due(&mut tx, drop_key, config, key, now).await? else {
                 tx.commit().await?;
                 return Ok(Decision::Done(Outcome::NotFound));
             };
+            if let (Settle::Extend { until_ms }, State::Active) = (settle, row.state) {
+                let terms = effective_terms(config, stored)?;
+                let outcome =
+                    extend_on_fallback(&mut tx, drop_key, config, &row, terms, until_ms, now)
+                        .await?;
+                tx.commit().await?;
+                return Ok(Decision::Done(outcome));
+            }
             let kept = match settle {
                 Settle::Confirm { quantity } => quantity,
                 _ => None,
@@ -321,7 +375,7 @@ impl Ledger {
             if let Some(target) = target {
                 let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
                     .keeping(kept);
-                if !transition(&mut tx, &change, false, now).await? {
+                if transition(&mut tx, &change, false, now).await?.is_none() {
                     return Err(TxError::Raced);
                 }
                 if target == State::Cancelled {
@@ -340,6 +394,10 @@ impl Ledger {
                 (Settle::Confirm { .. }, State::Active) => Outcome::Confirmed(view),
                 (Settle::Confirm { .. }, State::Confirmed) => Outcome::AlreadyConfirmed(view),
                 (Settle::Confirm { .. }, State::Cancelled) => Outcome::WasCancelled(view),
+                // An active hold's extension was decided above.
+                (Settle::Extend { .. }, State::Active) => Outcome::Extended(view),
+                (Settle::Extend { .. }, State::Confirmed) => Outcome::WasConfirmed(view),
+                (Settle::Extend { .. }, State::Cancelled) => Outcome::WasCancelled(view),
                 (Settle::Cancel, State::Active | State::Confirmed) => Outcome::Cancelled(view),
                 (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
                 // The ledger never records a pending admission.
@@ -546,16 +604,16 @@ impl Ledger {
         })
     }
 
-    /// Fences off the confirm or cancel `attempt` of `key`, judged dead before it
-    /// was recorded: from now on its commit is refused. Returns the reservation's
-    /// state after, in the same transaction: the attempt's target when its commit
-    /// came first.
+    /// Fences off the confirm, cancel or extension `attempt` of `key`, judged dead
+    /// before it was recorded: from now on its commit is refused. Returns the
+    /// reservation after, in the same transaction: in the attempt's target state
+    /// (or at its deadline) when its commit came first.
     pub async fn fence_settle(
         &self,
         drop_key: &str,
         key: &str,
         attempt: &str,
-    ) -> Result<Option<State>, LedgerError> {
+    ) -> Result<Option<Recorded>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         sqlx::query(
             "UPDATE reservations SET fenced_attempt = $1 WHERE drop_key = $2 AND res_key = $3",
@@ -567,7 +625,7 @@ impl Ledger {
         .await?;
         let row = read(&mut tx, drop_key, key).await?;
         tx.commit().await?;
-        Ok(row.map(|row| row.state))
+        Ok(row)
     }
 
     /// Marks a change as one Redis has not seen (its activation failed).
@@ -827,7 +885,7 @@ async fn expire_if_due(
         &row.reservation(),
         State::Expired,
     );
-    if transition(tx, &change, false, now).await? {
+    if transition(tx, &change, false, now).await?.is_some() {
         adjust_holdings(tx, &change, change.quantity).await?;
         let mut ids = EventIds::for_events(1);
         write_event(tx, &mut ids, &change, "fallback", now).await?;

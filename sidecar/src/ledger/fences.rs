@@ -30,6 +30,20 @@ pub async fn record(pool: &AnyPool, lock: &str, fence: i64) -> Result<bool, sqlx
     Ok(recorded.rows_affected() == 1)
 }
 
+/// Forgets the high-water marks of locks last taken before `before_ms` (ms since
+/// the epoch); returns how many. A fence is never below Redis's clock in
+/// microseconds when it is handed out, so a mark that low belongs to a lock not
+/// taken since, and the next fence of that name is above it anyway (by Redis's
+/// clock, under the same assumption as every fence): one row per lock name ever
+/// used would otherwise stay for good.
+pub async fn prune(pool: &AnyPool, before_ms: i64) -> Result<u64, sqlx::Error> {
+    let pruned = sqlx::query("DELETE FROM lock_fences WHERE fence < $1")
+        .bind(before_ms.saturating_mul(1000))
+        .execute(pool)
+        .await?;
+    Ok(pruned.rows_affected())
+}
+
 /// Writes `value` to `resource` on behalf of the holder of `fence`, unless a holder
 /// with this fence or a higher one already wrote: the check that makes a paused,
 /// expired holder's late write harmless (an equal fence is refused too: fences

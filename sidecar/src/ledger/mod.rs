@@ -32,10 +32,52 @@ use sqlx::{Any, AnyPool, Row, Transaction};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
+/// The query parameters sqlx's PostgreSQL driver reads (it ignores others).
+const POSTGRES_PARAMETERS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// The first query parameter of a PostgreSQL URL that the driver would ignore
+/// (`options[name]` is one it reads). An unparsable URL is left to the driver.
+fn unknown_postgres_parameter(url: &str) -> Option<String> {
+    let parsed = url::Url::parse(url).ok()?;
+    parsed
+        .query_pairs()
+        .map(|(key, _)| key.into_owned())
+        .find(|key| {
+            !POSTGRES_PARAMETERS.contains(&key.as_str())
+                && !(key.starts_with("options[") && key.ends_with(']'))
+        })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
     #[error("--database-url must start with sqlite:// or postgres:// (got {0:?})")]
     Scheme(String),
+    /// A PostgreSQL URL's query parameter the driver does not read: it would be
+    /// ignored (a typo, or a libpq setting such as `sslpassword` that is not
+    /// supported), and the driver would log its value.
+    #[error(
+        "--database-url has the query parameter `{0}`, which the PostgreSQL driver does not read: remove it (the driver knows {POSTGRES_PARAMETERS:?})"
+    )]
+    Parameter(String),
     #[error("cannot open the ledger at {url}: {source}")]
     Open {
         url: String,
@@ -200,6 +242,9 @@ impl Ledger {
             };
             (create, 1)
         } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            if let Some(unknown) = unknown_postgres_parameter(url) {
+                return Err(LedgerError::Parameter(unknown));
+            }
             (url.to_string(), 16)
         } else {
             return Err(LedgerError::Scheme(dropgate_api::redact_url(url)));
@@ -613,6 +658,9 @@ async fn apply_gate_change(
     change: &Change,
     now: i64,
 ) -> Result<Result<i64, RecordError>, sqlx::Error> {
+    if change.extension {
+        return record_extension(tx, ids, change, now).await;
+    }
     if change.state == State::Active {
         if insert_reservation(tx, change, "gate", true, now).await? {
             write_event(tx, ids, change, "gate", now).await?;
@@ -646,14 +694,20 @@ async fn apply_gate_change(
             })
         });
     }
-    if transition(tx, change, true, now).await? {
-        write_event(tx, ids, change, "gate", now).await?;
-        // A partial confirm gives back what it does not keep.
-        return Ok(Ok(if change.state.holds_units() {
-            change.released
-        } else {
-            change.quantity
-        }));
+    if let Some(held) = transition(tx, change, true, now).await? {
+        // A partial confirm gives back what it does not keep; a cancel or expiry
+        // what the ledger's row held (not what the gate's marker said: a Redis put
+        // back from an older copy may hold a partial confirm's units whole).
+        if change.state.holds_units() {
+            write_event(tx, ids, change, "gate", now).await?;
+            return Ok(Ok(change.released));
+        }
+        let returned = Change {
+            quantity: held,
+            ..change.clone()
+        };
+        write_event(tx, ids, &returned, "gate", now).await?;
+        return Ok(Ok(held));
     }
     if fallback::fenced_off(tx, &change.drop_key, &change.key, change.attempt.as_deref()).await? {
         return Ok(Err(RecordError::GivenUp));
@@ -674,6 +728,66 @@ async fn apply_gate_change(
             Ok(Ok(0))
         }
     }
+}
+
+/// Records an extension the Redis gate prepared: the active hold's deadline moves
+/// forward, with its event; a ledger that has it at or past that deadline already
+/// has nothing new. Moves no units.
+async fn record_extension(
+    tx: &mut Transaction<'static, Any>,
+    ids: &mut EventIds,
+    change: &Change,
+    now: i64,
+) -> Result<Result<i64, RecordError>, sqlx::Error> {
+    if extend_hold(tx, change, true, now).await? {
+        write_event(tx, ids, change, "gate", now).await?;
+        return Ok(Ok(0));
+    }
+    if fallback::fenced_off(tx, &change.drop_key, &change.key, change.attempt.as_deref()).await? {
+        return Ok(Err(RecordError::GivenUp));
+    }
+    match fallback::read(tx, &change.drop_key, &change.key).await? {
+        Some(row) if row.state == State::Active && row.expires_at_ms >= change.expires_at_ms => {
+            Ok(Ok(0))
+        }
+        // Confirmed, cancelled or expired here: nothing is held to extend.
+        Some(row) => Ok(Err(RecordError::KeyUsed { state: row.state })),
+        // A reservation this ledger never saw admitted (another pod's SQLite
+        // ledger): keep its record and event, with no stock effect here, as for a
+        // confirm.
+        None => {
+            if insert_reservation(tx, change, "gate", true, now).await? {
+                write_event(tx, ids, change, "gate", now).await?;
+            }
+            Ok(Ok(0))
+        }
+    }
+}
+
+/// Moves an active hold's deadline forward to the change's (never back), unless
+/// the change's attempt was fenced off; true when moved.
+pub(super) async fn extend_hold(
+    tx: &mut Transaction<'static, Any>,
+    change: &Change,
+    replayed: bool,
+    now: i64,
+) -> Result<bool, sqlx::Error> {
+    let moved = sqlx::query(
+        "UPDATE reservations SET expires_at_ms = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
+         WHERE drop_key = $5 AND res_key = $6 AND state = 'active' AND expires_at_ms < $7 \
+         AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $8)",
+    )
+    .bind(change.expires_at_ms)
+    .bind(now)
+    .bind(i64::from(replayed))
+    .bind(change.seq)
+    .bind(&change.drop_key)
+    .bind(&change.key)
+    .bind(change.expires_at_ms)
+    .bind(change.attempt.as_deref())
+    .execute(&mut **tx)
+    .await?;
+    Ok(moved.rows_affected() == 1)
 }
 
 /// Creates the drop's stock row (limit minus what is held) or moves it to the
@@ -703,8 +817,9 @@ async fn ensure_stock(
         if generation > stored {
             sqlx::query(
                 "UPDATE stock SET available = available + ($1 - lim), lim = $2, generation = $3, \
-                 starts_at_ms = $4, ends_at_ms = $5, per_user_limit = $6, hold_seconds = $7, paused = $8 \
-                 WHERE drop_key = $9 AND generation < $10",
+                 starts_at_ms = $4, ends_at_ms = $5, per_user_limit = $6, hold_seconds = $7, paused = $8, \
+                 max_hold_seconds = $9 \
+                 WHERE drop_key = $10 AND generation < $11",
             )
             .bind(limit)
             .bind(limit)
@@ -714,6 +829,7 @@ async fn ensure_stock(
             .bind(terms.map(|t| t.per_user_limit))
             .bind(terms.map(|t| t.hold_seconds))
             .bind(terms.map(|t| i64::from(t.paused)))
+            .bind(terms.map(|t| t.max_hold_seconds))
             .bind(drop_key)
             .bind(generation)
             .execute(&mut **tx)
@@ -728,9 +844,9 @@ async fn ensure_stock(
     }
     sqlx::query(
         "INSERT INTO stock (drop_key, lim, available, generation, starts_at_ms, ends_at_ms, per_user_limit, \
-         hold_seconds, paused) \
-         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4, $5, $6, $7, $8, $9 FROM reservations \
-         WHERE drop_key = $10 AND state IN ('active', 'confirmed') \
+         hold_seconds, paused, max_hold_seconds) \
+         SELECT $1, $2, $3 - COALESCE(SUM(quantity), 0), $4, $5, $6, $7, $8, $9, $10 FROM reservations \
+         WHERE drop_key = $11 AND state IN ('active', 'confirmed') \
          ON CONFLICT (drop_key) DO NOTHING",
     )
     .bind(drop_key)
@@ -742,6 +858,7 @@ async fn ensure_stock(
     .bind(terms.map(|t| t.per_user_limit))
     .bind(terms.map(|t| t.hold_seconds))
     .bind(terms.map(|t| i64::from(t.paused)))
+    .bind(terms.map(|t| t.max_hold_seconds))
     .bind(drop_key)
     .execute(&mut **tx)
     .await?;
@@ -855,8 +972,8 @@ async fn stock_row(
     drop_key: &str,
 ) -> Result<Option<(i64, Option<Terms>)>, sqlx::Error> {
     let row: Option<AnyRow> = sqlx::query(
-        "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds, paused \
-         FROM stock WHERE drop_key = $1",
+        "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds, paused, \
+         max_hold_seconds FROM stock WHERE drop_key = $1",
     )
     .bind(drop_key)
     .fetch_optional(&mut **tx)
@@ -872,6 +989,8 @@ async fn stock_row(
                 hold_seconds,
                 // Written before the pause existed: not paused.
                 paused: row.try_get::<Option<i64>, _>(5)?.is_some_and(|p| p != 0),
+                // Written before extensions existed: none allowed.
+                max_hold_seconds: row.try_get::<Option<i64>, _>(6)?.unwrap_or(hold_seconds),
             }),
             _ => None,
         };
@@ -888,13 +1007,14 @@ async fn set_terms(
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE stock SET starts_at_ms = $1, ends_at_ms = $2, per_user_limit = $3, hold_seconds = $4, \
-         paused = $5 WHERE drop_key = $6 AND generation = $7",
+         paused = $5, max_hold_seconds = $6 WHERE drop_key = $7 AND generation = $8",
     )
     .bind(terms.and_then(|t| t.starts_at_ms))
     .bind(terms.and_then(|t| t.ends_at_ms))
     .bind(terms.map(|t| t.per_user_limit))
     .bind(terms.map(|t| t.hold_seconds))
     .bind(terms.map(|t| i64::from(t.paused)))
+    .bind(terms.map(|t| t.max_hold_seconds))
     .bind(drop_key)
     .bind(generation)
     .execute(&mut **tx)
@@ -943,28 +1063,29 @@ async fn insert_reservation(
 /// (confirm and expire from active, cancel from active or confirmed), unless the
 /// change's attempt was fenced off (judged dead); true when moved. Only forward, so
 /// a late or repeated change moves nothing. A partial confirm keeps the change's
-/// quantity of a row that holds it plus what the change releases.
+/// quantity of a row that holds it plus what the change releases. Returns the
+/// row's quantity after the move, `None` when nothing moved.
 async fn transition(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
     replayed: bool,
     now: i64,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Option<i64>, sqlx::Error> {
     let sql = match change.state {
-        State::Active | State::Pending => return Ok(false),
+        State::Active | State::Pending => return Ok(None),
         State::Confirmed | State::Expired => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
              quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
-             AND ($9 = 0 OR quantity = $10)"
+             AND ($9 = 0 OR quantity = $10) RETURNING quantity"
         }
         State::Cancelled => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
              quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed') \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
-             AND ($9 = 0 OR quantity = $10)"
+             AND ($9 = 0 OR quantity = $10) RETURNING quantity"
         }
     };
     let query = sqlx::query(sql)
@@ -978,7 +1099,10 @@ async fn transition(
         .bind(change.released)
         .bind(change.released)
         .bind(change.quantity + change.released);
-    Ok(query.execute(&mut **tx).await?.rows_affected() == 1)
+    match query.fetch_optional(&mut **tx).await? {
+        Some(row) => Ok(Some(row.try_get(0)?)),
+        None => Ok(None),
+    }
 }
 
 /// Moves `units` of a change in the fallback stock and the buyer's count:
@@ -1085,7 +1209,20 @@ async fn write_event(
     path: &str,
     now: i64,
 ) -> Result<(), sqlx::Error> {
-    let event_id = format!("{}/{}/{}", change.drop_key, change.key, event(change.state));
+    let kind = if change.extension {
+        "extended"
+    } else {
+        event(change.state)
+    };
+    // A hold may be extended more than once: each deadline is its own event.
+    let event_id = if change.extension {
+        format!(
+            "{}/{}/{kind}/{}",
+            change.drop_key, change.key, change.expires_at_ms
+        )
+    } else {
+        format!("{}/{}/{kind}", change.drop_key, change.key)
+    };
     let drop = dropgate_api::keys::ledger_drop(&change.drop_key);
     let sale = dropgate_api::keys::ledger_sale(&change.drop_key);
     let mut event_body = serde_json::json!({
@@ -1096,7 +1233,7 @@ async fn write_event(
         "path": path,
         "quantity": change.quantity,
         "sale": sale,
-        "type": event(change.state),
+        "type": kind,
         "user": change.user,
     });
     if let Some(fields) = event_body.as_object_mut() {
@@ -1107,6 +1244,10 @@ async fn write_event(
         // A partial confirm: the units it gave back.
         if change.released > 0 {
             fields.insert("released".into(), change.released.into());
+        }
+        // An extension: the hold's new deadline (ms since the epoch).
+        if change.extension {
+            fields.insert("expiresAt".into(), change.expires_at_ms.into());
         }
     }
     let payload = outbox::canonical(&event_body).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
@@ -1124,4 +1265,24 @@ async fn write_event(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::unknown_postgres_parameter;
+
+    #[test]
+    fn a_parameter_the_driver_would_ignore_is_named() {
+        assert_eq!(
+            unknown_postgres_parameter("postgres://u@h/x?sslpassword=s3cr3t&sslmode=require"),
+            Some("sslpassword".into())
+        );
+        for known in [
+            "postgres://u:p@h/x",
+            "postgres://u@h/x?sslmode=verify-full&sslrootcert=/ca.pem&application_name=shop",
+            "postgresql://h/x?options[statement_timeout]=5s",
+        ] {
+            assert_eq!(unknown_postgres_parameter(known), None, "{known}");
+        }
+    }
 }

@@ -22,6 +22,7 @@ use crate::ledger::fences;
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+static NAME: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("name.lua")));
 
 /// First backoff step between acquire attempts, and the largest.
 const BACKOFF_BASE: Duration = Duration::from_millis(5);
@@ -147,6 +148,27 @@ async fn take(
     }
 }
 
+/// Notes lock `name` of `namespace` as in use for `ttl_ms` and a day; false when it
+/// is a new name and the namespace already has `max` names in use. (A step of its
+/// own, apart from the lock's: the names of a namespace live in one slot, each
+/// lock in its own. Racing acquires of new names may pass the cap by a few.)
+pub async fn note_name(
+    conn: &mut Connection,
+    namespace: &str,
+    name: &str,
+    ttl_ms: i64,
+    max: u32,
+) -> RedisResult<bool> {
+    let noted: i64 = NAME
+        .key(LockKeys::names(namespace))
+        .arg(name)
+        .arg(ttl_ms)
+        .arg(max)
+        .invoke_async(conn)
+        .await?;
+    Ok(noted == 1)
+}
+
 /// Extends the lease of the holder of `token`; `None` when the lease was lost.
 pub async fn renew(
     conn: &mut Connection,
@@ -157,6 +179,7 @@ pub async fn renew(
     let span = lock_span("lock renew");
     let renewed: RedisResult<(i64, i64)> = RENEW
         .key(keys.lock())
+        .key(keys.fence())
         .arg(token)
         .arg(ttl_ms)
         .invoke_async(conn)

@@ -90,6 +90,25 @@ async fn take(app: &App, raw: &str, body: &[u8]) -> Result<Answer, Answer> {
         .map_err(|e| Answer::invalid(e.0))?;
     let (name, keys, ledger_name) = lock_of(app, raw)?;
     let mut conn = app.redis.clone();
+    let namespace = app.drops.namespace();
+    match locks::note_name(&mut conn, namespace, &name, ttl_ms, app.max_lock_names).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(Answer::refusal(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_locks",
+                format!(
+                    "namespace {namespace} has {} lock names in use (--max-lock-names): lock {name} is not taken until older names lapse, a day after their last lease",
+                    app.max_lock_names
+                ),
+            ));
+        }
+        Err(e) => {
+            return Err(Answer::unavailable(format!(
+                "lock {name} cannot be taken: {e}"
+            )));
+        }
+    }
     let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
     let ledger = locks::FenceLedger {
         pool: app.ledger.pool(),
@@ -124,9 +143,18 @@ async fn extend(app: &App, raw: &str, body: &[u8]) -> Result<Answer, Answer> {
     let (name, keys, _) = lock_of(app, raw)?;
     let mut conn = app.redis.clone();
     match locks::renew(&mut conn, &keys, &token, ttl_ms).await {
-        Ok(Some(until)) => Ok(Answer::new(StatusCode::OK, "renewed")
-            .with("lock", name)
-            .with("expiresAt", rfc3339(until))),
+        Ok(Some(until)) => {
+            // Its name stays in use past the new lease (never refused: it is in use).
+            let namespace = app.drops.namespace();
+            if let Err(error) =
+                locks::note_name(&mut conn, namespace, &name, ttl_ms, u32::MAX).await
+            {
+                tracing::debug!(lock = %name, %error, "a renewed lock's name was not noted");
+            }
+            Ok(Answer::new(StatusCode::OK, "renewed")
+                .with("lock", name)
+                .with("expiresAt", rfc3339(until)))
+        }
         Ok(None) => Err(Answer::refusal(
             StatusCode::CONFLICT,
             "lost",

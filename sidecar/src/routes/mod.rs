@@ -49,6 +49,12 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(app.clone())
         .and(body)
         .then(reservations::cancel);
+    let extend = warp::path!("v1" / "drops" / String / "reservations" / String / "extend")
+        .and(warp::post())
+        .and(caller())
+        .and(app.clone())
+        .and(body)
+        .then(reservations::extend);
     let by_buyer = warp::path!("v1" / "drops" / String / "reservations")
         .and(warp::get())
         .and(warp::query::raw().or(warp::any().map(String::new)).unify())
@@ -125,6 +131,8 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .or(confirm)
         .unify()
         .or(cancel)
+        .unify()
+        .or(extend)
         .unify()
         .or(by_buyer)
         .unify()
@@ -300,6 +308,11 @@ const CANCEL: Route = route!(
     "cancel",
     "POST",
     "/v1/drops/{drop}/reservations/{key}/cancel"
+);
+const EXTEND: Route = route!(
+    "extend",
+    "POST",
+    "/v1/drops/{drop}/reservations/{key}/extend"
 );
 const LOOKUP: Route = route!("lookup", "GET", "/v1/drops/{drop}/reservations/{key}");
 const BY_BUYER: Route = route!("by_buyer", "GET", "/v1/drops/{drop}/reservations");

@@ -9,7 +9,8 @@ use warp::http::StatusCode;
 use warp::reply::Response;
 
 use super::{
-    BY_BUYER, CANCEL, CONFIRM, Caller, LOOKUP, RESERVE, failed, name_buyer, retry_later, served,
+    BY_BUYER, CANCEL, CONFIRM, Caller, EXTEND, LOOKUP, RESERVE, failed, name_buyer, retry_later,
+    served,
 };
 use crate::answer::{Answer, rfc3339};
 use crate::app::App;
@@ -67,6 +68,51 @@ async fn settle_with_body(
         Ok(body) => settle(app, drop, key, settle_as, &body).await,
         Err(refusal) => refusal,
     }
+}
+
+/// `POST .../reservations/{key}/extend` with `{"expiresAt"}` (and optionally
+/// `{"user"}`): moves an active hold's deadline.
+pub async fn extend(
+    drop: String,
+    key: String,
+    caller: Caller,
+    app: Arc<App>,
+    body: Result<Bytes, Answer>,
+) -> Response {
+    let answer = async {
+        let body = match body {
+            Ok(body) => body,
+            Err(refusal) => return refusal,
+        };
+        let parsed = input::path_id("key", &key).and_then(|key| {
+            Ok((
+                input::path_id("drop", &drop)?,
+                key,
+                input::ExtendTo::parse(&body)?,
+            ))
+        });
+        let (drop, key, asked) = match parsed {
+            Ok(parsed) => parsed,
+            Err(invalid) => return Answer::invalid(invalid.0),
+        };
+        name_buyer(&app, &key, None);
+        let settle = Settle::Extend {
+            until_ms: asked.until_ms,
+        };
+        let asked_about = Asked {
+            app: &app,
+            drop: &drop,
+            key: &key,
+            user: None,
+            quantity: 0,
+            variant: None,
+        };
+        match service::settle_for(&app, &drop, &key, settle, asked.user.as_deref()).await {
+            Ok(served) => asked_about.answer(served),
+            Err(failure) => failed(&app, failure),
+        }
+    };
+    served(&app, &EXTEND, Some(&drop), caller, answer).await
 }
 
 pub async fn lookup(drop: String, key: String, caller: Caller, app: Arc<App>) -> Response {
@@ -139,7 +185,9 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle, body: 
     let parsed = input::path_id("key", raw_key).and_then(|key| {
         let body = match settle {
             Settle::Confirm { .. } => input::SettleAs::parse_confirm(body)?,
-            Settle::Cancel | Settle::Lookup => input::SettleAs::parse(body)?,
+            Settle::Cancel | Settle::Lookup | Settle::Extend { .. } => {
+                input::SettleAs::parse(body)?
+            }
         };
         Ok((input::path_id("drop", raw_drop)?, key, body))
     });
@@ -251,6 +299,19 @@ impl Asked<'_> {
                 "paused",
                 format!("drop {drop} is paused by the shop: no new reservations for now, retry later"),
             ),
+            Outcome::CartLine {
+                cart,
+                asked: Settle::Extend { .. },
+            } => Answer::refusal(
+                StatusCode::CONFLICT,
+                "extension_refused",
+                format!(
+                    "reservation {key} is a line of cart {cart}: it is held as long as its cart and cannot be extended alone; nothing was changed"
+                ),
+            ),
+            Outcome::CartLine { cart, .. } => Answer::invalid(format!(
+                "reservation {key} is a line of cart {cart}: it is confirmed whole, with its cart (POST /v1/carts/{cart}/confirm), never in part; nothing was changed"
+            )),
             Outcome::AboveHeld { held } => Answer::invalid(format!(
                 "`quantity` {} is more than the {held} units reservation {key} of drop {drop} holds: nothing was changed",
                 self.quantity
@@ -265,7 +326,22 @@ impl Asked<'_> {
                 .reservation(StatusCode::CONFLICT, "cancelled", &view, path)
                 .with(
                     "message",
-                    format!("reservation {key} was cancelled and cannot be confirmed"),
+                    format!("reservation {key} was cancelled and cannot be confirmed or extended"),
+                ),
+            Outcome::WasConfirmed(view) => self
+                .reservation(StatusCode::CONFLICT, "confirmed", &view, path)
+                .with(
+                    "message",
+                    format!("reservation {key} is confirmed: no hold is left to extend"),
+                ),
+            Outcome::Extended(view) => self.reservation(StatusCode::OK, "extended", &view, path),
+            Outcome::ExtensionRefused(view) => self
+                .reservation(StatusCode::CONFLICT, "extension_refused", &view, path)
+                .with(
+                    "message",
+                    format!(
+                        "reservation {key} cannot be held that long: drop {drop}'s maxHoldSeconds, counted from the admission, ends before it; nothing was changed"
+                    ),
                 ),
             // docs/design.md has no word for it: `expired` (409), the message says which.
             Outcome::RecordExpired(view) => self
@@ -283,7 +359,10 @@ impl Asked<'_> {
                 format!(
                     "reservation {key} is {} in the ledger: it cannot be {}",
                     recorded.as_str(),
-                    asked.as_str()
+                    match asked {
+                        crate::reservation::State::Active => "extended",
+                        other => other.as_str(),
+                    }
                 ),
             ),
             Outcome::Recording => retry_later(format!(
@@ -320,6 +399,7 @@ impl Asked<'_> {
             | Outcome::Pending
             | Outcome::Overdue
             | Outcome::Unsettled(_)
+            | Outcome::Listed(_)
             | Outcome::ForeignLedger { .. }) => {
                 Answer::unavailable(format!("the gate answered {unacted:?}, which was not acted on"))
             }

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use dropgate_api::{DropConfig, FailurePolicy, Mode};
 
 pub use admit::reserve;
-pub use settle::{BUYER_LOOKUP_MAX, Bought, reservations_of, settle, settle_for};
+pub use settle::{BUYER_LOOKUP_MAX, Bought, landed, reservations_of, settle, settle_for};
 
 use crate::app::App;
 use crate::drops::{Drop, LookupError};
@@ -451,6 +451,8 @@ enum Turn<T> {
 enum Call<'a> {
     Reserve(&'a crate::input::Reserve),
     Settle(&'a str, crate::reservation::Settle),
+    /// The keys of a buyer's reservations, newest first, at most this many.
+    Buyer(&'a str, usize),
 }
 
 /// Runs a call: on the gate its attempt chooses, reopening a closed gate once.
@@ -465,6 +467,9 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
                     Call::Reserve(request) => admit::on_gate(app, drop, &config, request).await,
                     Call::Settle(key, settle) => {
                         settle::on_gate(app, drop, &config, key, settle).await
+                    }
+                    Call::Buyer(user, limit) => {
+                        settle::buyer_on_gate(app, drop, &config, user, limit).await
                     }
                 },
             },
@@ -485,6 +490,9 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
                     }
                     Call::Settle(key, settle) => {
                         settle::on_fallback(app, drop, &config, key, settle, reason).await
+                    }
+                    Call::Buyer(user, limit) => {
+                        settle::buyer_on_fallback(app, drop, user, limit, reason).await
                     }
                 };
                 if let Some(done) = done {

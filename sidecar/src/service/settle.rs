@@ -16,7 +16,7 @@ use crate::drops::Drop;
 use crate::gate::{self, Finished, Prepare, Reply, Settling};
 use crate::ledger::COMMIT_DEADLINE_MS;
 use crate::ledger::{RecordError, Recorded};
-use crate::reservation::{Outcome, Settle, State, View};
+use crate::reservation::{Change, Outcome, Settle, State, View};
 
 /// Confirms, cancels or looks up the reservation `key` of drop `drop_name`, on
 /// whichever gate decides the drop now.
@@ -44,6 +44,19 @@ pub async fn settle_for(
     user: Option<&str>,
 ) -> Result<Served, Failure> {
     let drop = super::find_drop(app, drop_name).await?;
+    // A cart's line lives and ends with its cart (the cart's deadline, the cart's
+    // confirm and cancel): it is neither extended nor confirmed in part alone.
+    if let Settle::Extend { .. } | Settle::Confirm { quantity: Some(_) } = settle
+        && let Some(cart) = cart_of_line(app, key).await?
+    {
+        return Ok(Served {
+            outcome: Outcome::CartLine {
+                cart,
+                asked: settle,
+            },
+            path: super::Path::Gate,
+        });
+    }
     if let Some(user) = user
         && settle != Settle::Lookup
     {
@@ -62,6 +75,22 @@ pub async fn settle_for(
     decide(app, &drop, Call::Settle(key, settle)).await
 }
 
+/// The cart whose line `key` is (`<cart key>:<n>`), if the ledger has that cart.
+async fn cart_of_line(app: &App, key: &str) -> Result<Option<String>, Failure> {
+    let Some((cart, n)) = key.rsplit_once(':') else {
+        return Ok(None);
+    };
+    if cart.is_empty() || n.parse::<u32>().map_or(true, |n| n == 0) {
+        return Ok(None);
+    }
+    match app.ledger.cart(app.drops.namespace(), cart).await {
+        Ok(row) => Ok(row.map(|row| row.key)),
+        Err(e) => Err(Failure::unavailable(format!(
+            "the ledger could not say whether {key} is a cart's line ({e}): nothing was changed; retry"
+        ))),
+    }
+}
+
 /// At most this many reservations answer a buyer's look-up.
 pub const BUYER_LOOKUP_MAX: usize = 100;
 
@@ -78,36 +107,17 @@ pub struct Bought {
 /// whatever ledger each sidecar has), by the ledger on the fallback (then the
 /// sale's), then each looked up as [`settle`] looks one up.
 pub async fn reservations_of(app: &App, drop_name: &str, user: &str) -> Result<Bought, Failure> {
-    use super::Choice;
     let drop = super::find_drop(app, drop_name).await?;
-    let config = drop.config();
     // Entries of keys another look-up would not show (taken back, another sale's)
-    // are skipped: read some past the answer's bound.
-    let listed = 2 * BUYER_LOOKUP_MAX;
-    let keys = match super::choose(app, &drop, &config) {
-        Choice::Gate => {
-            let mut conn = app.redis.clone();
-            gate::keys_of_buyer(&mut conn, &drop.keys, user, listed)
-                .await
-                .map_err(|e| {
-                    app.breaker(Some(&drop)).failed(&e);
-                    Failure::unavailable(format!(
-                        "Redis could not list the reservations of drop {} ({e}): nothing was changed; retry",
-                        drop.name
-                    ))
-                })?
-        }
-        Choice::Fallback(_) => app
-            .ledger
-            .keys_of_buyer(&drop.ledger_key(), user, listed as i64)
-            .await
-            .map_err(|e| {
-                Failure::unavailable(format!(
-                    "Redis is not gating drop {} and the ledger could not list its reservations ({e}): retry",
-                    drop.name
-                ))
-            })?,
-        Choice::Refused(failure) => return Err(failure),
+    // are skipped: read some past the answer's bound. Listed as any call is decided:
+    // from a Redis checked against the ledger (rebuilt first when it is behind), or
+    // from the sale's own ledger on the fallback.
+    let listed = decide(app, &drop, Call::Buyer(user, 2 * BUYER_LOOKUP_MAX)).await?;
+    let Outcome::Listed(keys) = listed.outcome else {
+        return Err(Failure::unavailable(format!(
+            "the reservations of drop {} could not be listed ({:?}): nothing was changed; retry",
+            drop.name, listed.outcome
+        )));
     };
     let mut bought = Bought {
         reservations: Vec::new(),
@@ -129,6 +139,52 @@ pub async fn reservations_of(app: &App, drop_name: &str, user: &str) -> Result<B
     Ok(bought)
 }
 
+/// The keys of `user`'s reservations on the gate, newest first.
+pub(super) async fn buyer_on_gate(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    user: &str,
+    limit: usize,
+) -> Turn<Outcome> {
+    let mut conn = app.redis.clone();
+    // A gate that is not open (Redis lost its data, or it is being rebuilt) lists
+    // nothing true: open it first, as every other call does.
+    match gate::is_open(&mut conn, &drop.keys).await {
+        Ok(true) => {}
+        Ok(false) => return Turn::Reopen { suspect: false },
+        Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
+    }
+    match gate::keys_of_buyer(&mut conn, &drop.keys, user, limit).await {
+        Ok(keys) => {
+            app.breaker(Some(drop)).answered();
+            Turn::Done(Ok(Outcome::Listed(keys)))
+        }
+        Err(e) => Turn::Reroute(redis_failed(app, drop, config, &e)),
+    }
+}
+
+/// The keys of `user`'s reservations in the sale's ledger, newest first. `None`:
+/// the drop is back on the gate, try there.
+pub(super) async fn buyer_on_fallback(
+    app: &App,
+    drop: &Drop,
+    user: &str,
+    limit: usize,
+    reason: Reason,
+) -> Option<Result<Outcome, Failure>> {
+    let ledger_key = drop.ledger_key();
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    on_ledger(app, drop, reason, || async {
+        app.ledger
+            .keys_of_buyer(&ledger_key, user, limit)
+            .await
+            .map(Outcome::Listed)
+    })
+    .await
+    .transpose()
+}
+
 /// A reservation that no longer waits for its buyer frees its permit at once,
 /// whichever call found it so (a look-up that expired it included), on either
 /// gate, before anything else can fail.
@@ -148,6 +204,28 @@ pub(super) async fn on_fallback(
     settle: Settle,
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
+    // An extension is decided on the bound the operator published now, as a
+    // reserve is (a lowered maxHoldSeconds is obeyed at once).
+    let fresh;
+    let config = match settle {
+        Settle::Extend { .. } => match super::published_now(app, drop).await {
+            super::Published::Now(published) => {
+                fresh = *published;
+                if reason == Reason::Mode && fresh.mode == dropgate_api::Mode::Gate {
+                    return None;
+                }
+                &fresh
+            }
+            super::Published::Missing => {
+                return Some(Err(Failure::retry(format!(
+                    "drop {}'s config in Redis is not the one this sidecar holds: nothing is decided on an older copy; retry",
+                    drop.name
+                ))));
+            }
+            super::Published::Unreachable => config,
+        },
+        _ => config,
+    };
     let ledger_key = drop.ledger_key();
     let decided = on_ledger(app, drop, reason, || {
         app.ledger
@@ -178,6 +256,9 @@ pub(super) async fn on_gate(
             change_on_gate(app, drop, config, key, Settling::Confirm { quantity }).await
         }
         Settle::Cancel => change_on_gate(app, drop, config, key, Settling::Cancel).await,
+        Settle::Extend { until_ms } => {
+            change_on_gate(app, drop, config, key, Settling::Extend { until_ms }).await
+        }
     }
 }
 
@@ -227,10 +308,16 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
         },
         // Its confirm or cancel is prepared: it happened once the ledger recorded it.
         Outcome::Unsettled(view) => match app.ledger.reservation(&drop.ledger_key(), key).await {
-            Ok(Some(row)) if row.state != view.reservation.state => Outcome::Found(View {
-                reservation: row.reservation(),
-                remaining: view.remaining,
-            }),
+            // Recorded: a confirm or cancel moved it, an extension moved its deadline.
+            Ok(Some(row))
+                if row.state != view.reservation.state
+                    || row.expires_at_ms > view.reservation.expires_at_ms =>
+            {
+                Outcome::Found(View {
+                    reservation: row.reservation(),
+                    remaining: view.remaining,
+                })
+            }
             Ok(_) => Outcome::Found(view),
             Err(e) => {
                 return Turn::Done(Err(Failure::retry(format!(
@@ -258,7 +345,12 @@ async fn change_on_gate(
     let to = settling.state();
     let kept = match settling {
         Settling::Confirm { quantity } => quantity,
-        Settling::Cancel => None,
+        Settling::Cancel | Settling::Extend { .. } => None,
+    };
+    let what = match settling {
+        Settling::Confirm { .. } => "confirm",
+        Settling::Cancel => "cancel",
+        Settling::Extend { .. } => "extension",
     };
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
@@ -291,14 +383,22 @@ async fn change_on_gate(
     };
     let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let (view, step) = match prepared {
-        Prepare::Answered(reply) => return answered(app, drop, config, key, to, reply).await,
+        Prepare::Answered(reply) => return answered(app, drop, config, key, settling, reply).await,
         Prepare::Prepared { view, step } => (view, step),
     };
     let change = change_of(drop, config, key, &step, &view.reservation, to)
         .keeping(kept)
         .by(&attempt, deadline);
+    let change = match settling {
+        Settling::Extend { until_ms } => Change {
+            extension: true,
+            expires_at_ms: until_ms,
+            ..change
+        },
+        _ => change,
+    };
     let abort = |why: &str| {
-        tracing::warn!(drop = %drop.name, key, why, "a confirm or cancel was not recorded: undone");
+        tracing::warn!(drop = %drop.name, key, why, what, "a change was not recorded: undone");
     };
     let undo = async |conn: &mut dropgate_redis::Connection| {
         if let Err(error) = gate::abort(conn, &drop.keys, app.ledger.id(), key, &attempt).await {
@@ -306,7 +406,8 @@ async fn change_on_gate(
             tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
         }
     };
-    let quantity = change.quantity;
+    // What the reservation reads as once the change took effect.
+    let settled = with_state(view, to, change.quantity, change.expires_at_ms);
     match app.ledger.record(change).await {
         Ok(()) => {}
         Err(RecordError::KeyUsed { state: recorded }) => {
@@ -326,18 +427,14 @@ async fn change_on_gate(
         // now on) and the ledger's row says which way it went, so that the answer
         // is true either way.
         Err(RecordError::Unknown(why)) => {
-            match settle_landed(app, &change_key(drop, &step), key, &attempt, to).await {
+            match settle_landed(app, &change_key(drop, &step), key, &attempt, settling).await {
                 Some(true) => {}
                 Some(false) => {
                     undo(&mut conn).await;
                     abort(&why);
                     return Turn::Done(Err(Failure::retry(format!(
                         "the ledger could not record the {} ({why}): nothing was changed; retry",
-                        if to == State::Cancelled {
-                            "cancel"
-                        } else {
-                            "confirm"
-                        }
+                        what
                     ))));
                 }
                 None => {
@@ -347,12 +444,7 @@ async fn change_on_gate(
                     tracing::warn!(drop = %drop.name, key, %why, "a confirm or cancel's commit has an unknown outcome: left for its resolution");
                     return Turn::Done(Err(Failure::retry(format!(
                         "the ledger's commit of this {} failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry",
-                        if to == State::Cancelled {
-                            "cancel"
-                        } else {
-                            "confirm"
-                        },
-                        COMMIT_DEADLINE_MS
+                        what, COMMIT_DEADLINE_MS
                     ))));
                 }
             }
@@ -366,26 +458,26 @@ async fn change_on_gate(
             abort(&refusal.to_string());
             return Turn::Done(Err(Failure::retry(format!(
                 "the ledger could not record the {} ({refusal}): nothing was changed; retry",
-                if to == State::Cancelled {
-                    "cancel"
-                } else {
-                    "confirm"
-                }
+                what
             ))));
         }
     }
     // Durable from here on: whatever Redis does next, the answer is the change.
     let done = match gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await {
         Ok(Finished::Done(view)) => view,
-        Ok(Finished::Gone) => with_state(view, to, quantity),
+        Ok(Finished::Gone) => settled,
         Err(error) => {
             // The resolver or the refresh's replay makes Redis follow the ledger.
             app.breaker(Some(drop)).failed(&error);
-            tracing::warn!(drop = %drop.name, %error, "a recorded confirm or cancel could not be finished in Redis yet");
+            tracing::warn!(drop = %drop.name, %error, what, "a recorded change could not be finished in Redis yet");
             replay_later(app, drop, &change_key(drop, &step), key).await;
-            with_state(view, to, quantity)
+            settled
         }
     };
+    if let Settling::Extend { .. } = settling {
+        // Still held: its permit stays taken.
+        return Turn::Done(Ok(Outcome::Extended(done)));
+    }
     drop.throttle.release(key);
     if to == State::Cancelled
         && crate::faults::check(crate::faults::Fault::ErrorAfterRedisCancel).is_err()
@@ -400,12 +492,14 @@ async fn change_on_gate(
     }))
 }
 
-/// The reservation of `view` moved to `state`, holding `quantity`.
-fn with_state(view: View, state: State, quantity: i64) -> View {
+/// The reservation of `view` moved to `state`, holding `quantity` until
+/// `expires_at_ms`.
+fn with_state(view: View, state: State, quantity: i64, expires_at_ms: i64) -> View {
     View {
         reservation: crate::reservation::Reservation {
             state,
             quantity,
+            expires_at_ms,
             ..view.reservation
         },
         remaining: view.remaining,
@@ -419,7 +513,7 @@ async fn answered(
     drop: &Drop,
     config: &DropConfig,
     key: &str,
-    to: State,
+    settling: Settling,
     reply: Reply,
 ) -> Turn<Outcome> {
     match &reply.outcome {
@@ -436,9 +530,10 @@ async fn answered(
         _ => {}
     }
     record_expiry(app, drop, config, key, &reply.step).await;
-    let settle = match to {
-        State::Cancelled => Settle::Cancel,
-        _ => Settle::Confirm { quantity: None },
+    let settle = match settling {
+        Settling::Cancel => Settle::Cancel,
+        Settling::Confirm { quantity } => Settle::Confirm { quantity },
+        Settling::Extend { until_ms } => Settle::Extend { until_ms },
     };
     if reply.outcome == Outcome::NotFound {
         // Redis has no granted marker of this sale: an admission still being
@@ -495,6 +590,8 @@ fn from_ledger(row: Recorded, settle: Settle) -> Outcome {
     match (settle, state) {
         (Settle::Lookup, _) => Outcome::Found(view),
         (_, State::Active) if expires_at_ms > now_ms() => Outcome::Recording,
+        (Settle::Extend { .. }, State::Confirmed) => Outcome::WasConfirmed(view),
+        (Settle::Extend { .. }, State::Cancelled) => Outcome::WasCancelled(view),
         (_, State::Active | State::Expired) => Outcome::Expired(view),
         (Settle::Confirm { .. }, State::Confirmed) => Outcome::AlreadyConfirmed(view),
         (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
@@ -548,6 +645,18 @@ async fn record_settled(
     }
 }
 
+/// Whether the ledger's record of a key (read after its attempt was fenced off)
+/// shows the change `settling` made: the state it moves to, or for an extension an
+/// active hold at or past the deadline asked.
+pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
+    row.is_some_and(|row| match settling {
+        Settling::Extend { until_ms } => {
+            row.state == State::Active && row.expires_at_ms >= until_ms
+        }
+        other => row.state == other.state(),
+    })
+}
+
 /// How long a request asks the ledger whether its commit landed.
 const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
 
@@ -559,13 +668,13 @@ async fn settle_landed(
     ledger_key: &str,
     key: &str,
     attempt: &str,
-    to: State,
+    settling: Settling,
 ) -> Option<bool> {
     let until = Instant::now() + ASK_LEDGER_FOR;
     let mut backoff = Backoff::new();
     loop {
         match app.ledger.fence_settle(ledger_key, key, attempt).await {
-            Ok(state) => return Some(state == Some(to)),
+            Ok(row) => return Some(landed(settling, row.as_ref())),
             Err(error) if Instant::now() < until => {
                 tracing::debug!(%error, "asking the ledger whether a commit landed");
                 backoff.wait(until).await;

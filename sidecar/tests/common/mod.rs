@@ -66,6 +66,7 @@ impl Peer {
             wait_timeout_ms: 100,
             trace_buyer_ids: false,
             redis_cluster: false,
+            max_lock_names: 10_000,
         };
         customize(&mut settings);
         let (stop, stopped) = oneshot::channel::<()>();
