@@ -185,6 +185,11 @@ func namespaceDeletionFinishes(t *testing.T, e *env) {
 	ns, name := "e2e-nsdel", "secret-sale"
 	obj := "inventorydrop/" + name
 	e.ensureNamespace(t, ns)
+	// The operator reads Secrets only where it is granted (the chart grants the
+	// namespaces of operator.secretNamespaces): granted here as the chart would.
+	e.kubectl(t, "-n", ns, "create", "role", "dropgate-operator-secrets", "--verb=get", "--resource=secrets")
+	e.kubectl(t, "-n", ns, "create", "rolebinding", "dropgate-operator-secrets", "--role=dropgate-operator-secrets",
+		"--serviceaccount="+operatorNS+":"+operatorSA)
 	e.kubectl(t, "-n", ns, "create", "secret", "generic", "sale-redis", "--from-literal=url="+e.redisURL)
 	endsAt := time.Now().Add(time.Hour).UTC().Format(time.RFC3339)
 	e.createDrop(t, ns, name, `{sku: NSDEL-1, limitedQuantity: 10, endsAt: "`+endsAt+`", redis: {secretRef: {name: sale-redis, key: url}}}`)

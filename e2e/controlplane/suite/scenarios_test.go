@@ -138,13 +138,16 @@ func operatorRBACIsEnough(t *testing.T, e *env) {
 	// to grant it.
 	e.startOperatorWith(t, map[string]string{"DROPGATE_REDIS_URL": ""})
 	e.kubectl(t, "-n", ns, "create", "secret", "generic", "sale-redis", "--from-literal=url="+e.redisURL)
-	e.createDrop(t, ns, "secret-elsewhere", `{sku: X, limitedQuantity: 3, redis: {secretRef: {name: sale-redis, key: url}}}`)
+	e.kubectlIn(t, dropYAML(ns, "secret-elsewhere", `{sku: X, limitedQuantity: 3, redis: {secretRef: {name: sale-redis, key: url}}}`), "apply", "-f", "-")
 	e.waitCondition(t, ns, "inventorydrop/secret-elsewhere", "Ready", "False")
+	said := ""
 	e.eventually(t, "the drop names the missing grant", func() (bool, string) {
 		msg, err := e.run("kubectl", "-n", ns, "get", "inventorydrop/secret-elsewhere", "-o",
 			`jsonpath={.status.conditions[?(@.type=="Ready")].message}`)
+		said = msg
 		return err == nil && strings.Contains(msg, "operator.secretNamespaces") && !strings.Contains(msg, e.redisURL), msg
 	})
+	t.Logf("a drop whose Secret the operator may not read: %s", said)
 	// The suite's operator again (its --redis-url lets both drops go).
 	e.startOperator(t)
 	e.deleteDrop(t, ns, "secret-elsewhere")
