@@ -1082,3 +1082,36 @@ async fn a_refund_returns_what_the_ledger_kept() {
     pool.close().await;
     sidecar.shutdown().await;
 }
+
+/// Outside Kubernetes (`apply -f`, no metadata.generation) a pause alone is a new
+/// generation, as a limit change is: the ledgers keep the newest terms by
+/// generation, and a fallback that cannot reach Redis decides on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_applied_outside_kubernetes_is_a_new_generation() {
+    use dropgate_api::DropKeys;
+    let sidecar = Sidecar::start().await;
+    let generation = || -> i64 {
+        let mut conn = sidecar.redis.connection().expect("connect");
+        redis::cmd("HGET")
+            .arg(DropKeys::new(common::NS, "sale").config())
+            .arg("generation")
+            .query(&mut conn)
+            .expect("HGET")
+    };
+    sidecar.seed("sale", DropSpec::new(10)).await;
+    let first = generation();
+    sidecar.seed("sale", DropSpec::new(10)).await;
+    assert_eq!(
+        generation(),
+        first,
+        "the same manifest again is the same generation"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    sidecar.seed("sale", DropSpec::new(10).paused()).await;
+    let paused = generation();
+    assert!(paused > first, "paused: generation {paused} after {first}");
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    sidecar.seed("sale", DropSpec::new(10)).await;
+    assert!(generation() > paused, "resumed: a newer generation still");
+    sidecar.shutdown().await;
+}

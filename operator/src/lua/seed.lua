@@ -38,6 +38,10 @@ local old_limit = redis.call('HGET', KEYS[1], 'limit')
 local old_mode = redis.call('HGET', KEYS[1], 'mode') or ''
 local old_generation = redis.call('HGET', KEYS[1], 'generation')
 local old_variants = redis.call('HGET', KEYS[1], 'variants') or ''
+-- The terms a fallback decides on besides the stock: a change of them alone is a
+-- new generation too (outside Kubernetes, below), so that the ledgers keep it.
+local TERMS = {'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'maxHoldSeconds', 'paused'}
+local old_terms = redis.call('HMGET', KEYS[1], unpack(TERMS))
 local generation_in = 0
 local new_variants = ''
 for i = 6, #ARGV - 1, 2 do
@@ -114,6 +118,13 @@ elseif old_limit then
   end
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+local new_terms = redis.call('HMGET', KEYS[1], unpack(TERMS))
+local terms_moved = false
+for i = 1, #TERMS do
+  if (old_terms[i] or '') ~= (new_terms[i] or '') then
+    terms_moved = true
+  end
+end
 -- Published (again): not a deleted drop any more.
 redis.call('DEL', KEYS[10])
 -- The sale's ledger, as the status keeps it (Kubernetes is durable, Redis may not
@@ -134,8 +145,10 @@ if redis.call('HGET', KEYS[1], 'generation') == '0' then
   local t = redis.call('TIME')
   local generation = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- A restock of one variant against a cut of another moves no total, yet the
-  -- ledgers must see the variants' new quantities: a new generation too.
-  if created == 0 and moved == 0 and old_variants == new_variants and old_generation then
+  -- ledgers must see the variants' new quantities: a new generation too; so must
+  -- they a pause, a new end or a new per-user limit alone.
+  if created == 0 and moved == 0 and old_variants == new_variants and not terms_moved
+      and old_generation then
     generation = old_generation
   end
   redis.call('HSET', KEYS[1], 'generation', generation)
