@@ -8,10 +8,15 @@
       the webhook configuration as the contract says; the operator's Secret access.
   check-chart.py disjoint RENDERED.yaml...
       renders of several releases: no two create the same object.
+  check-chart.py described SCHEMA.json
+      every property of the values schema (every entry of a "properties" map, at
+      any depth, definitions and array items included) has a non-empty
+      "description"; lists the JSON Pointer of each that has none.
 
 Prints one line per finding and exits 1 when any check failed.
 """
 
+import json
 import sys
 
 import yaml
@@ -239,6 +244,52 @@ def disjoint(paths):
     print(f"  {len(seen)} objects of {len(paths)} releases, none shared")
 
 
+# JSON Schema keywords whose value is a map of names to schemas, a schema, or a
+# list of schemas: where described() looks for nested "properties".
+SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
+              "unevaluatedProperties", "propertyNames", "contains", "not", "if", "then", "else")
+SCHEMA_LIST = ("items", "prefixItems", "anyOf", "allOf", "oneOf")
+
+
+def described(path):
+    """Every property in the schema at path has a non-empty description."""
+    with open(path, encoding="utf-8") as f:
+        schema = json.load(f)
+    count = missing = 0
+
+    def walk(node, pointer):
+        nonlocal count, missing
+        if not isinstance(node, dict):
+            return
+        for keyword in SCHEMA_MAPS:
+            members = node.get(keyword)
+            if not isinstance(members, dict):
+                continue
+            for name, sub in members.items():
+                where = f"{pointer}/{keyword}/" + name.replace("~", "~0").replace("/", "~1")
+                if keyword == "properties":
+                    count += 1
+                    desc = sub.get("description") if isinstance(sub, dict) else None
+                    if not isinstance(desc, str) or not desc.strip():
+                        missing += 1
+                        fail(f"{where}: no description")
+                walk(sub, where)
+        for keyword in SCHEMA_ONE:
+            if isinstance(node.get(keyword), dict):
+                walk(node[keyword], f"{pointer}/{keyword}")
+        for keyword in SCHEMA_LIST:
+            if isinstance(node.get(keyword), list):
+                for i, sub in enumerate(node[keyword]):
+                    walk(sub, f"{pointer}/{keyword}/{i}")
+
+    walk(schema, "")
+    if count == 0:
+        fail(f"{path}: no properties at all")
+        return
+    print(f"  {count - missing} of {count} properties in {path} have a description")
+
+
 def main(argv):
     if argv[:1] == ["validate"] and len(argv) in (5, 7):
         secret_access = argv[6] if len(argv) == 7 and argv[5] == "--secret-access" else None
@@ -248,6 +299,11 @@ def main(argv):
             fail(f"{argv[4]}: {e}")
     elif argv[:1] == ["disjoint"] and len(argv) > 2:
         disjoint(argv[1:])
+    elif argv[:1] == ["described"] and len(argv) == 2:
+        try:
+            described(argv[1])
+        except (OSError, ValueError) as e:
+            fail(f"{argv[1]}: {e}")
     else:
         print(__doc__, file=sys.stderr)
         return 2

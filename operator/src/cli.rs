@@ -49,6 +49,7 @@ enum Command {
         /// Namespace of the leader Lease (the operator's own).
         #[arg(long, env = "POD_NAMESPACE", default_value = "dropgate-system")]
         lease_namespace: String,
+        /// Name of the leader Lease (one per release).
         #[arg(long, env = "DROPGATE_LEASE_NAME", default_value = "dropgate-operator")]
         lease_name: String,
         /// This replica's name in the Lease.
@@ -115,8 +116,11 @@ enum Command {
 /// local server).
 #[derive(Args)]
 struct Google {
+    /// Base URL of Google's Memorystore for Redis API (HA checks of
+    /// spec.redis.memorystore).
     #[arg(long, env = "DROPGATE_MEMORYSTORE_ENDPOINT", default_value = memorystore::DEFAULT_ENDPOINT)]
     memorystore_endpoint: String,
+    /// Base URL of the metadata server that issues the operator's access tokens.
     #[arg(long, env = "DROPGATE_METADATA_ENDPOINT", default_value = memorystore::DEFAULT_METADATA_ENDPOINT)]
     metadata_endpoint: String,
 }
@@ -307,4 +311,27 @@ fn failed_with(exit: ApplyExit, reason: &dyn std::fmt::Display) -> ExitCode {
 fn fail(reason: &dyn std::fmt::Display) -> ExitCode {
     eprintln!("error: {reason}");
     ExitCode::FAILURE
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every flag of every subcommand says what it is for (`--help`).
+    #[test]
+    fn every_flag_has_help_text() {
+        let mut missing = Vec::new();
+        let cli = super::Cli::command();
+        let mut commands = vec![cli];
+        while let Some(command) = commands.pop() {
+            for arg in command.get_arguments() {
+                let builtin = matches!(arg.get_id().as_str(), "help" | "version");
+                if !builtin && arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{} --{}", command.get_name(), arg.get_id()));
+                }
+            }
+            commands.extend(command.get_subcommands().cloned());
+        }
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
+    }
 }

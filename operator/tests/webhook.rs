@@ -429,11 +429,40 @@ async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
     std::fs::write(served.join("tls.crt"), &crt).expect("write");
     std::fs::write(served.join("tls.key"), &key).expect("write");
     let port = dropgate_testkit::free_port().expect("port");
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let bound = webhook::Webhook::bind(([127, 0, 0, 1], port).into(), served, settings())
-        .await
-        .expect("binds");
-    let server = tokio::spawn(bound.run(shutdown.clone()));
+    let admin = dropgate_testkit::free_port().expect("port");
+    // The release binary's way in: `dropgate-operator run`, as the chart starts it.
+    // Its API server is nowhere (no lease is ever won), which leaves the webhook,
+    // served by every replica whether it leads or not.
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\ncurrent-context: none\n\
+         clusters: [{name: none, cluster: {server: \"https://127.0.0.1:1\"}}]\n\
+         users: [{name: none, user: {token: none}}]\n\
+         contexts: [{name: none, context: {cluster: none, user: none}}]\n",
+    )
+    .expect("write");
+    let mut operator = std::process::Command::new(env!("CARGO_BIN_EXE_dropgate-operator"))
+        .args(["run", "--webhook-listen", &format!("127.0.0.1:{port}")])
+        .arg("--webhook-cert-dir")
+        .arg(&served)
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "off")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("dropgate-operator runs");
+    let mut up = false;
+    for _ in 0..200 {
+        if post_over_tls(port, &ca).await.is_ok() {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(up, "the webhook of dropgate-operator run never answered");
+    let baseline = rss_kb(operator.id());
 
     // 1,200 connections from 12 addresses (past the listener's 1,024), each
     // announcing a 3 MB review and sending it a byte a second, connecting again
@@ -477,10 +506,39 @@ async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
         assert!(answer.contains("\"patchType\":\"JSONPatch\""), "{answer}");
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
+    let under_attack = rss_kb(operator.id());
+    eprintln!("dropgate-operator RSS: {baseline} kB before the attack, {under_attack} kB under it");
     stop.store(true, Ordering::Relaxed);
     for attacker in attackers {
         attacker.abort();
     }
-    shutdown.cancel();
-    server.await.expect("joins");
+    assert!(
+        operator.try_wait().expect("waits").is_none(),
+        "the operator exited under attack"
+    );
+    let _ = operator.kill();
+    let _ = operator.wait();
+    // Under the chart's memory limit for the operator (256Mi), with room to spare:
+    // what the kubelet would kill it past.
+    assert!(
+        under_attack < OPERATOR_RSS_BOUND_KB,
+        "the operator grew from {baseline} kB to {under_attack} kB under attack"
+    );
+}
+
+/// The most memory the operator may use under the attack above (kB): half the
+/// chart's limit of 256Mi.
+const OPERATOR_RSS_BOUND_KB: u64 = 128 * 1024;
+
+/// A process's resident memory (kB), from /proc.
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
 }

@@ -373,27 +373,36 @@ async fn resolve_settle(
 ) -> Result<(), String> {
     let mut conn = app.redis.clone();
     let ledger = app.ledger.id();
-    match app
-        .ledger
-        .fence_settle(&drop.ledger_key(), key, attempt)
-        .await
-    {
-        Ok(row) if crate::service::landed(settling, row.as_ref()) => {
-            gate::finish(&mut conn, &drop.keys, ledger, key, attempt)
-                .await
-                .map(|_| {
-                    // A confirmed or cancelled hold no longer needs its permit.
-                    if !matches!(settling, gate::Settling::Extend { .. }) {
-                        drop.throttle.release(key);
-                    }
-                })
-                .map_err(|e| e.to_string())
-        }
-        Ok(_) => gate::abort(&mut conn, &drop.keys, ledger, key, attempt)
+    let ledger_key = drop.ledger_key();
+    let row = match app.ledger.fence_settle(&ledger_key, key, attempt).await {
+        Ok(row) => row,
+        Err(error) => return Err(error.to_string()),
+    };
+    let resolved = if crate::service::landed(settling, row.as_ref()) {
+        gate::finish(&mut conn, &drop.keys, ledger, key, attempt)
             .await
-            .map_err(|e| e.to_string()),
-        Err(error) => Err(error.to_string()),
+            .map(|_| {
+                // A confirmed or cancelled hold no longer needs its permit.
+                if !matches!(settling, gate::Settling::Extend { .. }) {
+                    drop.throttle.release(key);
+                }
+            })
+            .map_err(|e| e.to_string())
+    } else {
+        gate::abort(&mut conn, &drop.keys, ledger, key, attempt)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    // An extension's row may hold a later deadline than the one this attempt asked
+    // (another attempt, or the fallback, extended it further while this one was
+    // prepared, and a replay left the prepared marker alone): Redis follows it now.
+    if let (gate::Settling::Extend { .. }, Some(row)) = (settling, &row)
+        && resolved.is_ok()
+        && let Err(error) = gate::replay(&mut conn, &drop.keys, ledger, row, &ledger_key).await
+    {
+        return Err(error.to_string());
     }
+    resolved
 }
 
 /// Holds the ledger still has active well past their deadline while Redis decides:

@@ -120,6 +120,20 @@ mod tests {
 
     use super::Settings;
 
+    /// Every flag says what it is for (`--help`).
+    #[test]
+    fn every_flag_has_help_text() {
+        use clap::CommandFactory;
+        let command = Settings::command();
+        let missing: Vec<String> = command
+            .get_arguments()
+            .filter(|arg| !matches!(arg.get_id().as_str(), "help" | "version"))
+            .filter(|arg| arg.get_help().is_none() && arg.get_long_help().is_none())
+            .map(|arg| arg.get_id().to_string())
+            .collect();
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
+    }
+
     /// The sidecar's settings for `redis_url` and the namespace `shop`, plus `args`.
     fn settings(redis_url: &str, namespace: &str, args: &[&str]) -> Settings {
         let mut argv = vec![

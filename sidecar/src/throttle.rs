@@ -162,6 +162,14 @@ impl Throttle {
             .insert(key.to_string(), (permit, deadline_ms));
     }
 
+    /// Moves the deadline of the permit held for `key` (an extended hold) to
+    /// `deadline_ms`, never back; nothing when this sidecar holds none for it.
+    pub fn extend(&self, key: &str, deadline_ms: i64) {
+        if let Some((_, deadline)) = self.lock_held().get_mut(key) {
+            *deadline = (*deadline).max(deadline_ms);
+        }
+    }
+
     /// Gives back the permit of `key`, if this sidecar holds one.
     pub fn release(&self, key: &str) {
         self.lock_held().remove(key);

@@ -1030,14 +1030,21 @@ async fn a_carts_line_is_neither_extended_nor_confirmed_in_part_alone() {
     let after = sidecar.lookup("sale", "cart:1").await;
     assert_eq!(after.body["quantity"], 2, "{}", after.text);
     assert_eq!(expires_at(&after), expires_at(&line), "{}", after.text);
-    // A key that only looks like a line is a reservation like any other.
-    sidecar
-        .reserve("sale", "order:7", "bob", 2)
-        .await
-        .assert_answer(201, "admitted");
-    settle_with(&sidecar, "order:7", "confirm", r#"{"quantity":1}"#)
-        .await
-        .assert_answer(200, "confirmed");
+    // A key that only looks like a line is a reservation like any other: no such
+    // cart, or a cart whose line of that number is not of this drop.
+    for key in ["order:7", "cart:2"] {
+        sidecar
+            .reserve("sale", key, "bob", 1)
+            .await
+            .assert_answer_because(201, "admitted", key);
+        let until = expires_at(&sidecar.lookup("sale", key).await) + 10_000;
+        extend(&sidecar, key, until, "")
+            .await
+            .assert_answer_because(200, "extended", key);
+        settle_with(&sidecar, key, "confirm", r#"{"quantity":1}"#)
+            .await
+            .assert_answer_because(200, "confirmed", key);
+    }
     sidecar.shutdown().await;
 }
 
@@ -1113,5 +1120,42 @@ async fn a_pause_applied_outside_kubernetes_is_a_new_generation() {
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     sidecar.seed("sale", DropSpec::new(10)).await;
     assert!(generation() > paused, "resumed: a newer generation still");
+    sidecar.shutdown().await;
+}
+
+/// An extended hold keeps its throttle permit as long as it now lasts: the
+/// throttle still bounds the holds waiting for their buyers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extended_hold_keeps_its_permit() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed(
+            "sale",
+            DropSpec::new(10)
+                .hold_seconds(1)
+                .max_hold_seconds(60)
+                .permits(1)
+                .acquire_timeout_ms(100),
+        )
+        .await;
+    let held = sidecar.reserve("sale", "a", "alice", 1).await;
+    held.assert_answer(201, "admitted");
+    extend(&sidecar, "a", expires_at(&held) + 30_000, "")
+        .await
+        .assert_answer(200, "extended");
+    // Past the first deadline: the one permit is still the extended hold's.
+    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    sidecar
+        .reserve("sale", "b", "bob", 1)
+        .await
+        .assert_answer(503, "throttled");
+    sidecar
+        .settle("sale", "a", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    sidecar
+        .reserve("sale", "b", "bob", 1)
+        .await
+        .assert_answer(201, "admitted");
     sidecar.shutdown().await;
 }

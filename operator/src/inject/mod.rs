@@ -56,6 +56,7 @@ pub struct Settings {
     /// The sidecar image (it holds both binaries).
     #[arg(long = "sidecar-image", env = "DROPGATE_SIDECAR_IMAGE", default_value = concat!("dropgate:", env!("CARGO_PKG_VERSION")))]
     pub image: String,
+    /// The sidecar's imagePullPolicy (Always, IfNotPresent or Never).
     #[arg(
         long = "sidecar-image-pull-policy",
         env = "DROPGATE_SIDECAR_IMAGE_PULL_POLICY",
@@ -69,6 +70,7 @@ pub struct Settings {
         default_value = "dropgate-redis"
     )]
     pub redis_secret: String,
+    /// The key of that Secret that holds the Redis URL.
     #[arg(
         long = "sidecar-redis-secret-key",
         env = "DROPGATE_SIDECAR_REDIS_SECRET_KEY",
@@ -90,6 +92,7 @@ pub struct Settings {
         env = "DROPGATE_SIDECAR_DATABASE_SECRET"
     )]
     pub database_secret: Option<String>,
+    /// The key of the ledger's Secret (shared or per pod) that holds its URL.
     #[arg(
         long = "sidecar-database-secret-key",
         env = "DROPGATE_SIDECAR_DATABASE_SECRET_KEY",

@@ -62,8 +62,9 @@ fn unknown_postgres_parameter(url: &str) -> Option<String> {
         .query_pairs()
         .map(|(key, _)| key.into_owned())
         .find(|key| {
-            !POSTGRES_PARAMETERS.contains(&key.as_str())
-                && !(key.starts_with("options[") && key.ends_with(']'))
+            let read = POSTGRES_PARAMETERS.contains(&key.as_str())
+                || (key.starts_with("options[") && key.ends_with(']'));
+            !read
         })
 }
 

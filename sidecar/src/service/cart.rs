@@ -173,7 +173,7 @@ fn in_flight(key: &str) -> Failure {
 }
 
 /// The lines of a recorded cart (its terms as [`CartReserve::terms`] wrote them).
-fn lines_of(row: &CartRow) -> Vec<CartLine> {
+pub(super) fn lines_of(row: &CartRow) -> Vec<CartLine> {
     #[derive(serde::Deserialize)]
     struct Terms {
         lines: Vec<Line>,

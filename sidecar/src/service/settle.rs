@@ -47,7 +47,7 @@ pub async fn settle_for(
     // A cart's line lives and ends with its cart (the cart's deadline, the cart's
     // confirm and cancel): it is neither extended nor confirmed in part alone.
     if let Settle::Extend { .. } | Settle::Confirm { quantity: Some(_) } = settle
-        && let Some(cart) = cart_of_line(app, key).await?
+        && let Some(cart) = cart_of_line(app, drop_name, key).await?
     {
         return Ok(Served {
             outcome: Outcome::CartLine {
@@ -75,16 +75,26 @@ pub async fn settle_for(
     decide(app, &drop, Call::Settle(key, settle)).await
 }
 
-/// The cart whose line `key` is (`<cart key>:<n>`), if the ledger has that cart.
-async fn cart_of_line(app: &App, key: &str) -> Result<Option<String>, Failure> {
+/// The cart whose line `key` of drop `drop_name` is (`<cart key>:<n>`, the cart's
+/// n-th line being of that drop), if the ledger has that cart.
+async fn cart_of_line(app: &App, drop_name: &str, key: &str) -> Result<Option<String>, Failure> {
     let Some((cart, n)) = key.rsplit_once(':') else {
         return Ok(None);
     };
-    if cart.is_empty() || n.parse::<u32>().map_or(true, |n| n == 0) {
+    let Some(n) = n.parse::<usize>().ok().filter(|n| *n > 0) else {
+        return Ok(None);
+    };
+    if cart.is_empty() {
         return Ok(None);
     }
     match app.ledger.cart(app.drops.namespace(), cart).await {
-        Ok(row) => Ok(row.map(|row| row.key)),
+        Ok(row) => Ok(row
+            .filter(|row| {
+                super::cart::lines_of(row)
+                    .get(n - 1)
+                    .is_some_and(|line| line.drop == drop_name)
+            })
+            .map(|row| row.key)),
         Err(e) => Err(Failure::unavailable(format!(
             "the ledger could not say whether {key} is a cart's line ({e}): nothing was changed; retry"
         ))),
@@ -235,6 +245,9 @@ pub(super) async fn on_fallback(
     .transpose();
     if let Some(Ok(outcome)) = &decided {
         free_permit_if_settled(drop, key, outcome);
+        if let Outcome::Extended(view) = outcome {
+            drop.throttle.extend(key, view.reservation.expires_at_ms);
+        }
     }
     decided
 }
@@ -475,7 +488,8 @@ async fn change_on_gate(
         }
     };
     if let Settling::Extend { .. } = settling {
-        // Still held: its permit stays taken.
+        // Still held: its permit stays taken, as long as the hold now lasts.
+        drop.throttle.extend(key, done.reservation.expires_at_ms);
         return Turn::Done(Ok(Outcome::Extended(done)));
     }
     drop.throttle.release(key);
