@@ -246,7 +246,8 @@ def disjoint(paths):
 
 # JSON Schema keywords whose value is a map of names to schemas, a schema, or a
 # list of schemas: where described() looks for nested "properties".
-SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependencies",
+               "dependentSchemas")
 SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
               "unevaluatedProperties", "propertyNames", "contains", "not", "if", "then", "else")
 SCHEMA_LIST = ("items", "prefixItems", "anyOf", "allOf", "oneOf")
