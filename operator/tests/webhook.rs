@@ -433,15 +433,7 @@ async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
     // The release binary's way in: `dropgate-operator run`, as the chart starts it.
     // Its API server is nowhere (no lease is ever won), which leaves the webhook,
     // served by every replica whether it leads or not.
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\ncurrent-context: none\n\
-         clusters: [{name: none, cluster: {server: \"https://127.0.0.1:1\"}}]\n\
-         users: [{name: none, user: {token: none}}]\n\
-         contexts: [{name: none, context: {cluster: none, user: none}}]\n",
-    )
-    .expect("write");
+    let kubeconfig = nowhere_kubeconfig(dir.path());
     let mut operator = std::process::Command::new(env!("CARGO_BIN_EXE_dropgate-operator"))
         .args(["run", "--webhook-listen", &format!("127.0.0.1:{port}")])
         .arg("--webhook-cert-dir")
@@ -541,4 +533,61 @@ fn rss_kb(pid: u32) -> u64 {
                 .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// A kubeconfig whose API server is nowhere: `dropgate-operator run` starts (its
+/// client connects lazily), never leads, and serves its webhook.
+fn nowhere_kubeconfig(dir: &std::path::Path) -> std::path::PathBuf {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\ncurrent-context: none\n\
+         clusters: [{name: none, cluster: {server: \"https://127.0.0.1:1\"}}]\n\
+         users: [{name: none, user: {token: none}}]\n\
+         contexts: [{name: none, context: {cluster: none, user: none}}]\n",
+    )
+    .expect("write");
+    kubeconfig
+}
+
+/// `dropgate-operator run` whose webhook port is taken stops with an error naming
+/// it, rather than running on without admitting pods.
+#[test]
+fn run_stops_when_its_webhook_port_is_taken() {
+    let dir = tempfile::tempdir().expect("dir");
+    let served = dir.path().join("served");
+    std::fs::create_dir(&served).expect("dir");
+    let (_, crt, key) = issued(dir.path(), "webhook", true);
+    std::fs::write(served.join("tls.crt"), &crt).expect("write");
+    std::fs::write(served.join("tls.key"), &key).expect("write");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let addr = taken.local_addr().expect("its address");
+    let admin = dropgate_testkit::free_port().expect("port");
+    let mut operator = std::process::Command::new(env!("CARGO_BIN_EXE_dropgate-operator"))
+        .args(["run", "--webhook-listen", &addr.to_string()])
+        .arg("--webhook-cert-dir")
+        .arg(&served)
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .env("KUBECONFIG", nowhere_kubeconfig(dir.path()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("dropgate-operator runs");
+    // Bounded: a process that ran on is killed here and fails the test.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while operator.try_wait().expect("waits").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = operator.kill();
+            panic!("dropgate-operator kept running with its webhook port taken");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = operator.wait_with_output().expect("it exits");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("cannot listen on {addr} for the webhook")),
+        "{stderr}"
+    );
+    drop(taken);
 }
