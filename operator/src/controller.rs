@@ -141,7 +141,7 @@ impl Context {
             // The chart grants Secrets per namespace by default: say how to grant it.
             Err(kube::Error::Api(status)) if status.code == 403 => {
                 return Err(problem(&format!(
-                    "cannot be read: the operator may not get Secrets in namespace {namespace} (add it to the chart's operator.secretNamespaces)"
+                    "cannot be read: the operator may not get Secrets in namespace {namespace} (with the chart's operator.secretAccess: namespaces, add it to operator.secretNamespaces)"
                 )));
             }
             Err(error) => return Err(error.into()),
