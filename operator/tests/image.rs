@@ -38,3 +38,20 @@ fn the_image_runs_as_a_non_root_user() {
         .expect("a numeric uid (runAsNonRoot can check it)");
     assert_ne!(uid, 0);
 }
+
+/// Release builds are stripped (the sidecar is pulled by every pod a sale scales
+/// out): 19.0 MB for the sidecar and 20.8 MB for the operator when measured, not the
+/// ~140 MB each with line tables. `--profile release-debug` keeps them.
+#[test]
+fn release_builds_are_stripped() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
+    let manifest = std::fs::read_to_string(path).expect("the workspace manifest");
+    let release = manifest
+        .split("\n[")
+        .find(|section| section.starts_with("profile.release]"))
+        .expect("a [profile.release] section");
+    assert!(
+        release.lines().any(|line| line.replace(' ', "") == "strip=true"),
+        "[profile.release] does not strip: {release}"
+    );
+}
