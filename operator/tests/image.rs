@@ -51,7 +51,9 @@ fn release_builds_are_stripped() {
         .find(|section| section.starts_with("profile.release]"))
         .expect("a [profile.release] section");
     assert!(
-        release.lines().any(|line| line.replace(' ', "") == "strip=true"),
+        release
+            .lines()
+            .any(|line| line.replace(' ', "") == "strip=true"),
         "[profile.release] does not strip: {release}"
     );
 }
