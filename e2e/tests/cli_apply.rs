@@ -18,9 +18,18 @@ fn drop_manifest(name: &str, spec: &str) -> String {
 
 /// `dropgate-operator [global] apply -f - --redis-url URL` with `stdin` as the manifest.
 fn apply(stdin: &str, redis_url: &str, global: &[&str], env: &[(&str, &str)]) -> Output {
+    let args: Vec<&str> = global
+        .iter()
+        .copied()
+        .chain(["apply", "-f", "-", "--redis-url", redis_url])
+        .collect();
+    operator_with_stdin(stdin, &args, env)
+}
+
+/// `dropgate-operator ARGS` with `stdin` on its standard input.
+fn operator_with_stdin(stdin: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut child = Command::new(binary("dropgate-operator"))
-        .args(global)
-        .args(["apply", "-f", "-", "--redis-url", redis_url])
+        .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -210,20 +219,7 @@ fn no_secret_in_a_url_is_ever_printed() {
         assert_clean(&format!("apply --redis-url {url}"), &out);
         // As the drop's own spec.redis.url.
         let manifest = drop_manifest("sale", &good).replace("redis://unused:1", url);
-        let mut child = Command::new(binary("dropgate-operator"))
-            .args(["apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("dropgate-operator runs");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(manifest.as_bytes())
-            .expect("manifest written");
-        let out = child.wait_with_output().expect("it exits");
+        let out = operator_with_stdin(&manifest, &["apply", "-f", "-"], &[]);
         assert_ne!(code(&out), 0, "{url}");
         assert_clean(&format!("apply of spec.redis.url {url}"), &out);
     }

@@ -20,19 +20,6 @@ use tokio::net::{TcpSocket, TcpStream};
 /// (10,000 half-sent heads: 177 MB).
 const RSS_GROWTH_BOUND_KB: u64 = 48 * 1024;
 
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|line| line.starts_with("VmRSS:"))
-                .and_then(|line| line.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 async fn connect_from(from: [u8; 4], to: SocketAddr) -> Option<TcpStream> {
     let socket = TcpSocket::new_v4().ok()?;
     socket.bind(SocketAddr::from((from, 0))).ok()?;
@@ -94,7 +81,7 @@ async fn thousands_of_slow_clients_leave_the_sidecar_bounded_and_answering() {
         .await
         .expect("answers");
     assert_eq!(first.status, 201, "{}", first.text);
-    let baseline = rss_kb(sidecar.pid());
+    let baseline = dropgate_testkit::resident_kb(sidecar.pid());
 
     let api_addr: SocketAddr = sidecar
         .base
@@ -140,7 +127,7 @@ async fn thousands_of_slow_clients_leave_the_sidecar_bounded_and_answering() {
         sold += 1;
         let healthz = probe.get("/healthz").await.expect("the probe port answers");
         assert_eq!(healthz.status, 200);
-        peak = peak.max(rss_kb(sidecar.pid()));
+        peak = peak.max(dropgate_testkit::resident_kb(sidecar.pid()));
     }
     stop.store(true, Ordering::Relaxed);
     for attacker in attackers {

@@ -454,7 +454,7 @@ async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     assert!(up, "the webhook of dropgate-operator run never answered");
-    let baseline = rss_kb(operator.id());
+    let baseline = dropgate_testkit::resident_kb(operator.id());
 
     // 1,200 connections from 12 addresses (past the listener's 1,024), each
     // announcing a 3 MB review and sending it a byte a second, connecting again
@@ -498,7 +498,7 @@ async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
         assert!(answer.contains("\"patchType\":\"JSONPatch\""), "{answer}");
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
-    let under_attack = rss_kb(operator.id());
+    let under_attack = dropgate_testkit::resident_kb(operator.id());
     eprintln!("dropgate-operator RSS: {baseline} kB before the attack, {under_attack} kB under it");
     stop.store(true, Ordering::Relaxed);
     for attacker in attackers {
@@ -521,19 +521,6 @@ async fn slow_clients_announcing_big_reviews_cannot_stall_the_webhook() {
 /// The most memory the operator may use under the attack above (kB): half the
 /// chart's limit of 256Mi.
 const OPERATOR_RSS_BOUND_KB: u64 = 128 * 1024;
-
-/// A process's resident memory (kB), from /proc.
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("VmRSS:"))
-                .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
 
 /// A kubeconfig whose API server is nowhere: `dropgate-operator run` starts (its
 /// client connects lazily), never leads, and serves its webhook.

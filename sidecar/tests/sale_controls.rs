@@ -870,12 +870,7 @@ async fn a_replayed_extension_moves_a_deadline_forward_only() {
         .await
         .expect("the ledger answers")
         .expect("it has the reservation");
-    let mut conn: dropgate_redis::Connection = redis::Client::open(sidecar.redis.url())
-        .expect("url")
-        .get_connection_manager()
-        .await
-        .expect("connect")
-        .into();
+    let mut conn = gate_connection(&sidecar).await;
     let keys = DropKeys::new(common::NS, "sale");
     let deadline_in_redis = |conn: &mut redis::Connection| -> (i64, i64) {
         let at: i64 = redis::cmd("HGET")
@@ -926,12 +921,7 @@ async fn an_extension_left_unfinished_is_resolved_by_the_ledger() {
     let ledger = common::ledger_of(&sidecar).await;
     let ledger_key = sidecar.ledger_key("sale");
     let keys = DropKeys::new(common::NS, "sale");
-    let mut conn: dropgate_redis::Connection = redis::Client::open(sidecar.redis.url())
-        .expect("url")
-        .get_connection_manager()
-        .await
-        .expect("connect")
-        .into();
+    let mut conn = gate_connection(&sidecar).await;
     for (key, recorded) in [("lost", false), ("landed", true)] {
         let held = sidecar.reserve("sale", key, key, 1).await;
         held.assert_answer(201, "admitted");
@@ -1158,4 +1148,14 @@ async fn an_extended_hold_keeps_its_permit() {
         .await
         .assert_answer(201, "admitted");
     sidecar.shutdown().await;
+}
+
+/// A connection to the sidecar's Redis as the gate's own calls make them.
+async fn gate_connection(sidecar: &Sidecar) -> dropgate_redis::Connection {
+    redis::Client::open(sidecar.redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connect")
+        .into()
 }

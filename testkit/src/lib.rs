@@ -38,3 +38,18 @@ pub(crate) fn find_binary(name: &str, fallbacks: &[&str]) -> Option<std::path::P
         )
         .find(|candidate| candidate.is_file())
 }
+
+/// The resident memory of process `pid` (kB, from /proc; 0 when it cannot be read):
+/// what a memory bound in a test is checked against.
+pub fn resident_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmRSS:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -6,21 +6,9 @@
 -- finish.lua makes it take effect, so a cancel the ledger could not record changed
 -- nothing (abort.lua). A duplicate cancel restores nothing: it is told 'settling'
 -- while the first is in flight, then 'already_cancelled'.
-if EPOCH == '' then
-  return reply('closed')
-end
-if foreign() then
-  return refuse_foreign()
-end
-if ours() and redis.call('HGET', K.marker, 'state') == 'pending' then
-  -- An admission not yet answered: whether it stands is decided within its bound.
-  return answer('pending')
-end
-if not granted() then
-  return reply('not_found')
-end
-if settling() then
-  return answer('settling')
+local early = before_existing()
+if early then
+  return early
 end
 local now = now_ms()
 if expire_if_due(now) then

@@ -7,21 +7,9 @@
 -- if the ledger does not record it, abort.lua undoes the preparation and the
 -- reservation is as it was. A confirm or cancel already in flight for the key is
 -- answered 'settling' (ask again).
-if EPOCH == '' then
-  return reply('closed')
-end
-if foreign() then
-  return refuse_foreign()
-end
-if ours() and redis.call('HGET', K.marker, 'state') == 'pending' then
-  -- An admission not yet answered: whether it stands is decided within its bound.
-  return answer('pending')
-end
-if not granted() then
-  return reply('not_found')
-end
-if settling() then
-  return answer('settling')
+local early = before_existing()
+if early then
+  return early
 end
 local now = now_ms()
 if expire_if_due(now) then

@@ -8,21 +8,9 @@
 -- current one (a retry is harmless); one past the drop's maxHoldSeconds counted from
 -- the admission is refused ('extension_refused'). While it is prepared the hold does
 -- not expire (nothing else changes a reservation whose change is prepared).
-if EPOCH == '' then
-  return reply('closed')
-end
-if foreign() then
-  return refuse_foreign()
-end
-if ours() and redis.call('HGET', K.marker, 'state') == 'pending' then
-  -- An admission not yet answered: whether it stands is decided within its bound.
-  return answer('pending')
-end
-if not granted() then
-  return reply('not_found')
-end
-if settling() then
-  return answer('settling')
+local early = before_existing()
+if early then
+  return early
 end
 local now = now_ms()
 if expire_if_due(now) then

@@ -219,6 +219,30 @@ local function clear_settling()
   redis.call('ZREM', K.unresolved, KEY)
 end
 
+-- What a call on an existing reservation (look-up, confirm, cancel, extension) is
+-- answered before it looks at it: a closed gate; a caller whose ledger is not the
+-- sale's; an admission not answered yet (whether it stands is decided within its
+-- bound); no reservation of this sale; a change of it prepared and not yet finished
+-- (ask again). nil: go on.
+local function before_existing()
+  if EPOCH == '' then
+    return reply('closed')
+  end
+  if foreign() then
+    return refuse_foreign()
+  end
+  if ours() and redis.call('HGET', K.marker, 'state') == 'pending' then
+    return answer('pending')
+  end
+  if not granted() then
+    return reply('not_found')
+  end
+  if settling() then
+    return answer('settling')
+  end
+  return nil
+end
+
 -- A hold past its deadline flips to expired and returns its units, in the same
 -- step: a reservation never reads as expired while its unit is still missing from
 -- remaining. A 'pending' one (admitted, waiting for its throttle permit) expires
