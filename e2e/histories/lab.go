@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -71,13 +72,31 @@ func versionLess(a, b string) bool {
 	return a < b
 }
 
+var (
+	portsMu    sync.Mutex
+	portsGiven = map[int]bool{}
+)
+
+// freePort is a loopback port nothing listens on now and that this process has not
+// handed out before. The lab's servers keep their ports across restarts, so two of
+// them must never be given the same one: the second would fail to bind while its
+// start-up check was answered by the first.
 func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
+	portsMu.Lock()
+	defer portsMu.Unlock()
+	for range 100 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if !portsGiven[port] {
+			portsGiven[port] = true
+			return port, nil
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
+	return 0, errors.New("no loopback port left that was not handed out before")
 }
 
 func startLab(binDir, dir string) (*lab, error) {
@@ -156,7 +175,23 @@ func (l *lab) reset() error {
 	if _, err := redisCmd(p.addr(), "FLUSHALL"); err != nil {
 		return err
 	}
-	return waitReplicaUp(r.addr(), 10*time.Second)
+	if err := waitReplicaUp(r.addr(), 10*time.Second); err != nil {
+		return fmt.Errorf("%w\nreplica's log:\n%s\nprimary's log:\n%s", err, tail(r.log, 15), tail(p.log, 15))
+	}
+	return nil
+}
+
+// tail is the last n lines of a log file (what a harness error shows of it).
+func tail(path string, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return "  " + strings.Join(lines, "\n  ")
 }
 
 func (l *lab) shutdown() {

@@ -142,8 +142,14 @@ func (s *redisServer) start(replicaOf int) error {
 	go func(done chan struct{}) { _ = cmd.Wait(); close(done) }(s.done)
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
-		if reply, err := redisCmd(s.addr(), "PING"); err == nil && reply == "PONG" {
-			return nil
+		// Whoever answers must be the process just started, not another server on
+		// the port (this one then fails to bind and exits), and done loading.
+		if reply, err := redisCmd(s.addr(), "INFO", "server"); err == nil {
+			info, _ := reply.(string)
+			ours := strings.Contains(info, fmt.Sprintf("process_id:%d\r\n", cmd.Process.Pid))
+			if pong, err := redisCmd(s.addr(), "PING"); ours && err == nil && pong == "PONG" {
+				return nil
+			}
 		}
 		select {
 		case <-s.done:
