@@ -241,7 +241,7 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar = SidecarProcess::start(&redis.url(), &namespace, &ledger).await?;
-    let http = HttpClient::new(sidecar.base.clone());
+    let http = HttpClient::unchecked(sidecar.base.clone());
 
     let gate = Arc::new(Semaphore::new(options.concurrency));
     let started = Instant::now();

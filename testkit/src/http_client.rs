@@ -10,6 +10,8 @@ use hyper_util::rt::TokioExecutor;
 pub struct HttpClient {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
+    /// Whether every answer is checked against the OpenAPI document.
+    checked: bool,
 }
 
 /// One answer: status, headers and the body parsed as JSON (`Null` when it is not).
@@ -49,8 +51,19 @@ impl Reply {
 }
 
 impl HttpClient {
-    /// `base` is `http://127.0.0.1:PORT`.
+    /// `base` is `http://127.0.0.1:PORT`. Every answer from a route of the sidecar's
+    /// OpenAPI document is checked against it: one that breaks it panics (see
+    /// [`crate::openapi`]).
     pub fn new(base: impl Into<String>) -> Self {
+        Self {
+            checked: true,
+            ..Self::unchecked(base)
+        }
+    }
+
+    /// A client that does not check answers against the document: for load runs,
+    /// whose measure would include the check.
+    pub fn unchecked(base: impl Into<String>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         // The sidecar closes a kept-alive connection idle for its head timeout (10 s);
@@ -63,6 +76,7 @@ impl HttpClient {
         Self {
             client,
             base: base.into(),
+            checked: false,
         }
     }
 
@@ -83,6 +97,7 @@ impl HttpClient {
         body: Option<&str>,
         headers: &[(&str, &str)],
     ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        let request_method = method.clone();
         let mut builder = Request::builder()
             .method(method)
             .uri(format!("{}{}", self.base, path));
@@ -97,6 +112,17 @@ impl HttpClient {
         let (parts, incoming) = response.into_parts();
         let bytes = incoming.collect().await?.to_bytes();
         let text = String::from_utf8_lossy(&bytes).into_owned();
+        if self.checked
+            && let Err(broken) = crate::openapi::contract().check(
+                &request_method,
+                path,
+                parts.status,
+                &parts.headers,
+                &text,
+            )
+        {
+            panic!("an answer breaks sidecar/openapi.yaml: {broken}");
+        }
         Ok(Reply {
             status: parts.status,
             headers: parts.headers,

@@ -7,6 +7,7 @@
 
 mod drop_spec;
 mod http_client;
+pub mod openapi;
 mod postgres;
 mod proxy;
 mod redis_server;

@@ -1200,6 +1200,11 @@ impl EventIds {
     }
 }
 
+/// The version of the events' payload (sidecar/events.schema.json): a consumer
+/// checks it before it reads a field. A field added keeps it; a field removed or
+/// given another meaning makes it the next one.
+pub const EVENT_SCHEMA_VERSION: i64 = 1;
+
 /// Appends the change's event to the outbox (once: the event id is the drop, the
 /// key and the transition). Redis's number for the change is unique per drop: a
 /// second change with the same number fails the transaction (Redis lost writes).
@@ -1227,6 +1232,7 @@ async fn write_event(
     let drop = dropgate_api::keys::ledger_drop(&change.drop_key);
     let sale = dropgate_api::keys::ledger_sale(&change.drop_key);
     let mut event_body = serde_json::json!({
+        "schemaVersion": EVENT_SCHEMA_VERSION,
         "at": now,
         "drop": drop,
         "eventId": event_id,

@@ -4,6 +4,7 @@ mod carts;
 mod drops;
 mod health;
 mod locks;
+mod openapi;
 mod reservations;
 
 use std::convert::Infallible;
@@ -110,6 +111,9 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(app.clone())
         .and(body)
         .then(locks::release);
+    let document = warp::path!("openapi.json")
+        .and(warp::get())
+        .then(openapi::serve);
     // `/v1/drops//reservations` or a trailing `/`: an empty segment is a missing
     // name, said as such rather than as a route or method that does not exist.
     let empty_segment = warp::path::full().and_then(|path: warp::path::FullPath| async move {
@@ -162,6 +166,8 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .or(carts)
         .unify()
         .or(locks)
+        .unify()
+        .or(document)
         .unify()
         .or(probes(app_state))
         .unify()

@@ -262,7 +262,7 @@ impl Fleet {
         }
         let http = sidecars
             .iter()
-            .map(|s| HttpClient::new(s.base.clone()))
+            .map(|s| HttpClient::unchecked(s.base.clone()))
             .collect();
         Ok(Self { sidecars, http })
     }

@@ -106,7 +106,7 @@ async fn run(cli: &Cli) -> Result<(), String> {
     apply(&manifest, &redis.url())?;
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar = SidecarProcess::start(&redis.url(), "shop", &ledger).await?;
-    let http = HttpClient::new(sidecar.base.clone());
+    let http = HttpClient::unchecked(sidecar.base.clone());
     let client = redis::Client::open(redis.url()).map_err(|e| e.to_string())?;
     let mut conn = client
         .get_multiplexed_async_connection()
@@ -195,7 +195,7 @@ async fn run(cli: &Cli) -> Result<(), String> {
         &["--wait-replicas", "1", "--wait-timeout-ms", "1000"],
     )
     .await?;
-    let waiting_http = HttpClient::new(waiting.base.clone());
+    let waiting_http = HttpClient::unchecked(waiting.base.clone());
     for i in 0..n {
         let body = format!(r#"{{"key":"w{i}","user":"w{i}","quantity":1}}"#);
         let started = Instant::now();
@@ -773,7 +773,7 @@ async fn on_a_cluster(
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar =
         SidecarProcess::start_with(&cluster.url(), "sold", &ledger, &["--redis-cluster"]).await?;
-    let http = HttpClient::new(sidecar.base.clone());
+    let http = HttpClient::unchecked(sidecar.base.clone());
     for chunk in (0..drops).collect::<Vec<_>>().chunks(clients) {
         join_all(chunk.iter().map(|drop| {
             let http = http.clone();
@@ -853,7 +853,7 @@ async fn other_sidecar(
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar =
         SidecarProcess::start_binary(binary, &redis.url(), "shop", &ledger, &[], env).await?;
-    let http = HttpClient::new(sidecar.base.clone());
+    let http = HttpClient::unchecked(sidecar.base.clone());
     let served = http_reserves(clients, per_client, &http, drop, "o", 201).await?;
     let gone = format!("{drop}-gone");
     let first = http
@@ -1230,7 +1230,7 @@ async fn soak(clients: usize, length: Duration) -> Result<(), String> {
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar = SidecarProcess::start(&redis.url(), "shop", &ledger).await?;
     let pid = sidecar.pid();
-    let http = HttpClient::new(sidecar.base.clone());
+    let http = HttpClient::unchecked(sidecar.base.clone());
     let started = Instant::now();
     let rss_start = rss_kb(pid);
     println!("soak: {clients} clients for {length:?}; sidecar RSS at start {rss_start:?} kB");

@@ -1,0 +1,3 @@
+module dropgate.io/examples/checkout
+
+go 1.19
