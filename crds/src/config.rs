@@ -275,6 +275,31 @@ pub fn is_sale(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
 }
 
+/// The sidecar's `--ledger-retention` (and the chart's `sidecar.ledgerRetention`,
+/// checked by the webhook's flag): `<number><s|m|h|d>`, at least an hour (a sale's
+/// rows and events must outlive any hold and any consumer's restart).
+pub fn parse_retention(text: &str) -> Result<std::time::Duration, String> {
+    let unit = text.chars().last().ok_or("a duration such as 30d or 12h")?;
+    let seconds_per = match unit {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        'd' => 86_400,
+        _ => return Err(format!("{text:?}: end it with s, m, h or d (30d, 12h)")),
+    };
+    let number: u64 = text[..text.len() - 1]
+        .parse()
+        .map_err(|_| format!("{text:?}: a whole number then s, m, h or d (30d, 12h)"))?;
+    let seconds = number
+        .checked_mul(seconds_per)
+        .filter(|s| *s <= 10 * 365 * 86_400)
+        .ok_or_else(|| format!("{text:?}: at most ten years"))?;
+    if seconds < 3600 {
+        return Err(format!("{text:?}: at least 1h"));
+    }
+    Ok(std::time::Duration::from_secs(seconds))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -94,6 +94,8 @@ async fn every_alert_reads_metrics_the_binaries_export_and_has_a_runbook() {
         .errors
         .get_or_create(&dropgate_operator::metrics::ErrorLabel { error: "redis" })
         .inc();
+    // And the HA condition's series after a drop's first status.
+    metrics.set_high_availability("shop", "sale", Some("Unknown"));
     let operator = metrics.encode().expect("the operator's metrics encode");
     let exported: BTreeSet<String> = families(&scraped)
         .into_iter()
@@ -115,6 +117,16 @@ async fn every_alert_reads_metrics_the_binaries_export_and_has_a_runbook() {
             "{name} has no runbook (### {name}) in docs/operating.md"
         );
     }
+    // The label values the HA alert matches, as the operator writes them.
+    assert!(
+        operator.contains(r#"dropgate_operator_drop_high_availability{drop_namespace="shop",drop="sale",status="Unknown"} 1"#),
+        "{operator}"
+    );
+    // A sidecar that reaches Redis says so.
+    assert!(
+        scraped.contains("dropgate_sidecar_redis_up 1"),
+        "the sidecar reports Redis up: {scraped}"
+    );
     // The label values the mode alerts match are the ones the sidecar writes.
     assert!(
         scraped.contains(r#"mode="gate""#),

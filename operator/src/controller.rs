@@ -371,6 +371,12 @@ fn new_warnings(
 /// Removes the drop's keys. A cause that retrying cannot fix lets the drop go with
 /// a Warning Event naming the keys left behind; anything else retries with backoff.
 async fn cleanup(drop: &InventoryDrop, ctx: &Context) -> Result<Action> {
+    // A deleted drop has no availability to alert on.
+    ctx.metrics.set_high_availability(
+        &drop.namespace().unwrap_or_default(),
+        &drop.name_any(),
+        None,
+    );
     let keys = reconcile::keys_of(drop);
     let pattern = keys.pattern();
     let give_up = |cause: String| async move {
@@ -445,6 +451,17 @@ async fn write_status(
         &Patch::Apply(&patch),
     )
     .await?;
+    if let Some(ha) = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "HighlyAvailable")
+    {
+        ctx.metrics.set_high_availability(
+            &drop.namespace().unwrap_or_default(),
+            &drop.name_any(),
+            Some(&ha.status),
+        );
+    }
     Ok(())
 }
 

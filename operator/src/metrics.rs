@@ -12,6 +12,15 @@ pub struct ErrorLabel {
     pub error: &'static str,
 }
 
+/// A drop's HighlyAvailable condition. `drop_namespace`, not `namespace`: a scrape
+/// labels the operator's own series with the operator pod's namespace.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HaLabel {
+    pub drop_namespace: String,
+    pub drop: String,
+    pub status: &'static str,
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -23,6 +32,9 @@ pub struct Metrics {
     pub status_patches: Counter,
     /// 1 while this replica holds the leader lease.
     pub leader: Gauge,
+    /// 1 on the status of each drop's HighlyAvailable condition as this replica
+    /// last wrote it (True, False, Unknown), 0 on the others.
+    pub high_availability: Family<HaLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -58,8 +70,15 @@ impl Default for Metrics {
             "1 while this replica is the leader",
             leader.clone(),
         );
+        let high_availability = Family::<HaLabel, Gauge>::default();
+        registry.register(
+            "drop_high_availability",
+            "1 on the status (True, False, Unknown) of a drop's HighlyAvailable condition as this replica last wrote it",
+            high_availability.clone(),
+        );
         Self {
             registry,
+            high_availability,
             reconciliations,
             errors,
             duration,
@@ -70,6 +89,28 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Notes the HighlyAvailable condition's `status` of drop `namespace/drop`
+    /// (None: the drop is gone, its series too).
+    pub fn set_high_availability(&self, namespace: &str, drop: &str, status: Option<&str>) {
+        for word in ["True", "False", "Unknown"] {
+            let label = HaLabel {
+                drop_namespace: namespace.to_string(),
+                drop: drop.to_string(),
+                status: word,
+            };
+            match status {
+                Some(status) => {
+                    self.high_availability
+                        .get_or_create(&label)
+                        .set(i64::from(status == word));
+                }
+                None => {
+                    self.high_availability.remove(&label);
+                }
+            }
+        }
+    }
+
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;

@@ -38,6 +38,9 @@ pub struct App {
     pub trace_buyer_ids: bool,
     /// `--max-lock-names`: lock names one namespace may have in use at once.
     pub max_lock_names: u32,
+    /// `--ledger-retention` (ms): how long a sale that is over, and an event every
+    /// consumer group acknowledged, are kept.
+    pub retention_ms: i64,
 }
 
 impl App {
@@ -76,6 +79,7 @@ impl App {
                 .max(1000),
             trace_buyer_ids: settings.trace_buyer_ids,
             max_lock_names: settings.max_lock_names,
+            retention_ms: i64::try_from(settings.ledger_retention.as_millis()).unwrap_or(i64::MAX),
         })
     }
 

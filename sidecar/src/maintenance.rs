@@ -55,7 +55,10 @@ pub async fn run(
             }
             _ = sweep_tick.tick() => expire_due_holds(&app).await,
             _ = dispatch_tick.tick() => dispatch_events(&app).await,
-            _ = prune_tick.tick() => prune_lock_fences(&app).await,
+            _ = prune_tick.tick() => {
+                prune_lock_fences(&app).await;
+                forget_what_is_over(&app).await;
+            }
             _ = stop.changed() => {
                 let _ = carts.await;
                 return;
@@ -76,6 +79,34 @@ async fn prune_lock_fences(app: &App) {
         Ok(0) => {}
         Ok(pruned) => tracing::debug!(pruned, "fences of locks long unused forgotten"),
         Err(error) => tracing::debug!(%error, "lock fences not pruned"),
+    }
+}
+
+/// Retention (`--ledger-retention`): the ledger forgets the sales over for longer
+/// than it, and each known drop's event stream the entries older than it that
+/// every consumer group acknowledged (see [`crate::ledger::retention`]).
+async fn forget_what_is_over(app: &App) {
+    let before = now_ms().saturating_sub(app.retention_ms);
+    match crate::ledger::retention::prune(app.ledger.pool(), before).await {
+        Ok(pruned) if pruned.rows > 0 => {
+            tracing::info!(
+                sales = pruned.sales,
+                rows = pruned.rows,
+                "ledger rows of sales over for longer than the retention forgotten"
+            );
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "ledger retention: nothing pruned this round"),
+    }
+    let mut conn = app.redis.clone();
+    for drop in app.drops.all() {
+        match crate::ledger::retention::trim_stream(&mut conn, &drop.keys.events(), before).await {
+            Ok(0) => {}
+            Ok(trimmed) => {
+                tracing::debug!(drop = %drop.name, trimmed, "events read by every consumer group trimmed")
+            }
+            Err(error) => tracing::debug!(drop = %drop.name, %error, "event stream not trimmed"),
+        }
     }
 }
 
@@ -129,6 +160,7 @@ async fn refresh_configs(app: &App) {
             false
         }
     };
+    app.metrics.redis_up.set(i64::from(reached));
     let drops = app.drops.all();
     for drop in &drops {
         // On a cluster, a drop whose shard just failed waits for the next round:
@@ -138,13 +170,32 @@ async fn refresh_configs(app: &App) {
         }
         // On a cluster this read reached the drop's own shard: its breaker learns
         // from it (on one Redis, TIME above already said).
-        if let Err(error) = app.drops.refresh(&mut conn, &drop.name).await {
+        let sale_before = drop.ledger_key();
+        let refreshed = app.drops.refresh(&mut conn, &drop.name).await;
+        // Redis says the sale is over: the drop deleted (the refresh forgot it on
+        // the deletion tombstone) or its config naming a new sale.
+        let over = match &refreshed {
+            Ok(None) => true,
+            Ok(Some(now)) => now.ledger_key() != sale_before,
+            Err(_) => false,
+        };
+        if over
+            && let Err(error) =
+                crate::ledger::retention::note_ended(app.ledger.pool(), &sale_before, now_ms())
+                    .await
+        {
+            tracing::warn!(drop = %drop.name, %error, "a sale's end not noted: its rows stay past the retention");
+        }
+        if let Err(error) = refreshed {
             tracing::debug!(drop = %drop.name, %error, "config refresh failed");
             if let (true, crate::drops::LookupError::Unavailable(unreachable)) =
                 (app.redis.is_cluster(), &error)
             {
                 app.breaker(Some(drop)).failed(unreachable);
             }
+            continue;
+        }
+        if over {
             continue;
         }
         if app.redis.is_cluster() {

@@ -63,6 +63,8 @@ pub struct Metrics {
     pub mode: Family<DropMode, Gauge<i64, std::sync::atomic::AtomicI64>>,
     /// Age of the oldest event the outbox has not published yet (0 when none).
     pub outbox_lag: Gauge<f64, AtomicU64>,
+    /// 1 while the last config refresh reached Redis, 0 after one that did not.
+    pub redis_up: Gauge<i64, std::sync::atomic::AtomicI64>,
 }
 
 impl Metrics {
@@ -119,6 +121,12 @@ impl Metrics {
             "Admissions answered before the replicas asked for acknowledged them",
             replica_wait_timeouts.clone(),
         );
+        let redis_up = Gauge::default();
+        registry.register(
+            "redis_up",
+            "1 while the sidecar's last config refresh reached Redis, 0 after one that did not",
+            redis_up.clone(),
+        );
         registry.register(
             "foreign_ledger",
             "1 while a drop's sale is recorded by another ledger than this sidecar's: it answers unavailable",
@@ -135,6 +143,7 @@ impl Metrics {
             remaining,
             mode,
             outbox_lag,
+            redis_up,
         }
     }
 

@@ -47,6 +47,13 @@ pub struct Settings {
     #[arg(long, env = "DROPGATE_MAX_LOCK_NAMES", default_value_t = 10_000,
         value_parser = clap::value_parser!(u32).range(1..))]
     pub max_lock_names: u32,
+    /// How long the ledger keeps a sale that is over (its InventoryDrop deleted, or
+    /// replaced by a new sale) before it forgets its rows, and how old an event must
+    /// be before the drop's stream drops it once every consumer group has
+    /// acknowledged it: a number and s, m, h or d (30d, 12h); at least 1h.
+    #[arg(long, env = "DROPGATE_LEDGER_RETENTION", default_value = "30d",
+        value_parser = dropgate_api::config::parse_retention)]
+    pub ledger_retention: std::time::Duration,
     /// How often known drops' configs are re-read from Redis.
     #[arg(long, env = "DROPGATE_REFRESH_MS", default_value_t = 500)]
     pub refresh_ms: u64,
@@ -148,6 +155,40 @@ mod tests {
     }
 
     const REDIS: &str = "redis://127.0.0.1:6379/";
+
+    #[test]
+    fn the_ledger_retention_is_a_number_and_a_unit_of_at_least_an_hour() {
+        let days = |text: &str| dropgate_api::config::parse_retention(text).map(|d| d.as_secs());
+        assert_eq!(
+            settings(REDIS, "shop", &[]).ledger_retention.as_secs(),
+            30 * 86_400
+        );
+        assert_eq!(days("12h"), Ok(12 * 3600));
+        assert_eq!(days("90m"), Ok(5400));
+        assert_eq!(days("7d"), Ok(7 * 86_400));
+        for refused in [
+            "",
+            "30",
+            "d",
+            "59m",
+            "1.5d",
+            "-1d",
+            "30w",
+            "99999999999999999d",
+        ] {
+            assert!(days(refused).is_err(), "{refused:?} was taken");
+        }
+        assert!(
+            Settings::try_parse_from([
+                "dropgate-sidecar",
+                "--redis-url",
+                REDIS,
+                "--ledger-retention",
+                "10m"
+            ])
+            .is_err()
+        );
+    }
 
     #[test]
     fn a_redis_url_asking_for_resp3_is_refused() {

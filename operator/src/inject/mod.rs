@@ -103,16 +103,53 @@ pub struct Settings {
     #[arg(
         long = "sidecar-cpu",
         env = "DROPGATE_SIDECAR_CPU",
-        default_value = "50m"
+        default_value = "50m",
+        value_parser = cpu_flag
     )]
     pub cpu: String,
-    /// Memory request and limit of the sidecar.
+    /// Memory request of the sidecar (and its limit, unless --sidecar-memory-limit).
     #[arg(
         long = "sidecar-memory",
         env = "DROPGATE_SIDECAR_MEMORY",
-        default_value = "64Mi"
+        default_value = "64Mi",
+        value_parser = memory_flag
     )]
     pub memory: String,
+    /// Memory limit of the sidecar; by default its memory request. A pod's
+    /// dropgate.io/sidecar-memory sets both.
+    #[arg(
+        long = "sidecar-memory-limit",
+        env = "DROPGATE_SIDECAR_MEMORY_LIMIT",
+        value_parser = memory_flag
+    )]
+    pub memory_limit: Option<String>,
+    /// CPU limit of the sidecar; none by default: a CPU limit throttles the answers
+    /// a sale waits on, at its busiest second.
+    #[arg(
+        long = "sidecar-cpu-limit",
+        env = "DROPGATE_SIDECAR_CPU_LIMIT",
+        value_parser = cpu_flag
+    )]
+    pub cpu_limit: Option<String>,
+    /// Size limit of a per-pod SQLite ledger's emptyDir (the kubelet evicts a pod
+    /// whose volume grows past it). The ledger forgets sales that are over after
+    /// the sidecar's --ledger-retention, so it stays small.
+    #[arg(
+        long = "sidecar-ledger-size-limit",
+        env = "DROPGATE_SIDECAR_LEDGER_SIZE_LIMIT",
+        default_value = "1Gi",
+        value_parser = memory_flag
+    )]
+    pub ledger_size_limit: String,
+    /// How long the sidecars' ledgers keep a sale that is over (the sidecar's
+    /// --ledger-retention: 30d, 12h, ...; at least 1h). Unset: the sidecar's default
+    /// (30d).
+    #[arg(
+        long = "sidecar-ledger-retention",
+        env = "DROPGATE_SIDECAR_LEDGER_RETENTION",
+        value_parser = retention_flag
+    )]
+    pub ledger_retention: Option<String>,
     /// How the injected sidecars write their log lines: text, or json (one object
     /// per line).
     #[arg(
@@ -368,7 +405,10 @@ pub fn inject(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Decisio
         sidecar: sidecar(&tuning, settings),
         ledger_volume: tuning.database_secret.is_none().then(|| Volume {
             name: LEDGER_VOLUME.into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
+            empty_dir: Some(EmptyDirVolumeSource {
+                size_limit: Some(Quantity(settings.ledger_size_limit.clone())),
+                ..EmptyDirVolumeSource::default()
+            }),
             ..Volume::default()
         }),
     })))
@@ -379,6 +419,7 @@ struct Tuning {
     image: String,
     cpu: String,
     memory: String,
+    memory_limit: String,
     port: u16,
     database_secret: Option<String>,
     /// The pod asked for a per-pod SQLite ledger (and has no ledger Secret then).
@@ -443,6 +484,14 @@ impl Tuning {
             Some(v) => v.clone(),
             None => settings.memory.clone(),
         };
+        // The pod's own memory is its request and its limit; else the chart's.
+        let memory_limit = match get(MEMORY) {
+            Some(v) => v.clone(),
+            None => settings
+                .memory_limit
+                .clone()
+                .unwrap_or_else(|| settings.memory.clone()),
+        };
         let port = match get(PORT) {
             Some(v) => match v.parse::<u16>() {
                 Ok(port) if port != 0 && port != HEALTH_PORT => port,
@@ -487,6 +536,7 @@ impl Tuning {
             image,
             cpu,
             memory,
+            memory_limit,
             port,
             database_secret,
             per_pod,
@@ -565,6 +615,12 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
                     .then(|| value("DROPGATE_REDIS_CLUSTER", "true".into())),
             )
             .chain(
+                settings
+                    .ledger_retention
+                    .as_ref()
+                    .map(|retention| value("DROPGATE_LEDGER_RETENTION", retention.clone())),
+            )
+            .chain(
                 (settings.log_format == dropgate_telemetry::LogFormat::Json)
                     .then(|| value("DROPGATE_LOG_FORMAT", "json".into())),
             )
@@ -585,10 +641,16 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
                 ("cpu".to_string(), quantity(&tuning.cpu)),
                 ("memory".to_string(), quantity(&tuning.memory)),
             ])),
-            limits: Some(BTreeMap::from([(
-                "memory".to_string(),
-                quantity(&tuning.memory),
-            )])),
+            limits: Some(
+                std::iter::once(("memory".to_string(), quantity(&tuning.memory_limit)))
+                    .chain(
+                        settings
+                            .cpu_limit
+                            .as_deref()
+                            .map(|cpu| ("cpu".to_string(), quantity(cpu))),
+                    )
+                    .collect(),
+            ),
             ..ResourceRequirements::default()
         }),
         // Native sidecar: starts before the app's containers and outlives them.
@@ -617,6 +679,26 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
         }),
         ..Container::default()
     }
+}
+
+/// A flag's retention, as the sidecar takes it (refused here, not by each sidecar
+/// at its start).
+fn retention_flag(text: &str) -> Result<String, String> {
+    dropgate_api::config::parse_retention(text).map(|_| text.to_string())
+}
+
+/// A flag's CPU quantity (such as 100m or 0.5).
+fn cpu_flag(text: &str) -> Result<String, String> {
+    quantity(text, false)
+        .map(|_| text.to_string())
+        .ok_or_else(|| format!("{text:?} is not a CPU quantity (such as 100m or 0.5)"))
+}
+
+/// A flag's memory or storage quantity (such as 64Mi or 1Gi).
+fn memory_flag(text: &str) -> Result<String, String> {
+    quantity(text, true)
+        .map(|_| text.to_string())
+        .ok_or_else(|| format!("{text:?} is not a memory quantity (such as 64Mi or 1Gi)"))
 }
 
 const MI: f64 = 1024.0 * 1024.0;
@@ -847,7 +929,7 @@ mod tests {
             serde_json::to_value(&pod.spec.as_ref().expect("spec").volumes).expect("json");
         assert_eq!(
             volumes,
-            json!([{"name": "dropgate-ledger", "emptyDir": {}}])
+            json!([{"name": "dropgate-ledger", "emptyDir": {"sizeLimit": "1Gi"}}])
         );
         assert_eq!(
             pod.metadata
@@ -980,6 +1062,77 @@ mod tests {
         // The namespace selector decided to ask; the pod has no say unless "false".
         let decision = inject(&pod(json!({}), json!({})), "shop", &settings()).expect("ok");
         assert!(matches!(decision, Decision::Inject(_)));
+    }
+
+    #[test]
+    fn the_charts_resources_and_ledger_size_reach_the_sidecar() {
+        let chart = Cli::parse_from([
+            "test",
+            "--operator-namespace",
+            "dropgate-system",
+            "--sidecar-cpu",
+            "100m",
+            "--sidecar-memory",
+            "96Mi",
+            "--sidecar-memory-limit",
+            "192Mi",
+            "--sidecar-cpu-limit",
+            "2",
+            "--sidecar-ledger-size-limit",
+            "256Mi",
+            "--sidecar-ledger-retention",
+            "7d",
+        ])
+        .settings;
+        let per_pod = bare_pod(
+            json!({"dropgate.io/inject": "true"}),
+            json!({LEDGER: PER_POD}),
+        );
+        let Ok(Decision::Inject(mutation)) = inject(&per_pod, "shop", &chart) else {
+            panic!("injected");
+        };
+        assert_eq!(
+            serde_json::to_value(&mutation.sidecar.resources).expect("json"),
+            json!({"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"cpu": "2", "memory": "192Mi"}})
+        );
+        assert_eq!(
+            serde_json::to_value(&mutation.ledger_volume).expect("json"),
+            json!({"name": "dropgate-ledger", "emptyDir": {"sizeLimit": "256Mi"}})
+        );
+        assert_eq!(
+            serde_json::to_value(&mutation.sidecar.env)
+                .expect("json")
+                .as_array()
+                .map(|env| {
+                    env.iter()
+                        .any(|e| e == &json!({"name": "DROPGATE_LEDGER_RETENTION", "value": "7d"}))
+                }),
+            Some(true)
+        );
+        // A pod's own memory is its request and its limit.
+        let own = bare_pod(
+            json!({"dropgate.io/inject": "true"}),
+            json!({LEDGER: PER_POD, MEMORY: "80Mi"}),
+        );
+        let Ok(Decision::Inject(mutation)) = inject(&own, "shop", &chart) else {
+            panic!("injected");
+        };
+        assert_eq!(
+            serde_json::to_value(&mutation.sidecar.resources).expect("json")["limits"]["memory"],
+            "80Mi"
+        );
+        for (flag, value) in [
+            ("--sidecar-memory-limit", "lots"),
+            ("--sidecar-cpu-limit", "1Gi"),
+            ("--sidecar-ledger-size-limit", "-1"),
+            ("--sidecar-cpu", "100Mi"),
+            ("--sidecar-ledger-retention", "10m"),
+        ] {
+            assert!(
+                Cli::try_parse_from(["test", flag, value]).is_err(),
+                "{flag} {value} was taken"
+            );
+        }
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod carts;
 pub mod fallback;
 pub mod fences;
 pub mod outbox;
+pub mod retention;
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use sqlx::any::{AnyPoolOptions, AnyRow};

@@ -67,6 +67,7 @@ impl Peer {
             trace_buyer_ids: false,
             redis_cluster: false,
             max_lock_names: 10_000,
+            ledger_retention: std::time::Duration::from_secs(30 * 86_400),
         };
         customize(&mut settings);
         let (stop, stopped) = oneshot::channel::<()>();

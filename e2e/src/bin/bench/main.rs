@@ -43,6 +43,11 @@ struct Cli {
     /// outside the expected ones.
     #[arg(long)]
     soak: Option<u64>,
+    /// Instead of the tables: this many sales one after another on one sidecar and
+    /// its SQLite ledger, each deleted when done, and the ledger's rows and file
+    /// size after each once the retention has passed (see [`retention_sales`]).
+    #[arg(long)]
+    retention_sales: Option<u32>,
     /// Only the CPU-per-answer table (see [`cpu_per_answer`]).
     #[arg(long)]
     cpu: bool,
@@ -84,6 +89,9 @@ async fn main() -> ExitCode {
 async fn run(cli: &Cli) -> Result<(), String> {
     if let Some(seconds) = cli.soak {
         return soak(cli.clients, Duration::from_secs(seconds)).await;
+    }
+    if let Some(sales) = cli.retention_sales {
+        return retention_sales(sales, if cli.quick { 50 } else { 500 }).await;
     }
     let cpu = cpu_per_answer::Options {
         length: Duration::from_secs(if cli.quick { 1 } else { cli.cpu_seconds.max(1) }),
@@ -1355,5 +1363,137 @@ async fn soak(clients: usize, length: Duration) -> Result<(), String> {
         return Err(format!("unexpected answers: {unexpected:#?}"));
     }
     println!("soak: every answer expected; remaining + held = limit");
+    Ok(())
+}
+
+/// The ledger across sales (`--retention-sales N`): N sales of `buyers` buyers each
+/// (a reserve, then a confirm or, for every fourth, a cancel) on one sidecar and
+/// its SQLite ledger; each drop deleted when its sale is done, as a shop does. After
+/// each sale the ledger's retention runs as if it had passed (the sidecar runs it
+/// hourly with `--ledger-retention`): the rows and the file stay flat instead of
+/// growing with every sale.
+async fn retention_sales(sales: u32, buyers: usize) -> Result<(), String> {
+    let redis = RedisServer::start().map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let file = dir.path().join("ledger.db");
+    let ledger_url = format!("sqlite://{}", file.display());
+    let sidecar =
+        SidecarProcess::start_with(&redis.url(), "shop", &ledger_url, &["--refresh-ms", "100"])
+            .await?;
+    let http = HttpClient::unchecked(sidecar.base.clone());
+    let ledger = dropgate_sidecar::ledger::Ledger::open(&ledger_url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut conn = redis_connection(&redis).await?;
+    let rows = |table: &'static str| {
+        let pool = ledger.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM {table}"
+            )))
+            .fetch_one(&pool)
+            .await
+            .map_err(|e| e.to_string())
+        }
+    };
+    // The WAL is SQLite's: checkpointed into the file every 1000 pages and reused,
+    // so it levels off at its own size; the file reuses the pages pruned rows freed.
+    println!(
+        "| sale | reservation rows, sale done | outbox rows, sale done | reservation rows after retention | outbox rows after retention | ledger file (kB) | its WAL (kB) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for sale in 1..=sales {
+        let name = format!("sale-{sale}");
+        let manifest = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &manifest,
+            format!(
+                "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: shop, uid: sale-{sale}}}\n\
+                 spec:\n  sku: RETAIN\n  limitedQuantity: {buyers}\n  redis: {{url: redis://unused:1}}\n  throttle: {{permits: 100000}}\n"
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        apply(&manifest, &redis.url())?;
+        let calls = (0..buyers).map(|i| {
+            let http = &http;
+            let name = &name;
+            async move {
+                let body = format!(r#"{{"key":"k{i}","user":"u{i}","quantity":1}}"#);
+                let admitted = http
+                    .post(&format!("/v1/drops/{name}/reservations"), &body)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if admitted.status != 201 {
+                    return Err(format!("{name} k{i}: {}", admitted.text));
+                }
+                let op = if i % 4 == 3 { "cancel" } else { "confirm" };
+                let settled = http
+                    .post(&format!("/v1/drops/{name}/reservations/k{i}/{op}"), "")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if settled.status != 200 {
+                    return Err(format!("{name} k{i} {op}: {}", settled.text));
+                }
+                Ok::<(), String>(())
+            }
+        });
+        for answer in join_all(calls).await {
+            answer?;
+        }
+        // Every event sent, then the shop deletes the drop.
+        let sent = async {
+            loop {
+                let unsent = sqlx::query_scalar::<_, i64>(
+                    "SELECT COUNT(*) FROM outbox WHERE sent_at_ms IS NULL",
+                )
+                .fetch_one(ledger.pool())
+                .await
+                .map_err(|e| e.to_string())?;
+                if unsent == 0 {
+                    return Ok::<(), String>(());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), sent)
+            .await
+            .map_err(|_| format!("{name}: events not sent within 30 s"))??;
+        let done = (rows("reservations").await?, rows("outbox").await?);
+        dropgate_operator::store::remove(&mut conn, &dropgate_api::DropKeys::new("shop", &name))
+            .await
+            .map_err(|e| e.to_string())?;
+        let noted = async {
+            loop {
+                if rows("ended_sales").await? > 0 {
+                    return Ok::<(), String>(());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), noted)
+            .await
+            .map_err(|_| format!("{name}: the sidecar did not note the sale over"))??;
+        // As if the retention had passed.
+        dropgate_sidecar::ledger::retention::prune(
+            ledger.pool(),
+            dropgate_sidecar::clock::now_ms() + 1,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let kb = |suffix: &str| {
+            std::fs::metadata(format!("{}{suffix}", file.display()))
+                .map(|m| m.len() / 1024)
+                .unwrap_or(0)
+        };
+        println!(
+            "| {sale} | {} | {} | {} | {} | {} | {} |",
+            done.0,
+            done.1,
+            rows("reservations").await?,
+            rows("outbox").await?,
+            kb(""),
+            kb("-wal"),
+        );
+    }
     Ok(())
 }
