@@ -17,6 +17,8 @@ fn the_bench_runs_every_design_and_checks_each_for_oversell() {
     );
     for row in [
         "sidecar reserve (HTTP, ledger)",
+        "cart of 2 drops",
+        "cart confirm (2 lines)",
         "gate script by EVALSHA (raw)",
         "lock + GET/DECRBY + release",
         "SQL row UPDATE (PostgreSQL)",

@@ -183,6 +183,54 @@ async fn run(cli: &Cli) -> Result<(), String> {
         p99,
     });
 
+    // A cart of two lines on two drops (each line held by its drop's reserve, one
+    // after the other), then its confirm: what a checkout of two items costs.
+    let second = dir.path().join("bench-b.yaml");
+    std::fs::write(
+        &second,
+        "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: bench-b, namespace: shop}\n\
+         spec:\n  sku: BENCH-B\n  limitedQuantity: 10000000\n  redis: {url: redis://unused:1}\n  throttle: {permits: 1000000}\n",
+    )
+    .map_err(|e| e.to_string())?;
+    apply(&second, &redis.url())?;
+    for i in 0..n {
+        let body = format!(
+            r#"{{"key":"cart{i}","user":"cu{i}","lines":[{{"drop":"bench","quantity":1}},{{"drop":"bench-b","quantity":1}}]}}"#
+        );
+        let started = Instant::now();
+        let reply = http
+            .post("/v1/carts", &body)
+            .await
+            .map_err(|e| e.to_string())?;
+        timings.push(started.elapsed());
+        if reply.status != 201 {
+            return Err(format!("a cart answered {}", reply.text));
+        }
+    }
+    let (p50, p99) = percentiles(std::mem::take(&mut timings));
+    rows.push(Row {
+        name: "cart of 2 drops",
+        p50,
+        p99,
+    });
+    for i in 0..n {
+        let started = Instant::now();
+        let reply = http
+            .post(&format!("/v1/carts/cart{i}/confirm"), "")
+            .await
+            .map_err(|e| e.to_string())?;
+        timings.push(started.elapsed());
+        if reply.status != 200 {
+            return Err(format!("a cart's confirm answered {}", reply.text));
+        }
+    }
+    let (p50, p99) = percentiles(std::mem::take(&mut timings));
+    rows.push(Row {
+        name: "cart confirm (2 lines)",
+        p50,
+        p99,
+    });
+
     // The same reserve from a sidecar that waits for a replica's acknowledgement
     // (--wait-replicas 1) before each 201.
     let replica = RedisServer::start_replica_of(&redis).map_err(|e| e.to_string())?;
