@@ -4,7 +4,9 @@ stream delivers at least once.
 
 The recipe:
   1. Read with a consumer group (XREADGROUP): an entry stays pending until XACK, so
-     a consumer that dies mid-way gets it again, first thing, when it comes back.
+     a consumer that dies mid-way gets it again, first thing, when it comes back
+     under the same name; entries left idle by another name are claimed
+     (XAUTOCLAIM, CLAIM_IDLE_MS).
   2. In ONE database transaction: record the event id in a processed-ids table and
      apply the effect. A redelivered (or republished) event's id is already there:
      the insert finds it and the effect is skipped.
@@ -33,6 +35,9 @@ DATABASE = os.environ.get("DATABASE", "orders.db")
 GROUP = os.environ.get("GROUP", "orders")
 CONSUMER = os.environ.get("CONSUMER", "orders-1")
 CRASH_AFTER = int(os.environ.get("CRASH_AFTER", "0"))
+# Entries another consumer of the group was given and has not acknowledged for this
+# long (it died, or was renamed) are claimed by this one (XAUTOCLAIM).
+CLAIM_IDLE_MS = int(os.environ.get("CLAIM_IDLE_MS", "60000"))
 
 SCHEMA_VERSION = 1  # the payload version this consumer understands
 
@@ -56,19 +61,25 @@ def apply_once(db: sqlite3.Connection, event: dict) -> bool:
     """The effect and the processed id in one transaction; False for a duplicate."""
     if event.get("schemaVersion") != SCHEMA_VERSION:
         raise ValueError(f"event schemaVersion {event.get('schemaVersion')}: upgrade the consumer")
-    with db:  # one transaction: commits both or neither
+    # The connection is in autocommit mode (isolation_level=None): the transaction
+    # is begun and ended here, explicitly, so both writes commit or neither does.
+    db.execute("BEGIN IMMEDIATE")
+    try:
         fresh = db.execute(
             "INSERT INTO processed_events (event_id) VALUES (?) ON CONFLICT DO NOTHING",
             (event["eventId"],),
         ).rowcount == 1
-        if not fresh:
-            return False
-        db.execute(
-            "INSERT INTO tally (type, events, units) VALUES (?, 1, ?) "
-            "ON CONFLICT (type) DO UPDATE SET events = events + 1, units = units + excluded.units",
-            (event["type"], event["quantity"]),
-        )
-    return True
+        if fresh:
+            db.execute(
+                "INSERT INTO tally (type, events, units) VALUES (?, 1, ?) "
+                "ON CONFLICT (type) DO UPDATE SET events = events + 1, units = units + excluded.units",
+                (event["type"], event["quantity"]),
+            )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return fresh
 
 
 def main() -> None:
@@ -77,8 +88,17 @@ def main() -> None:
     db.execute("PRAGMA journal_mode=WAL")
     setup(db, r)
     applied = skipped = 0
+    # What another consumer of the group left unacknowledged for CLAIM_IDLE_MS (a pod
+    # that died or came back under another name) becomes this one's pending entries;
+    # otherwise they would stay pending for ever, and the stream is never trimmed
+    # past an entry a group has not acknowledged.
+    cursor = "0-0"
+    while True:
+        cursor, _claimed, *_ = r.xautoclaim(STREAM, GROUP, CONSUMER, CLAIM_IDLE_MS, cursor, count=100)
+        if cursor == "0-0":
+            break
     # "0" first: what was delivered to this consumer and never acknowledged (it
-    # died before XACK); then ">" for what nobody was given yet.
+    # died before XACK, or claimed above); then ">" for what nobody was given yet.
     for start in ("0", ">"):
         while True:
             batch = r.xreadgroup(GROUP, CONSUMER, {STREAM: start}, count=50, block=1000)

@@ -36,6 +36,7 @@ func env(name, fallback string) string {
 type answer struct {
 	Outcome string `json:"outcome"`
 	Message string `json:"message,omitempty"`
+	State   string `json:"state,omitempty"`
 }
 
 // call POSTs body to path; a 503 is sent again, same body (same key), after its
@@ -56,10 +57,13 @@ func call(path string, body any) (answer, error) {
 		if err != nil {
 			return answer{}, fmt.Errorf("%s: %w", path, err)
 		}
-		if resp.StatusCode != http.StatusServiceUnavailable || attempt == 30 {
+		// Only a 503 with Retry-After asks for the same request again; one without
+		// it says why in its message and is not to be sent again as it is.
+		retryAfter := resp.Header.Get("Retry-After")
+		if resp.StatusCode != http.StatusServiceUnavailable || retryAfter == "" || attempt == 30 {
 			return a, nil
 		}
-		wait, err := strconv.Atoi(resp.Header.Get("Retry-After"))
+		wait, err := strconv.Atoi(retryAfter)
 		if err != nil {
 			wait = 1
 		}
@@ -88,7 +92,10 @@ func checkout(buyer int) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if reserved.Outcome != "admitted" && reserved.Outcome != "already_reserved" {
+	// A hold: `admitted`, or a retry's `already_reserved` of a reservation still active.
+	held := reserved.Outcome == "admitted" ||
+		(reserved.Outcome == "already_reserved" && reserved.State == "active")
+	if !held {
 		return reserved.Outcome, nil // sold_out, per_user_limit_exceeded, ...
 	}
 	reservation := path + "/" + url.PathEscape(key)

@@ -26,9 +26,12 @@ def call(session: requests.Session, path: str, body: dict) -> dict:
     for attempt in range(1, 31):
         response = session.post(BASE + path, json=body, timeout=10)
         answer = response.json()  # every answer has "outcome"
-        if response.status_code != 503 or attempt == 30:
+        # Only a 503 with Retry-After asks for the same request again; one without
+        # it says why in its message and is not to be sent again as it is.
+        retry_after = response.headers.get("Retry-After")
+        if response.status_code != 503 or retry_after is None or attempt == 30:
             return answer
-        wait = float(response.headers.get("Retry-After", "1"))
+        wait = float(retry_after)
         time.sleep(wait + random.uniform(0, 0.25))
     raise AssertionError("unreachable")
 
@@ -44,7 +47,11 @@ def checkout(buyer: int) -> str:
     path = f"/v1/drops/{quote(DROP, safe='')}/reservations"
     with requests.Session() as session:
         reserved = call(session, path, {"key": key, "user": user, "quantity": 1})
-        if reserved["outcome"] not in ("admitted", "already_reserved"):
+        # A hold: `admitted`, or a retry's `already_reserved` of a reservation still active.
+        held = reserved["outcome"] == "admitted" or (
+            reserved["outcome"] == "already_reserved" and reserved.get("state") == "active"
+        )
+        if not held:
             return reserved["outcome"]  # sold_out, per_user_limit_exceeded, ...
         reservation = f"{path}/{quote(key, safe='')}"
         if pay(buyer):

@@ -29,10 +29,13 @@ async function call(path: string, body: object): Promise<Answer> {
       body: JSON.stringify(body),
     });
     const answer = (await response.json()) as Answer;
-    if (response.status !== 503 || attempt === 30) {
+    // Only a 503 with Retry-After asks for the same request again; one without it
+    // says why in its message and is not to be sent again as it is.
+    const retryAfter = response.headers.get("retry-after");
+    if (response.status !== 503 || retryAfter === null || attempt === 30) {
       return answer;
     }
-    const wait = Number(response.headers.get("retry-after") ?? "1");
+    const wait = Number(retryAfter);
     await sleep(wait * 1000 + Math.random() * 250);
   }
 }
@@ -47,12 +50,12 @@ async function checkout(buyer: number): Promise<string> {
   const key = randomUUID(); // one checkout attempt, kept across retries
   const path = `/v1/drops/${encodeURIComponent(drop)}/reservations`;
   const reserved = await call(path, { key, user, quantity: 1 });
-  switch (reserved.outcome) {
-    case "admitted":
-    case "already_reserved":
-      break;
-    default:
-      return reserved.outcome; // sold_out, per_user_limit_exceeded, ...
+  // A hold: `admitted`, or a retry's `already_reserved` of a reservation still active.
+  const held =
+    reserved.outcome === "admitted" ||
+    (reserved.outcome === "already_reserved" && reserved.state === "active");
+  if (!held) {
+    return reserved.outcome; // sold_out, per_user_limit_exceeded, ...
   }
   const reservation = `${path}/${encodeURIComponent(key)}`;
   if (pay(buyer)) {
