@@ -94,6 +94,9 @@ pub struct DropConfig {
     pub max_hold_seconds: i64,
     /// No new reservations while true (see `spec.paused`).
     pub paused: bool,
+    /// Most entries a waitlist line holds (`spec.waitlist.maxLength`); `None` when
+    /// the drop has no waitlist.
+    pub waitlist: Option<i64>,
     /// Throttle permits per sidecar.
     pub permits: u32,
     pub acquire_timeout_ms: u64,
@@ -141,6 +144,7 @@ impl DropConfig {
             ("holdSeconds", self.hold_seconds.to_string()),
             ("maxHoldSeconds", self.max_hold_seconds.to_string()),
             ("paused", if self.paused { "1" } else { "" }.to_string()),
+            ("waitlist", opt(self.waitlist)),
             ("permits", self.permits.to_string()),
             ("acquireTimeoutMs", self.acquire_timeout_ms.to_string()),
             ("mode", self.mode.as_str().to_string()),
@@ -208,6 +212,12 @@ impl DropConfig {
                 None | Some("") => false,
                 Some("1") => true,
                 Some(other) => return Err(invalid("paused", other)),
+            },
+            // Later still: a hash without it has no waitlist.
+            waitlist: match opt_int("waitlist")? {
+                Some(bound) if bound >= 1 => Some(bound),
+                Some(bound) => return Err(invalid("waitlist", &bound.to_string())),
+                None => None,
             },
             permits: u32::try_from(permits)
                 .ok()
@@ -324,6 +334,7 @@ mod tests {
             hold_seconds: 600,
             max_hold_seconds: 900,
             paused: true,
+            waitlist: Some(500),
             permits: 64,
             acquire_timeout_ms: 50,
             mode: Mode::FailOpen,

@@ -121,6 +121,11 @@ pub struct InventoryDropSpec {
     /// on, the stock is untouched. Set it back to false to sell again at once.
     #[serde(default)]
     pub paused: bool,
+    /// A line for buyers turned away: units that come back (a cancel, an expiry, a
+    /// restock) are offered to it first, strictly in order, and while anyone waits a
+    /// new reserve answers `sold_out`.
+    #[serde(default)]
+    pub waitlist: WaitlistSpec,
     /// The Redis that holds the drop's stock, and whether it must be highly
     /// available. Cannot change while the sale runs.
     pub redis: RedisSpec,
@@ -272,6 +277,40 @@ impl Default for GateSpec {
 
 fn default_true() -> bool {
     true
+}
+
+/// The drop's waitlist.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WaitlistSpec {
+    /// Whether buyers may wait in line (`POST /v1/drops/{drop}/waitlist`).
+    #[serde(default)]
+    pub enabled: bool,
+    /// Most entries the line holds at once (per variant); a join beyond it answers
+    /// 409 `waitlist_full`.
+    #[serde(default = "default_waitlist_length")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub max_length: i64,
+}
+
+impl Default for WaitlistSpec {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_length: default_waitlist_length(),
+        }
+    }
+}
+
+fn default_waitlist_length() -> i64 {
+    10_000
+}
+
+impl WaitlistSpec {
+    /// The line's length bound, `None` when the drop has no waitlist.
+    pub fn bound(&self) -> Option<i64> {
+        self.enabled.then_some(self.max_length)
+    }
 }
 
 /// Throttling, per sidecar.
@@ -506,6 +545,9 @@ impl InventoryDropSpec {
             if max < self.hold_seconds {
                 return err("maxHoldSeconds", "must be at least holdSeconds");
             }
+        }
+        if !(1..=1_000_000).contains(&self.waitlist.max_length) {
+            return err("waitlist.maxLength", "must be from 1 to 1000000");
         }
         if let (Some(start), Some(end)) = (&self.starts_at, &self.ends_at)
             && end.0 <= start.0

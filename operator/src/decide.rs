@@ -78,6 +78,7 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         hold_seconds: spec.hold_seconds,
         max_hold_seconds: spec.max_hold_seconds(),
         paused: spec.paused,
+        waitlist: spec.waitlist.bound(),
         permits: u32::try_from(spec.throttle.permits).unwrap_or(1),
         acquire_timeout_ms: u64::try_from(spec.throttle.acquire_timeout_ms).unwrap_or(0),
         mode,

@@ -329,6 +329,9 @@ async fn expire_due_holds(app: &App) {
                 }
                 Err(error) => tracing::debug!(drop = %drop.name, %error, "sweep failed"),
             }
+            // Units the sweep (or a cancel, or a restock) returned go to the
+            // waitlist's heads, in order.
+            crate::service::waitlist::offer_due(app, &drop).await;
         }
         if ledger_decides {
             match app

@@ -50,6 +50,8 @@ pub struct Metrics {
     /// Holds expired (by the sweeper, or by a request that found one past its
     /// deadline).
     pub expired: Counter<u64, AtomicU64>,
+    /// Holds offered to the head of a waitlist line (units that came back).
+    pub offered: Counter<u64, AtomicU64>,
     /// Admissions answered 201 before the replicas `--wait-replicas` asks for
     /// acknowledged them (durable in the ledger all the same).
     pub replica_wait_timeouts: Counter<u64, AtomicU64>,
@@ -116,6 +118,12 @@ impl Metrics {
             "Holds expired past their deadline",
             expired.clone(),
         );
+        let offered = Counter::default();
+        registry.register(
+            "waitlist_offers",
+            "Holds offered to the head of a waitlist line when units came back",
+            offered.clone(),
+        );
         registry.register(
             "replica_wait_timeouts",
             "Admissions answered before the replicas asked for acknowledged them",
@@ -138,6 +146,7 @@ impl Metrics {
             latency,
             permits_in_use,
             expired,
+            offered,
             replica_wait_timeouts,
             foreign_ledger,
             remaining,

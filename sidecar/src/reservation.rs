@@ -225,6 +225,9 @@ pub enum Outcome {
     ForeignLedger {
         ledger: String,
     },
+    /// An offer to the head of a waitlist line found its entry no longer there (it
+    /// left, or was served, or someone is ahead of it): nothing changed.
+    NotHead,
 }
 
 impl Outcome {
@@ -264,7 +267,8 @@ impl Outcome {
             | Outcome::OffGate(_)
             | Outcome::Pending
             | Outcome::Overdue
-            | Outcome::ForeignLedger { .. } => None,
+            | Outcome::ForeignLedger { .. }
+            | Outcome::NotHead => None,
         }
     }
 
@@ -364,6 +368,10 @@ pub struct Change {
     /// When the reservation was admitted (ms since the epoch), where the gate said
     /// (a new row without it is stamped with the time it is written).
     pub admitted_at_ms: Option<i64>,
+    /// An admission that serves the head of a waitlist line: recorded only while
+    /// the ledger has the entry waiting (it becomes `offered` in the same
+    /// transaction), announced as an `offered` event.
+    pub offered: bool,
 }
 
 impl Change {
@@ -393,6 +401,7 @@ impl Change {
             attempt: None,
             deadline_ms: None,
             admitted_at_ms: None,
+            offered: false,
         }
     }
 
@@ -421,5 +430,10 @@ impl Change {
     /// The change as the Redis gate numbered it, at its epoch.
     pub fn numbered(self, seq: Option<i64>, epoch: i64) -> Self {
         Self { seq, epoch, ..self }
+    }
+
+    /// The admission of an offer to a waitlist's head (see [`Change::offered`]).
+    pub fn offer(self, offered: bool) -> Self {
+        Self { offered, ..self }
     }
 }

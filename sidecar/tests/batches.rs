@@ -54,6 +54,7 @@ fn scenario(rng: &mut StdRng, variants: bool) -> Vec<Op> {
                     variant: variants.then(|| ["s", "m", "x"][rng.random_range(0..3)].to_string()),
                     attempt,
                     pending_bound_ms: 600_000,
+                    offer: false,
                 }));
             }
             6..9 if !attempts.is_empty() => {

@@ -178,6 +178,20 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
     )
     .await;
     common::seed(&url, "brief", DropSpec::new(10).hold_seconds(1)).await;
+    common::seed(
+        &url,
+        "line",
+        DropSpec::new(1).per_user_limit(2).waitlist_of(1),
+    )
+    .await;
+    common::seed(
+        &url,
+        "soon",
+        DropSpec::new(1)
+            .starts_at("2099-01-01T00:00:00Z")
+            .waitlist(),
+    )
+    .await;
     common::seed(&url, "down", DropSpec::new(10).fail_closed()).await;
     let sidecar = common::Peer::start_custom(&url, &ledger, |settings| {
         settings.max_lock_names = 2;
@@ -494,6 +508,69 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
     let r = tour.delete("/v1/locks/restock", &big).await;
     Tour::expect(&r, 413, "invalid");
 
+    // A place in line, served.
+    let r = tour
+        .post("/v1/drops/line/reservations", &reserve("k1", "alice", 1))
+        .await;
+    Tour::expect(&r, 201, "admitted");
+    let r = tour
+        .post("/v1/drops/line/waitlist", &reserve("w1", "bob", 1))
+        .await;
+    Tour::expect(&r, 201, "waiting");
+    let r = tour
+        .post("/v1/drops/line/waitlist", &reserve("w1", "bob", 1))
+        .await;
+    Tour::expect(&r, 200, "already_waiting");
+    let r = tour.post("/v1/drops/line/waitlist", "{").await;
+    Tour::expect(&r, 400, "invalid");
+    let r = tour
+        .post("/v1/drops/soon/waitlist", &reserve("s1", "bob", 1))
+        .await;
+    Tour::expect(&r, 403, "not_open");
+    let r = tour
+        .post("/v1/drops/nothing/waitlist", &reserve("n1", "bob", 1))
+        .await;
+    Tour::expect(&r, 404, "not_found");
+    let r = tour
+        .post("/v1/drops/line/waitlist", &reserve("w2", "carol", 1))
+        .await;
+    Tour::expect(&r, 409, "waitlist_full");
+    let r = tour.post("/v1/drops/line/waitlist", &big).await;
+    Tour::expect(&r, 413, "invalid");
+    let r = tour
+        .post("/v1/drops/line/waitlist", &reserve("k1", "alice", 1))
+        .await;
+    Tour::expect(&r, 422, "idempotency_key_reused");
+    let r = tour.get("/v1/drops/line/waitlist/w1").await;
+    Tour::expect(&r, 200, "waiting");
+    let r = tour.get("/v1/drops/line/waitlist/%01").await;
+    Tour::expect(&r, 400, "invalid");
+    let r = tour.get("/v1/drops/line/waitlist/none").await;
+    Tour::expect(&r, 404, "not_found");
+    let r = tour.post("/v1/drops/line/reservations/k1/cancel", "").await;
+    Tour::expect(&r, 200, "cancelled");
+    let mut served = tour.get("/v1/drops/line/waitlist/w1").await;
+    for _ in 0..100 {
+        if served.outcome() == "offered" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        served = tour.get("/v1/drops/line/waitlist/w1").await;
+    }
+    Tour::expect(&served, 200, "offered");
+    let r = tour.post("/v1/drops/line/waitlist/w1/cancel", "").await;
+    Tour::expect(&r, 409, "offered");
+    let r = tour
+        .post("/v1/drops/line/waitlist", &reserve("w3", "dave", 1))
+        .await;
+    Tour::expect(&r, 201, "waiting");
+    let r = tour.post("/v1/drops/line/waitlist/w3/cancel", "").await;
+    Tour::expect(&r, 200, "left");
+    let r = tour.post("/v1/drops/line/waitlist/%01/cancel", "").await;
+    Tour::expect(&r, 400, "invalid");
+    let r = tour.post("/v1/drops/line/waitlist/none/cancel", "").await;
+    Tour::expect(&r, 404, "not_found");
+
     // Probes and the document.
     let r = tour.get("/healthz").await;
     Tour::expect(&r, 200, "ok");
@@ -511,7 +588,7 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
     let r = tour.post("/v1/carts", held).await;
     Tour::expect(&r, 201, "reserved");
     redis.stop();
-    let calls: [(Method, &str, &str); 13] = [
+    let calls: [(Method, &str, &str); 16] = [
         (
             Method::POST,
             "/v1/drops/down/reservations",
@@ -527,6 +604,13 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
             &format!(r#"{{"expiresAt":"{later}"}}"#),
         ),
         (Method::GET, "/v1/drops/down", ""),
+        (
+            Method::POST,
+            "/v1/drops/down/waitlist",
+            &reserve("w", "zoe", 1),
+        ),
+        (Method::GET, "/v1/drops/down/waitlist/w", ""),
+        (Method::POST, "/v1/drops/down/waitlist/w/cancel", ""),
         (
             Method::POST,
             "/v1/carts",

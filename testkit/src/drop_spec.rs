@@ -16,6 +16,8 @@ pub struct DropSpec {
     hold_seconds: Option<i64>,
     max_hold_seconds: Option<i64>,
     paused: bool,
+    /// `waitlist: {enabled: true, maxLength: N}` (the length `None`: the default).
+    waitlist: Option<Option<i64>>,
     starts_at: Option<String>,
     ends_at: Option<String>,
     kill_switch: bool,
@@ -35,6 +37,7 @@ impl DropSpec {
             hold_seconds: None,
             max_hold_seconds: None,
             paused: false,
+            waitlist: None,
             starts_at: None,
             ends_at: None,
             kill_switch: false,
@@ -77,6 +80,18 @@ impl DropSpec {
     /// `maxHoldSeconds:`: how far an extension may move a hold.
     pub fn max_hold_seconds(mut self, seconds: i64) -> Self {
         self.max_hold_seconds = Some(seconds);
+        self
+    }
+
+    /// `waitlist: {enabled: true}`: buyers turned away may wait in line.
+    pub fn waitlist(mut self) -> Self {
+        self.waitlist = Some(None);
+        self
+    }
+
+    /// A waitlist of at most `length` entries per line.
+    pub fn waitlist_of(mut self, length: i64) -> Self {
+        self.waitlist = Some(Some(length));
         self
     }
 
@@ -152,6 +167,13 @@ impl fmt::Display for DropSpec {
         }
         if self.paused {
             writeln!(f, "  paused: true")?;
+        }
+        match self.waitlist {
+            Some(Some(length)) => {
+                writeln!(f, "  waitlist: {{enabled: true, maxLength: {length}}}")?
+            }
+            Some(None) => writeln!(f, "  waitlist: {{enabled: true}}")?,
+            None => {}
         }
         if let Some(at) = &self.starts_at {
             writeln!(f, "  startsAt: {at}")?;

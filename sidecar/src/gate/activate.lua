@@ -12,6 +12,9 @@ if m[2] == 'pending' and m[1] == ARGV[3] then
   redis.call('ZREM', K.unresolved, KEY)
   local listed = redis.call('HMGET', K.marker, 'user', 'admittedAt')
   list_for_buyer(listed[1], tonumber(listed[2]) or now_ms())
+  if redis.call('HEXISTS', K.marker, 'line') == 1 then
+    redis.call('HSET', wl_entry(KEY), 'state', 'offered')
+  end
   return answer('admitted')
 end
 return answer('gone')

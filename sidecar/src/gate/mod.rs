@@ -76,6 +76,7 @@ static ABORT: LazyLock<GateScript> = gate_script!("abort");
 
 mod batcher;
 mod reply;
+pub mod waitlist;
 
 pub use batcher::Batcher;
 pub use reply::{
@@ -93,6 +94,18 @@ async fn run(
     key: &str,
     args: &[&str],
 ) -> RedisResult<Wire> {
+    Wire::parse(invoke(script, conn, keys, ledger, key, args).await?)
+}
+
+/// [`run`] without reading the reply (the waitlist's scripts answer their own).
+async fn invoke(
+    script: &GateScript,
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    key: &str,
+    args: &[&str],
+) -> RedisResult<String> {
     let mut invocation = script.script.key(keys.config());
     invocation
         .key(keys.remaining())
@@ -113,7 +126,7 @@ async fn run(
     }
     let span = client_span(script, 1);
     let called = invocation.invoke_async(conn).instrument(span.clone()).await;
-    Wire::parse(failed_on(&span, called)?)
+    failed_on(&span, called)
 }
 
 /// One call's client span; `requests` is how many requests it decides (more than
@@ -225,6 +238,8 @@ pub struct ReserveRequest {
     /// This admission's id, for [`activate`] and [`undo`].
     pub attempt: String,
     pub pending_bound_ms: u64,
+    /// An offer to the head of the variant's waitlist line, under its entry's key.
+    pub offer: bool,
 }
 
 impl ReserveRequest {
@@ -237,6 +252,7 @@ impl ReserveRequest {
                 self.attempt.clone(),
                 self.pending_bound_ms.to_string(),
                 self.variant.clone().unwrap_or_default(),
+                if self.offer { "1" } else { "" }.to_string(),
             ],
         }
     }
@@ -272,6 +288,7 @@ pub async fn reserve(
         variant: variant.map(str::to_string),
         attempt: attempt.to_string(),
         pending_bound_ms,
+        offer: false,
     }
     .request();
     let args: Vec<&str> = request.args.iter().map(String::as_str).collect();

@@ -195,13 +195,51 @@ local function give_back(user, quantity, variant)
   end
 end
 
+-- The waitlist's keys (see DropKeys::waitlist_line and the rest), named from the
+-- config key's prefix: an offer or a return touches entries no caller can name
+-- before the script runs. They carry the drop's hash tag, so they sit in its slot.
+local function wl_prefix()
+  return string.sub(K.config, 1, -8) .. ':wl:'
+end
+local function wl_line(variant)
+  return wl_prefix() .. 'line:' .. (variant or '')
+end
+local function wl_entry(key)
+  return wl_prefix() .. 'entry:' .. key
+end
+local function wl_users()
+  return wl_prefix() .. 'users'
+end
+
+-- Units `user` waits for in the drop's lines: they count toward the per-user limit.
+local function waiting_units(user)
+  return tonumber(redis.call('HGET', wl_users(), user) or '0')
+end
+
+-- Puts an entry whose offer was taken back (its admission undone, abandoned or
+-- expired before it was durable) back at its place in its line, its units counted
+-- as waiting again: nobody behind it is served first.
+local function back_in_line(key)
+  local e = redis.call('HMGET', wl_entry(key), 'state', 'user', 'quantity', 'variant', 'position')
+  if e[1] ~= 'offering' then
+    return
+  end
+  redis.call('HSET', wl_entry(key), 'state', 'waiting')
+  redis.call('ZADD', wl_line(e[4]), e[5], key)
+  redis.call('HINCRBY', wl_users(), e[2], e[3])
+end
+
 -- Takes a pending admission back as if it never happened: its units, its place in
--- the queues, the marker itself (so that a retry of the key can be admitted).
+-- the queues, the marker itself (so that a retry of the key can be admitted). An
+-- offer to the waitlist's head goes back to its place in line.
 local function take_back(user, quantity)
   EXPIRES_SHARED = nil
   redis.call('ZREM', K.holds, KEY)
   redis.call('ZREM', K.unresolved, KEY)
   give_back(user, quantity, marker_variant())
+  if redis.call('HEXISTS', K.marker, 'line') == 1 then
+    back_in_line(KEY)
+  end
   redis.call('DEL', K.marker)
 end
 
@@ -259,6 +297,10 @@ local function expire_if_due(now)
     redis.call('ZREM', K.holds, KEY)
     redis.call('ZREM', K.unresolved, KEY)
     give_back(m[1], tonumber(m[2]), marker_variant())
+    if m[3] == 'pending' and redis.call('HEXISTS', K.marker, 'line') == 1 then
+      -- An offer never made durable: the entry waits at its place again.
+      back_in_line(KEY)
+    end
     EXPIRED, EXPIRED_FROM = redis.call('INCR', K.seq), m[3]
     redis.call('HSET', K.marker, 'seq', EXPIRED)
     return true

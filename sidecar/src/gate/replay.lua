@@ -78,6 +78,10 @@ if variant ~= '' then
   redis.call('HSET', K.marker, 'variant', variant)
 end
 clear_settling()
+if before == 'pending' and redis.call('HEXISTS', K.marker, 'line') == 1 then
+  -- An offer the ledger recorded: its entry is served.
+  redis.call('HSET', wl_entry(KEY), 'state', 'offered')
+end
 if target == 'active' then
   redis.call('ZADD', K.holds, ARGV[6], KEY)
 else

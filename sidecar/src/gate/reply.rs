@@ -326,6 +326,7 @@ impl Wire {
                 ends_at_ms: int(&self.when),
             },
             (Call::Reserve, "paused") => Outcome::Paused,
+            (Call::Reserve, "not_head") => Outcome::NotHead,
             // A mode the sidecar does not know is no mode to sell under.
             (Call::Reserve, "mode") => {
                 Outcome::OffGate(Mode::parse(&self.state).unwrap_or(Mode::Closed))

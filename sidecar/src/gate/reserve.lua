@@ -2,6 +2,8 @@
 -- bound (ms): how long an admission may stay pending before it is overdue (its
 -- permit wait plus the ledger's commit deadline), ARGV[7] the variant ('' for a
 -- drop without variants): its stock and the drop's must both hold the quantity.
+-- ARGV[8] '1': an offer to the head of the variant's waitlist line, under the
+-- entry's own key (the sweeper's; see waitlist.lua's notes in gate/waitlist.rs).
 --
 -- In one atomic step: the mode and the gate, the sale's ledger, the idempotency
 -- marker, the sale window, a pause, the per-user limit, the stock; then decrement, count the
@@ -12,7 +14,7 @@
 -- that finds it past its bound is told 'overdue'.
 RESERVE_CONFIG = RESERVE_CONFIG or redis.call('HMGET', K.config,
   'mode', 'perUserLimit', 'startsAt', 'endsAt', 'holdSeconds', 'expireAt', 'limit', 'generation',
-  'variants', 'paused')
+  'variants', 'paused', 'waitlist')
 local cfg = RESERVE_CONFIG
 if not cfg[1] then
   return reply('not_found')
@@ -55,6 +57,23 @@ if ours() then
   end
   return reply('idempotency_key_reused', '', '', '', '', tostring(remaining()))
 end
+-- With a waitlist: a key waiting in a line names that entry, not a new reserve
+-- (its offer comes under it); an offer must be to the head of its line, as it
+-- stands now.
+local lined = cfg[11] and cfg[11] ~= ''
+local offer = ARGV[8] == '1'
+if lined or offer then
+  local e = redis.call('HMGET', wl_entry(KEY), 'state', 'user', 'quantity', 'variant', 'sale')
+  if offer then
+    if not lined or e[1] ~= 'waiting' or e[5] ~= SALE or e[2] ~= user
+      or tonumber(e[3]) ~= quantity or (e[4] or '') ~= ARGV[7]
+      or redis.call('ZRANGE', wl_line(ARGV[7]), 0, 0)[1] ~= KEY then
+      return reply('not_head')
+    end
+  elseif e[1] and e[5] == SALE and e[1] ~= 'left' then
+    return reply('idempotency_key_reused', '', '', '', '', tostring(remaining()))
+  end
+end
 
 -- The variant as the config names it now (the caller's copy may be older): one
 -- the drop does not have (any more), or none where it has variants, is refused.
@@ -82,6 +101,13 @@ if cfg[10] == '1' then
 end
 
 local bought = tonumber(redis.call('HGET', K.buyers, user) or '0')
+if lined then
+  -- Units the buyer waits for count too; an offer's own are about to be held.
+  bought = bought + waiting_units(user)
+  if offer then
+    bought = bought - quantity
+  end
+end
 if bought + quantity > tonumber(cfg[2]) then
   return reply('per_user_limit_exceeded', user, tostring(bought), '', cfg[2],
     tostring(remaining()))
@@ -89,6 +115,10 @@ end
 
 -- The drop's count pays a cut back first; with a variant, the variant's too.
 local left = remaining(variant)
+-- While anyone waits, what comes back is theirs: a new reserve is sold out.
+if lined and not offer and redis.call('EXISTS', wl_line(variant)) == 1 then
+  return reply('sold_out', '', '', '', '', '0', variant)
+end
 if left < quantity then
   return reply('sold_out', '', '', '', '', tostring(left), variant)
 end
@@ -102,6 +132,14 @@ redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pendi
   'admittedAt', now)
 if variant ~= '' then
   redis.call('HSET', K.marker, 'variant', variant)
+end
+if offer then
+  -- The entry leaves the line with its units: they are held now (take counted
+  -- them for the buyer). Undone, it goes back to its place (back_in_line).
+  redis.call('ZREM', wl_line(variant), KEY)
+  redis.call('HINCRBY', wl_users(), user, -quantity)
+  redis.call('HSET', wl_entry(KEY), 'state', 'offering')
+  redis.call('HSET', K.marker, 'line', '1')
 end
 redis.call('ZADD', K.unresolved, now + bound, KEY)
 bump()

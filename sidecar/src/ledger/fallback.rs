@@ -225,6 +225,14 @@ impl Ledger {
                 tx.rollback().await?;
                 return Ok(Decision::Done(Outcome::Paused));
             }
+            // The waitlist: while anyone waits, what comes back is theirs (the gate
+            // offers it when it is back); a buyer's waiting units count as held.
+            let (anyone_waits, waiting) =
+                super::waitlist::standing(&mut tx, drop_key, variant, user).await?;
+            if anyone_waits {
+                tx.rollback().await?;
+                return Ok(Decision::Done(Outcome::SoldOut { remaining: 0 }));
+            }
             sqlx::query(
                 "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
                  ON CONFLICT (drop_key, user_id) DO NOTHING",
@@ -239,7 +247,7 @@ impl Ledger {
             .bind(quantity)
             .bind(drop_key)
             .bind(user)
-            .bind(quantity)
+            .bind(quantity + waiting)
             .bind(terms.per_user_limit)
             .execute(&mut *tx)
             .await?
@@ -253,7 +261,7 @@ impl Ledger {
                     .await?
                     .try_get(0)?;
                 tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::PerUserLimit { held, limit: terms.per_user_limit }));
+                return Ok(Decision::Done(Outcome::PerUserLimit { held: held + waiting, limit: terms.per_user_limit }));
             }
             let in_stock = sqlx::query("UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3")
                 .bind(quantity)

@@ -23,6 +23,7 @@ pub mod fallback;
 pub mod fences;
 pub mod outbox;
 pub mod retention;
+pub mod waitlist;
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use sqlx::any::{AnyPoolOptions, AnyRow};
@@ -194,6 +195,7 @@ pub struct Ledger {
 
 pub use authority::{Authority, Holder};
 pub use fallback::{Landed, Recorded};
+pub use waitlist::{WaitRow, WaitState};
 
 /// Most changes one group commit takes.
 const BATCH: usize = 512;
@@ -664,6 +666,16 @@ async fn apply_gate_change(
         return record_extension(tx, ids, change, now).await;
     }
     if change.state == State::Active {
+        // An offer to a waitlist's head is recorded only while its entry waits
+        // here: a buyer who left first keeps their word (the offer is undone).
+        if change.offered
+            && !waitlist::serve(tx, &change.drop_key, &change.key, now).await?
+            && fallback::read(tx, &change.drop_key, &change.key)
+                .await?
+                .is_none()
+        {
+            return Ok(Err(RecordError::GivenUp));
+        }
         if insert_reservation(tx, change, "gate", true, now).await? {
             write_event(tx, ids, change, "gate", now).await?;
             return Ok(Ok(-change.quantity));
@@ -1218,6 +1230,8 @@ async fn write_event(
 ) -> Result<(), sqlx::Error> {
     let kind = if change.extension {
         "extended"
+    } else if change.offered && change.state == State::Active {
+        "offered"
     } else {
         event(change.state)
     };

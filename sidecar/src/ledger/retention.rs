@@ -18,8 +18,9 @@ pub const PRUNE_BATCH: i64 = 500;
 /// The tables keyed by a sale's ledger key that are emptied once its reservations
 /// and events are gone; `sales` and `ended_sales` last, so that a prune cut short
 /// is found and finished by the next.
-const SALE_TABLES: [&str; 7] = [
+const SALE_TABLES: [&str; 8] = [
     "DELETE FROM buyers WHERE drop_key = $1",
+    "DELETE FROM waitlist WHERE drop_key = $1",
     "DELETE FROM stock WHERE drop_key = $1",
     "DELETE FROM variant_stock WHERE drop_key = $1",
     "DELETE FROM authority WHERE drop_key = $1",

@@ -6,6 +6,7 @@ mod health;
 mod locks;
 mod openapi;
 mod reservations;
+mod waitlist;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -67,6 +68,22 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .and(caller())
         .and(app.clone())
         .then(reservations::lookup);
+    let waitlist_join = warp::path!("v1" / "drops" / String / "waitlist")
+        .and(warp::post())
+        .and(caller())
+        .and(app.clone())
+        .and(body)
+        .then(waitlist::join);
+    let waitlist_leave = warp::path!("v1" / "drops" / String / "waitlist" / String / "cancel")
+        .and(warp::post())
+        .and(caller())
+        .and(app.clone())
+        .then(waitlist::leave);
+    let waitlist_lookup = warp::path!("v1" / "drops" / String / "waitlist" / String)
+        .and(warp::get())
+        .and(caller())
+        .and(app.clone())
+        .then(waitlist::lookup);
     let cart_reserve = warp::path!("v1" / "carts")
         .and(warp::post())
         .and(caller())
@@ -153,6 +170,12 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .or(cart_lookup)
         .unify()
         .boxed();
+    let waitlist = waitlist_join
+        .or(waitlist_leave)
+        .unify()
+        .or(waitlist_lookup)
+        .unify()
+        .boxed();
     let locks = lock_acquire
         .or(lock_renew)
         .unify()
@@ -164,6 +187,8 @@ pub fn all(app: Arc<App>) -> BoxedFilter<(Response,)> {
         .or(reservations)
         .unify()
         .or(carts)
+        .unify()
+        .or(waitlist)
         .unify()
         .or(locks)
         .unify()
@@ -322,6 +347,13 @@ const EXTEND: Route = route!(
 );
 const LOOKUP: Route = route!("lookup", "GET", "/v1/drops/{drop}/reservations/{key}");
 const BY_BUYER: Route = route!("by_buyer", "GET", "/v1/drops/{drop}/reservations");
+const WAITLIST_JOIN: Route = route!("waitlist_join", "POST", "/v1/drops/{drop}/waitlist");
+const WAITLIST_LOOKUP: Route = route!("waitlist_lookup", "GET", "/v1/drops/{drop}/waitlist/{key}");
+const WAITLIST_LEAVE: Route = route!(
+    "waitlist_leave",
+    "POST",
+    "/v1/drops/{drop}/waitlist/{key}/cancel"
+);
 const CART_RESERVE: Route = route!("cart_reserve", "POST", "/v1/carts");
 const CART_CONFIRM: Route = route!("cart_confirm", "POST", "/v1/carts/{key}/confirm");
 const CART_CANCEL: Route = route!("cart_cancel", "POST", "/v1/carts/{key}/cancel");

@@ -398,6 +398,7 @@ impl Asked<'_> {
             | Outcome::OffGate(_)
             | Outcome::Pending
             | Outcome::Overdue
+            | Outcome::NotHead
             | Outcome::Unsettled(_)
             | Outcome::Listed(_)
             | Outcome::ForeignLedger { .. }) => {

@@ -28,11 +28,14 @@ pub async fn reserve(app: &App, drop_name: &str, request: &Reserve) -> Result<Se
 
 /// One attempt at the Redis gate: admit pending, take a permit, make it durable in
 /// the ledger (which checks the gate's epoch and its own count), then activate.
+/// `offer`: the admission serves the head of the request's waitlist line under its
+/// entry's key (see [`crate::service::waitlist`]).
 pub(super) async fn on_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
     request: &Reserve,
+    offer: bool,
 ) -> Turn<Outcome> {
     let mut conn = app.redis.clone();
     let attempt = format!("{:016x}", rand::random::<u64>());
@@ -60,6 +63,7 @@ pub(super) async fn on_gate(
         variant: request.variant.clone(),
         attempt: attempt.clone(),
         pending_bound_ms: pending_bound_ms(config),
+        offer,
     };
     let reply = loop {
         let reply = match drop.gate.reserve(&conn, app.ledger.id(), &admission).await {
@@ -181,7 +185,8 @@ pub(super) async fn on_gate(
         &admitted.reservation,
         State::Active,
     )
-    .by(&attempt, deadline);
+    .by(&attempt, deadline)
+    .offer(offer);
     let ledger_key = change_key(drop, &reply.step);
     let recorded = match faults::check(Fault::AfterRedisAdmit) {
         Ok(()) if faults::check(Fault::SkipLedgerOnAdmit).is_err() => Ok(()),

@@ -316,7 +316,7 @@ async fn rebuild(app: &App, drop: &Drop, key: &str, epoch: i64) -> Result<usize,
             .await?;
         let Some(last) = rows.last() else {
             take_back_unrecorded(app, drop, key, epoch).await?;
-            return Ok(replayed);
+            return Ok(replayed + replay_waitlist(app, drop, key).await?);
         };
         after = last.key.clone();
         for row in &rows {
@@ -327,6 +327,33 @@ async fn rebuild(app: &App, drop: &Drop, key: &str, epoch: i64) -> Result<usize,
                 Replay::InLine => {}
             }
             app.ledger.mark_replayed(key, &row.key, row.state).await?;
+        }
+    }
+}
+
+/// Puts the waitlist's lines back from the ledger, forward only, after the
+/// reservations (an offer the ledger recorded is a reservation by then), each
+/// entry at its recorded position: the order survives a Redis that lost it.
+async fn replay_waitlist(app: &App, drop: &Drop, key: &str) -> Result<usize, HandoverError> {
+    let mut conn = app.redis.clone();
+    let sale = dropgate_api::keys::ledger_sale(key);
+    let mut after = String::new();
+    let mut replayed = 0;
+    loop {
+        let rows = app.ledger.entries_after(key, &after, REBUILD_BATCH).await?;
+        let Some(last) = rows.last() else {
+            return Ok(replayed);
+        };
+        after = last.key.clone();
+        for row in &rows {
+            match gate::waitlist::replay(&mut conn, &drop.keys, app.ledger.id(), row, sale).await? {
+                gate::waitlist::Said::OtherSale => {
+                    return Err(HandoverError::ConfigChanged(drop.name.clone()));
+                }
+                gate::waitlist::Said::Foreign(ledger) => return Err(foreign(drop, ledger)),
+                gate::waitlist::Said::Entry(gate::waitlist::Word::Replayed, _) => replayed += 1,
+                _ => {}
+            }
         }
     }
 }

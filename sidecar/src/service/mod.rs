@@ -21,6 +21,7 @@ pub mod cart;
 pub mod handover;
 pub mod record;
 mod settle;
+pub mod waitlist;
 
 use std::sync::Arc;
 
@@ -464,7 +465,9 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
             (Choice::Gate, call) => match checked(app, drop, &config).await {
                 Some(turn) => turn,
                 None => match call {
-                    Call::Reserve(request) => admit::on_gate(app, drop, &config, request).await,
+                    Call::Reserve(request) => {
+                        admit::on_gate(app, drop, &config, request, false).await
+                    }
                     Call::Settle(key, settle) => {
                         settle::on_gate(app, drop, &config, key, settle).await
                     }

@@ -1,0 +1,266 @@
+//! The waitlist in the ledger: each entry's row, so that a Redis that lost its data
+//! gets its lines back in order, and the one place that decides, between a buyer
+//! leaving and an offer to them, which came first.
+//!
+//! A join is written by its attempt (`join`); a sidecar that finds a join past its
+//! bound claims the key for that attempt first (`give_up_join`), so the late write
+//! of a dead attempt is refused, exactly as an admission's is. An offer is recorded
+//! with its admission (`serve`, inside the group commit), only while the row waits;
+//! a leave (`leave`) only while it waits too.
+
+use sqlx::{Any, Row, Transaction};
+
+use super::{Ledger, LedgerError};
+use crate::clock::now_ms;
+
+/// An entry's state in the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitState {
+    Waiting,
+    Offered,
+    Left,
+    /// A join given up on before it was written (its attempt named in the row): the
+    /// key may join again under another attempt.
+    Abandoned,
+}
+
+impl WaitState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitState::Waiting => "waiting",
+            WaitState::Offered => "offered",
+            WaitState::Left => "left",
+            WaitState::Abandoned => "abandoned",
+        }
+    }
+
+    fn parse(word: &str) -> Result<Self, sqlx::Error> {
+        Ok(match word {
+            "waiting" => WaitState::Waiting,
+            "offered" => WaitState::Offered,
+            "left" => WaitState::Left,
+            "abandoned" => WaitState::Abandoned,
+            other => {
+                return Err(sqlx::Error::Decode(
+                    format!("a waitlist row's state is {other:?}").into(),
+                ));
+            }
+        })
+    }
+}
+
+/// One entry as the ledger has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaitRow {
+    pub key: String,
+    pub user: String,
+    pub quantity: i64,
+    pub variant: Option<String>,
+    pub position: i64,
+    pub state: WaitState,
+    pub attempt: String,
+}
+
+/// A join to write: the entry as Redis placed it.
+#[derive(Clone, Copy, Debug)]
+pub struct Join<'a> {
+    pub key: &'a str,
+    pub user: &'a str,
+    pub quantity: i64,
+    pub variant: Option<&'a str>,
+    pub position: i64,
+    pub attempt: &'a str,
+}
+
+fn row_of(row: &sqlx::any::AnyRow) -> Result<WaitRow, sqlx::Error> {
+    Ok(WaitRow {
+        key: row.try_get(0)?,
+        user: row.try_get(1)?,
+        quantity: row.try_get(2)?,
+        variant: row.try_get(3)?,
+        position: row.try_get(4)?,
+        state: WaitState::parse(&row.try_get::<String, _>(5)?)?,
+        attempt: row.try_get(6)?,
+    })
+}
+
+impl Ledger {
+    /// Writes `join` as waiting, unless the key has a row already: an abandoned one
+    /// is taken over by another attempt (never by the one given up on). Returns the
+    /// key's row as it stands after: the caller's join landed when it is waiting
+    /// under the caller's attempt.
+    pub async fn join(&self, drop_key: &str, join: Join<'_>) -> Result<WaitRow, LedgerError> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO waitlist (drop_key, res_key, user_id, quantity, variant, position, state, \
+             attempt, joined_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, 'waiting', $7, $8, $9) \
+             ON CONFLICT (drop_key, res_key) DO UPDATE SET user_id = excluded.user_id, \
+             quantity = excluded.quantity, variant = excluded.variant, position = excluded.position, \
+             state = 'waiting', attempt = excluded.attempt, joined_at_ms = excluded.joined_at_ms, \
+             updated_at_ms = excluded.updated_at_ms \
+             WHERE waitlist.state = 'abandoned' AND waitlist.attempt <> excluded.attempt",
+        )
+        .bind(drop_key)
+        .bind(join.key)
+        .bind(join.user)
+        .bind(join.quantity)
+        .bind(join.variant)
+        .bind(join.position)
+        .bind(join.attempt)
+        .bind(now)
+        .bind(now)
+        .execute(self.pool())
+        .await?;
+        self.waiting_entry(drop_key, join.key)
+            .await?
+            .ok_or_else(|| LedgerError::Sql(sqlx::Error::RowNotFound))
+    }
+
+    /// Claims `key` for the dead join `attempt` (a row abandoned under it) unless
+    /// an entry is there already (an abandoned row is claimed anew, so that the
+    /// late write of this attempt cannot take it over); returns the key's row as it
+    /// stands after.
+    pub async fn give_up_join(
+        &self,
+        drop_key: &str,
+        key: &str,
+        attempt: &str,
+        entry: Join<'_>,
+    ) -> Result<WaitRow, LedgerError> {
+        let now = now_ms();
+        sqlx::query(
+            "INSERT INTO waitlist (drop_key, res_key, user_id, quantity, variant, position, state, \
+             attempt, joined_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, 'abandoned', $7, $8, $9) \
+             ON CONFLICT (drop_key, res_key) DO UPDATE SET attempt = excluded.attempt, \
+             updated_at_ms = excluded.updated_at_ms WHERE waitlist.state = 'abandoned'",
+        )
+        .bind(drop_key)
+        .bind(key)
+        .bind(entry.user)
+        .bind(entry.quantity)
+        .bind(entry.variant)
+        .bind(entry.position)
+        .bind(attempt)
+        .bind(now)
+        .bind(now)
+        .execute(self.pool())
+        .await?;
+        self.waiting_entry(drop_key, key)
+            .await?
+            .ok_or_else(|| LedgerError::Sql(sqlx::Error::RowNotFound))
+    }
+
+    /// Records that the buyer left the line, if the entry still waits; returns the
+    /// row as it stands after (`None`: the ledger has no such entry).
+    pub async fn leave(&self, drop_key: &str, key: &str) -> Result<Option<WaitRow>, LedgerError> {
+        sqlx::query(
+            "UPDATE waitlist SET state = 'left', updated_at_ms = $1 \
+             WHERE drop_key = $2 AND res_key = $3 AND state = 'waiting'",
+        )
+        .bind(now_ms())
+        .bind(drop_key)
+        .bind(key)
+        .execute(self.pool())
+        .await?;
+        self.waiting_entry(drop_key, key).await
+    }
+
+    /// The key's entry as the ledger has it.
+    pub async fn waiting_entry(
+        &self,
+        drop_key: &str,
+        key: &str,
+    ) -> Result<Option<WaitRow>, LedgerError> {
+        let row = sqlx::query(
+            "SELECT res_key, user_id, quantity, variant, position, state, attempt FROM waitlist WHERE drop_key = $1 AND res_key = $2",
+        )
+        .bind(drop_key)
+        .bind(key)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(row.as_ref().map(row_of).transpose()?)
+    }
+
+    /// Entries after `after` (by key), at most `limit`, for a rebuild (abandoned
+    /// joins are nobody's).
+    pub async fn entries_after(
+        &self,
+        drop_key: &str,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<WaitRow>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT res_key, user_id, quantity, variant, position, state, attempt FROM waitlist WHERE drop_key = $1 AND res_key > $2 \
+             AND state <> 'abandoned' ORDER BY res_key LIMIT $3",
+        )
+        .bind(drop_key)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        Ok(rows.iter().map(row_of).collect::<Result<_, _>>()?)
+    }
+
+    /// The entries waiting in the line of `variant`, first first, at most `limit`.
+    pub async fn line(
+        &self,
+        drop_key: &str,
+        variant: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<WaitRow>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT res_key, user_id, quantity, variant, position, state, attempt FROM waitlist WHERE drop_key = $1 AND state = 'waiting' \
+             AND COALESCE(variant, '') = $2 ORDER BY position LIMIT $3",
+        )
+        .bind(drop_key)
+        .bind(variant.unwrap_or(""))
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        Ok(rows.iter().map(row_of).collect::<Result<_, _>>()?)
+    }
+}
+
+/// Moves the entry of an offer's key from waiting to offered, in the offer's
+/// admission's transaction; false when it does not wait (it left, or the offer
+/// was recorded before).
+pub(super) async fn serve(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    key: &str,
+    now: i64,
+) -> Result<bool, sqlx::Error> {
+    let served = sqlx::query(
+        "UPDATE waitlist SET state = 'offered', updated_at_ms = $1 \
+         WHERE drop_key = $2 AND res_key = $3 AND state = 'waiting'",
+    )
+    .bind(now)
+    .bind(drop_key)
+    .bind(key)
+    .execute(&mut **tx)
+    .await?;
+    Ok(served.rows_affected() == 1)
+}
+
+/// What the fallback gate must know of the line when it decides a reserve:
+/// whether anyone waits for `variant` (then a new reserve is sold out), and the
+/// units `user` waits for (they count toward the per-user limit).
+pub(super) async fn standing(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    variant: Option<&str>,
+    user: &str,
+) -> Result<(bool, i64), sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT \
+         (SELECT COUNT(*) FROM waitlist WHERE drop_key = $1 AND state = 'waiting' AND COALESCE(variant, '') = $2), \
+         (SELECT CAST(COALESCE(SUM(quantity), 0) AS BIGINT) FROM waitlist WHERE drop_key = $3 AND state = 'waiting' AND user_id = $4)",
+    )
+    .bind(drop_key)
+    .bind(variant.unwrap_or(""))
+    .bind(drop_key)
+    .bind(user)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok((row.try_get::<i64, _>(0)? > 0, row.try_get::<i64, _>(1)?))
+}
