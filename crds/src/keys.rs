@@ -133,6 +133,30 @@ impl DropKeys {
         format!("{}:by-buyer", self.prefix)
     }
 
+    /// Sorted set: the waitlist line of `variant` (`""` for a drop without
+    /// variants): entry keys scored by their position. The gate's scripts derive
+    /// the waitlist's names from [`DropKeys::config`]'s prefix (an offer touches
+    /// entries no caller names beforehand); they share the drop's hash tag.
+    pub fn waitlist_line(&self, variant: &str) -> String {
+        format!("{}:wl:line:{variant}", self.prefix)
+    }
+
+    /// Hash: one waitlist entry (user, quantity, variant, state, position, the
+    /// join's attempt, sale).
+    pub fn waitlist_entry(&self, key: &str) -> String {
+        format!("{}:wl:entry:{key}", self.prefix)
+    }
+
+    /// Hash: user -> units that user waits for in the drop's lines.
+    pub fn waitlist_users(&self) -> String {
+        format!("{}:wl:users", self.prefix)
+    }
+
+    /// Integer: the lines' position counter.
+    pub fn waitlist_counter(&self) -> String {
+        format!("{}:wl:n", self.prefix)
+    }
+
     /// Every fixed key of the drop, config first: deleting in this order stops
     /// sidecars from admitting before the stock disappears.
     pub fn fixed(&self) -> [String; 12] {

@@ -35,6 +35,9 @@ pub struct Options {
     /// Buyers check out through `POST /v1/carts`: a cart of their size (and, where
     /// the per-user limit allows two, a second size), confirmed or cancelled whole.
     pub carts: bool,
+    /// The drop gets a waitlist: buyers turned away wait in line, the units that
+    /// cancels return go to them in order, and they confirm what they are offered.
+    pub waitlist: bool,
 }
 
 impl Default for Options {
@@ -49,6 +52,7 @@ impl Default for Options {
             throttle_retries: 3,
             seed: 412,
             carts: false,
+            waitlist: false,
         }
     }
 }
@@ -69,6 +73,8 @@ struct Buyer {
     duplicate_cancels_absorbed: u64,
     unexpected: Vec<String>,
     reserve_latencies: Vec<Duration>,
+    /// The key of this buyer's place in the waitlist, once it joined.
+    waiting: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -93,6 +99,24 @@ pub struct Summary {
     pub max: Duration,
     /// Per variant, for a drop with variants.
     pub variants: Vec<VariantSummary>,
+    /// With `--waitlist`.
+    pub waitlist: Option<WaitlistSummary>,
+}
+
+/// What the waitlist did.
+#[derive(Debug, Clone, Default)]
+pub struct WaitlistSummary {
+    /// Buyers turned away who joined the line.
+    pub joined: u64,
+    /// Units that came back and went to waiting buyers (each confirmed).
+    pub offered: u64,
+    /// Entries still waiting when the sale went quiet.
+    pub still_waiting: u64,
+    /// Joins refused because the line was full.
+    pub full: u64,
+    /// Entries served out of their line's order (an entry served while one ahead
+    /// of it, in the same line, still waits): must be 0.
+    pub out_of_order: u64,
 }
 
 /// One variant's part of the sale.
@@ -144,6 +168,14 @@ impl Summary {
                     v.name, v.held, v.confirmed
                 ));
             }
+        }
+        if let Some(waitlist) = &self.waitlist
+            && waitlist.out_of_order != 0
+        {
+            out.push(format!(
+                "{} waitlist entries were served ahead of one still waiting",
+                waitlist.out_of_order
+            ));
         }
         if !self.unexpected.is_empty() {
             // The first answer of each kind (its outcome word), at most four kinds.
@@ -200,6 +232,13 @@ impl fmt::Display for Summary {
                 v.name, v.limit, v.admitted, v.confirmed, v.cancelled, v.remaining, v.oversold
             )?;
         }
+        if let Some(w) = &self.waitlist {
+            writeln!(f, "  waitlist: joined           {:>8}", w.joined)?;
+            writeln!(f, "    returned units offered   {:>8}", w.offered)?;
+            writeln!(f, "    still waiting            {:>8}", w.still_waiting)?;
+            writeln!(f, "    refused (line full)      {:>8}", w.full)?;
+            writeln!(f, "    served out of order      {:>8}", w.out_of_order)?;
+        }
         writeln!(
             f,
             "  unexpected answers         {:>8}",
@@ -237,8 +276,18 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
     let limit = drop.spec.limit();
 
     let redis = RedisServer::start().map_err(|e| format!("redis-server: {e}"))?;
-    apply(&options.manifest, &redis.url())?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    if options.waitlist {
+        // The same drop with its waitlist on.
+        let mut lined = drop.clone();
+        lined.spec.waitlist.enabled = true;
+        let manifest = dir.path().join("drop.yaml");
+        let yaml = serde_norway::to_string(&lined).map_err(|e| e.to_string())?;
+        std::fs::write(&manifest, yaml).map_err(|e| e.to_string())?;
+        apply(&manifest, &redis.url())?;
+    } else {
+        apply(&options.manifest, &redis.url())?;
+    }
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let sidecar = SidecarProcess::start(&redis.url(), &namespace, &ledger).await?;
     let http = HttpClient::unchecked(sidecar.base.clone());
@@ -266,6 +315,11 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
     for task in tasks {
         buyers.push(task.await.map_err(|e| format!("a buyer panicked: {e}"))?);
     }
+    let waitlist = if options.waitlist {
+        Some(serve_the_line(&http, &redis, &namespace, &name, &mut buyers).await?)
+    } else {
+        None
+    };
     let elapsed = started.elapsed();
 
     let drop_path = format!("/v1/drops/{name}");
@@ -326,6 +380,7 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
                 ..VariantSummary::default()
             })
             .collect(),
+        waitlist,
     };
     for buyer in buyers {
         // Each line holds one unit: a buyer's counts are per line.
@@ -474,6 +529,9 @@ async fn buy(
             return buyer;
         }
         if !throttled {
+            if options.waitlist && !options.carts && buyer.sold_out > 0 {
+                join_the_line(&mut buyer, http, drop, i).await;
+            }
             return buyer;
         }
         buyer.throttled += 1;
@@ -524,4 +582,110 @@ async fn settle(
             Err(e) => buyer.unexpected.push(format!("confirm failed: {e}")),
         }
     }
+}
+
+/// A buyer turned away joins the drop's line (the reserve's body under a key of
+/// its own).
+async fn join_the_line(buyer: &mut Buyer, http: &HttpClient, drop: &str, i: usize) {
+    let key = format!("wait-{i}");
+    let variant = buyer.lines[0]
+        .as_ref()
+        .map_or(String::new(), |v| format!(r#","variant":"{v}""#));
+    let body = format!(r#"{{"key":"{key}","user":"buyer-{i}","quantity":1{variant}}}"#);
+    match http
+        .post(&format!("/v1/drops/{drop}/waitlist"), &body)
+        .await
+    {
+        Ok(r) if r.status.as_u16() == 201 => buyer.waiting = Some(key),
+        Ok(r) if r.outcome() == "waitlist_full" => {}
+        Ok(r) => buyer.unexpected.push(r.text),
+        Err(e) => buyer.unexpected.push(format!("join failed: {e}")),
+    }
+}
+
+/// Once the buyers are done: every offer the line gets is confirmed by its buyer,
+/// until no new offer came for a second; then checks the order the line was
+/// served in, from each entry's position and state in Redis.
+async fn serve_the_line(
+    http: &HttpClient,
+    redis: &RedisServer,
+    namespace: &str,
+    drop: &str,
+    buyers: &mut [Buyer],
+) -> Result<WaitlistSummary, String> {
+    let keys = dropgate_api::DropKeys::new(namespace, drop);
+    let mut conn = redis.connection().map_err(|e| e.to_string())?;
+    let mut summary = WaitlistSummary {
+        joined: buyers.iter().filter(|b| b.waiting.is_some()).count() as u64,
+        ..WaitlistSummary::default()
+    };
+    let mut served = vec![false; buyers.len()];
+    let mut quiet = 0;
+    while quiet < 10 {
+        let mut progress = false;
+        for (n, buyer) in buyers.iter_mut().enumerate() {
+            let Some(key) = buyer.waiting.clone() else {
+                continue;
+            };
+            if served[n] {
+                continue;
+            }
+            let state: Option<String> = redis::cmd("HGET")
+                .arg(keys.waitlist_entry(&key))
+                .arg("state")
+                .query(&mut conn)
+                .map_err(|e| e.to_string())?;
+            if state.as_deref() != Some("offered") {
+                continue;
+            }
+            served[n] = true;
+            progress = true;
+            buyer.admitted += 1;
+            summary.offered += 1;
+            match http
+                .post(&format!("/v1/drops/{drop}/reservations/{key}/confirm"), "")
+                .await
+            {
+                Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += 1,
+                Ok(r) => buyer.unexpected.push(r.text),
+                Err(e) => buyer.unexpected.push(format!("confirm failed: {e}")),
+            }
+        }
+        if progress {
+            quiet = 0;
+        } else {
+            quiet += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // Per line: every served entry must be ahead of every entry still waiting.
+    let mut lines: std::collections::HashMap<String, (Vec<i64>, Vec<i64>)> =
+        std::collections::HashMap::new();
+    for buyer in buyers.iter() {
+        let Some(key) = &buyer.waiting else {
+            continue;
+        };
+        let (state, position, variant): (Option<String>, Option<i64>, Option<String>) =
+            redis::cmd("HMGET")
+                .arg(keys.waitlist_entry(key))
+                .arg("state")
+                .arg("position")
+                .arg("variant")
+                .query(&mut conn)
+                .map_err(|e| e.to_string())?;
+        let line = lines.entry(variant.unwrap_or_default()).or_default();
+        match (state.as_deref(), position) {
+            (Some("offered"), Some(p)) => line.0.push(p),
+            (Some("waiting"), Some(p)) => {
+                summary.still_waiting += 1;
+                line.1.push(p);
+            }
+            _ => {}
+        }
+    }
+    for (offered, waiting) in lines.values() {
+        let first_waiting = waiting.iter().min().copied().unwrap_or(i64::MAX);
+        summary.out_of_order += offered.iter().filter(|p| **p > first_waiting).count() as u64;
+    }
+    Ok(summary)
 }

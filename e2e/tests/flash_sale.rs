@@ -73,3 +73,27 @@ async fn buyers_checking_out_through_carts_sell_each_size_exactly_once() {
         "duplicate carts were absorbed"
     );
 }
+
+/// With a waitlist, the buyers turned away wait in line: the units that come back
+/// once the line formed go to it, served in order, and nothing is left unsold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn returned_units_go_to_the_waiting_buyers_in_order() {
+    let options = Options {
+        manifest: format!("{}/../examples/drop.yaml", env!("CARGO_MANIFEST_DIR")).into(),
+        buyers: 1000,
+        concurrency: 300,
+        waitlist: true,
+        ..Options::default()
+    };
+    let summary = run(&options).await.expect("the sale runs");
+    println!("{summary}");
+    assert_eq!(summary.violations(), Vec::<String>::new());
+    let waitlist = summary.waitlist.expect("a waitlist summary");
+    assert!(waitlist.joined > 0, "{waitlist:?}");
+    // Units come back by cancels and by throttled admissions taken back; one
+    // returned before anyone waited was anyone's, once the line formed the line's.
+    assert!(waitlist.offered > 0, "{waitlist:?}");
+    assert_eq!(waitlist.out_of_order, 0);
+    assert_eq!(summary.remaining, 0);
+    assert_eq!(summary.oversold, 0);
+}

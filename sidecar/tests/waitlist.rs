@@ -113,6 +113,32 @@ async fn units_that_come_back_go_to_the_head_of_the_line_in_order() {
     again.assert_answer(200, "already_waiting");
     assert_eq!(again.body["position"], 2);
     assert_waiting_at(&look(&sidecar, "sale", "f").await, 3);
+    // Where DropKeys says the line and its counts are.
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let in_line: Vec<String> = redis::cmd("ZRANGE")
+        .arg(keys.waitlist_line(""))
+        .arg(0)
+        .arg(-1)
+        .query(&mut conn)
+        .expect("ZRANGE");
+    assert_eq!(in_line, ["d", "e", "f"]);
+    let waiting: BTreeMap<String, i64> = redis::cmd("HGETALL")
+        .arg(keys.waitlist_users())
+        .query(&mut conn)
+        .expect("HGETALL");
+    assert_eq!(waiting.values().sum::<i64>(), 3);
+    let state: String = redis::cmd("HGET")
+        .arg(keys.waitlist_entry("d"))
+        .arg("state")
+        .query(&mut conn)
+        .expect("HGET");
+    assert_eq!(state, "waiting");
+    let counter: i64 = redis::cmd("GET")
+        .arg(keys.waitlist_counter())
+        .query(&mut conn)
+        .expect("GET");
+    assert_eq!(counter, 3);
 
     // b gives its unit back: it goes to d, the head, and nobody else gets it.
     sidecar

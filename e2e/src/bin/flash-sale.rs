@@ -26,6 +26,10 @@ struct Cli {
     /// Buyers check out through carts (`POST /v1/carts`) instead of single reserves.
     #[arg(long)]
     carts: bool,
+    /// The drop gets a waitlist: buyers turned away wait in line, and the summary
+    /// shows how many returned units went to them and whether the order held.
+    #[arg(long)]
+    waitlist: bool,
 }
 
 #[tokio::main]
@@ -37,6 +41,7 @@ async fn main() -> ExitCode {
         concurrency: cli.concurrency,
         seed: cli.seed,
         carts: cli.carts,
+        waitlist: cli.waitlist,
         ..Options::default()
     };
     match flash_sale::run(&options).await {
