@@ -24,6 +24,9 @@ pub enum Fault {
     /// The process dies (aborts, as under `kill -9`) after a cart's first line was
     /// held, before its next.
     DieMidCart,
+    /// The process dies after a waitlist join was placed in Redis, before the
+    /// ledger wrote it.
+    DieMidJoin,
 }
 
 impl Fault {
@@ -37,10 +40,11 @@ impl Fault {
             Fault::SkipLedgerOnAdmit => "skip-ledger-on-admit",
             Fault::ErrorAfterRedisCancel => "error-after-redis-cancel",
             Fault::DieMidCart => "die-mid-cart",
+            Fault::DieMidJoin => "die-mid-join",
         }
     }
 
-    const ALL: [Fault; 7] = [
+    const ALL: [Fault; 8] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -48,6 +52,7 @@ impl Fault {
         Fault::SkipLedgerOnAdmit,
         Fault::ErrorAfterRedisCancel,
         Fault::DieMidCart,
+        Fault::DieMidJoin,
     ];
 }
 

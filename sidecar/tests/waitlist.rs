@@ -558,7 +558,13 @@ async fn the_line_survives_a_redis_that_lost_its_data_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_line_waits_through_the_fallback_gate_and_keeps_its_order() {
-    let sidecar = Sidecar::start().await;
+    through_the_fallback(Sidecar::start().await).await;
+    // The same on a shared PostgreSQL ledger.
+    let postgres = dropgate_testkit::PostgresServer::start().expect("PostgreSQL");
+    through_the_fallback(Sidecar::start_with_database(Some(postgres.url())).await).await;
+}
+
+async fn through_the_fallback(sidecar: Sidecar) {
     sidecar.seed("sale", spec(2)).await;
     for buyer in ["a", "b"] {
         sidecar
@@ -603,5 +609,32 @@ async fn the_line_waits_through_the_fallback_gate_and_keeps_its_order() {
         .await
         .assert_answer(409, "sold_out");
     sidecar.assert_invariants("sale", 2);
+    sidecar.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restock_goes_to_the_line_first() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(1)).await;
+    sidecar
+        .reserve("sale", "a", "a", 1)
+        .await
+        .assert_answer(201, "admitted");
+    for buyer in ["b", "c", "d"] {
+        join(&sidecar, "sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "waiting");
+    }
+    // Two more units: the first two in line get them, the third still waits and
+    // keeps the next reserve out.
+    sidecar.seed("sale", spec(3)).await;
+    offered(&sidecar, "sale", "b").await;
+    offered(&sidecar, "sale", "c").await;
+    assert_waiting_at(&look(&sidecar, "sale", "d").await, 1);
+    sidecar
+        .reserve("sale", "late", "z", 1)
+        .await
+        .assert_answer(409, "sold_out");
+    sidecar.assert_invariants("sale", 3);
     sidecar.shutdown().await;
 }

@@ -308,6 +308,10 @@ async fn make_durable(
         position: entry.position,
         attempt,
     };
+    if crate::faults::check(crate::faults::Fault::DieMidJoin).is_err() {
+        tracing::error!(key, "injected fault: the process dies mid-join");
+        std::process::abort();
+    }
     let row = match app.ledger.join(&drop_key, join).await {
         Ok(row) => Some(row),
         // The write may have landed: the key is claimed for this attempt, so it
