@@ -157,6 +157,11 @@ impl DropKeys {
         format!("{}:wl:n", self.prefix)
     }
 
+    /// Every waitlist key of the drop, as a SCAN pattern (cleanup only).
+    pub fn waitlist_pattern(&self) -> String {
+        format!("{}:wl:*", self.prefix)
+    }
+
     /// Every fixed key of the drop, config first: deleting in this order stops
     /// sidecars from admitting before the stock disappears.
     pub fn fixed(&self) -> [String; 12] {

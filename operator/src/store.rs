@@ -228,24 +228,31 @@ const TOMBSTONE_SECONDS: u64 = 3600;
 
 /// Deletes every key of a drop. The tombstone comes first, then the config hash in
 /// its own command, so that sidecars see the drop as deleted (not as lost) before
-/// its stock disappears.
+/// its stock disappears; then the reservations' markers and the waitlist's keys.
 pub async fn remove(conn: &mut Connection, keys: &DropKeys) -> Result<()> {
     let fixed = keys.fixed();
     let _: () = conn.set_ex(keys.deleted(), "1", TOMBSTONE_SECONDS).await?;
     let _: () = conn.del(&fixed[0]).await?;
     let _: () = conn.del(&fixed[1..]).await?;
-    let pattern = keys.reservation_pattern();
+    for pattern in [keys.reservation_pattern(), keys.waitlist_pattern()] {
+        remove_matching(conn, &fixed[0], &pattern).await?;
+    }
+    Ok(())
+}
+
+/// Deletes every key matching `pattern` (all in the slot of `slot_key`).
+async fn remove_matching(conn: &mut Connection, slot_key: &str, pattern: &str) -> Result<()> {
     let mut cursor: u64 = 0;
     loop {
         let mut scan = redis::cmd("SCAN");
         scan.arg(cursor)
             .arg("MATCH")
-            .arg(&pattern)
+            .arg(pattern)
             .arg("COUNT")
             .arg(500);
         // On a cluster the drop's reservations are all on the node of its slot.
         let (next, batch): (u64, Vec<String>) =
-            redis::from_redis_value(conn.on_slot_of(&fixed[0], scan).await?)
+            redis::from_redis_value(conn.on_slot_of(slot_key, scan).await?)
                 .map_err(redis::RedisError::from)?;
         if !batch.is_empty() {
             let _: () = conn.del(batch).await?;

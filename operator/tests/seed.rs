@@ -172,6 +172,13 @@ async fn removing_a_drop_deletes_every_key() {
     let _: () = conn
         .hset(keys().reservation("k"), "state", "active")
         .expect("marker");
+    // A waitlist's line, entry, counts and counter.
+    let _: () = conn.zadd(keys().waitlist_line(""), "w", 1).expect("line");
+    let _: () = conn
+        .hset(keys().waitlist_entry("w"), "state", "waiting")
+        .expect("entry");
+    let _: () = conn.hset(keys().waitlist_users(), "u", 1).expect("users");
+    let _: () = conn.set(keys().waitlist_counter(), 1).expect("counter");
     let _: () = conn.set("unrelated", 1).expect("other key");
     let mut manager = store::connect(&redis.url(), false).await.expect("connects");
     store::remove(&mut manager, &keys()).await.expect("removes");
