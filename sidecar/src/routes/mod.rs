@@ -210,7 +210,9 @@ pub fn health_only(app: Arc<App>) -> BoxedFilter<(Response,)> {
 /// `/healthz`, `/readyz` and `/metrics`, on the API's listener and the health one.
 fn probes(app: Arc<App>) -> BoxedFilter<(Response,)> {
     let app = warp::any().map(move || app.clone());
-    let healthz = warp::get().and(warp::path!("healthz")).then(health::live);
+    // The path before the method, as every route: a POST to a path no route has
+    // is then 404, not 405 (warp answers the most specific rejection).
+    let healthz = warp::path!("healthz").and(warp::get()).then(health::live);
     let readyz = warp::path!("readyz")
         .and(warp::get())
         .and(app.clone())
