@@ -1186,3 +1186,154 @@ async fn get_eventually(
     }
     last
 }
+
+/// A line's reservation state on the cluster.
+async fn marker_state(
+    conn: &mut dropgate_redis::Connection,
+    drop: &str,
+    key: &str,
+) -> Option<String> {
+    redis::cmd("HGET")
+        .arg(DropKeys::new("shop", drop).reservation(key))
+        .arg("state")
+        .query_async(conn)
+        .await
+        .expect("HGET state")
+}
+
+/// Carts whose lines sit on three shards: 500 buyers, each with a cart of 2-3
+/// lines over three drops (one sold in four sizes) where about 100 lines can be
+/// served. Every drop and size sells at most its quantity and its counts add up,
+/// every cart answered 201 holds all its lines and every refused one none, and no
+/// buyer holds more than the per-user limit of any drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn carts_over_three_shards_never_oversell_nor_stay_partly_held() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start().expect("a local Redis Cluster");
+    let dir = tempfile::tempdir().expect("dir");
+    // One drop per shard: names tried in order until each shard has one.
+    let mut drops: Vec<String> = Vec::new();
+    let mut ports: HashSet<u16> = HashSet::new();
+    for i in 0..100 {
+        let name = format!("cart-{i}");
+        let port = cluster
+            .primary_of(&DropKeys::new("shop", &name).config())
+            .expect("a primary")
+            .port();
+        if ports.insert(port) {
+            drops.push(name);
+        }
+        if drops.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(drops.len(), 3, "three drops on three shards");
+    const SIZES: [(&str, i64); 4] = [("S", 10), ("M", 10), ("L", 10), ("XL", 10)];
+    let specs = [
+        DropSpec::new(0)
+            .variants(&SIZES)
+            .per_user_limit(2)
+            .permits(1000),
+        DropSpec::new(30).per_user_limit(2).permits(1000),
+        DropSpec::new(20).per_user_limit(2).permits(1000),
+    ];
+    for (drop, spec) in drops.iter().zip(&specs) {
+        let (ready, out) = apply(&manifest(dir.path(), drop, spec), &cluster);
+        assert!(ready, "apply on the cluster: {out}");
+    }
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = SidecarProcess::start_with(&cluster.url(), "shop", &ledger, &["--redis-cluster"])
+        .await
+        .expect("sidecar on the cluster");
+    let http = HttpClient::new(sidecar.base.clone());
+    let (sized, plain, small) = (drops[0].as_str(), drops[1].as_str(), drops[2].as_str());
+    let plans: Vec<(String, String, Vec<(String, Option<&str>)>)> = (0..500)
+        .map(|i| {
+            let size = SIZES[i % SIZES.len()].0;
+            let lines = match i % 3 {
+                0 => vec![(sized.to_string(), Some(size)), (plain.to_string(), None)],
+                1 => vec![
+                    (plain.to_string(), None),
+                    (small.to_string(), None),
+                    (sized.to_string(), Some(size)),
+                ],
+                _ => vec![(small.to_string(), None), (sized.to_string(), Some(size))],
+            };
+            (format!("c{i}"), format!("u{}", i % 200), lines)
+        })
+        .collect();
+    let answers = join_all(plans.iter().map(|(key, user, lines)| {
+        let http = http.clone();
+        async move {
+            let lines: Vec<serde_json::Value> = lines
+                .iter()
+                .map(|(drop, size)| match size {
+                    Some(size) => serde_json::json!({"drop": drop, "variant": size, "quantity": 1}),
+                    None => serde_json::json!({"drop": drop, "quantity": 1}),
+                })
+                .collect();
+            let body = serde_json::json!({"key": key, "user": user, "lines": lines});
+            http.post("/v1/carts", &body.to_string())
+                .await
+                .expect("answers")
+        }
+    }))
+    .await;
+    let mut conn = connect(&cluster.url()).await;
+    let mut reserved = 0;
+    for ((key, _, lines), reply) in plans.iter().zip(&answers) {
+        // Lines are numbered in the order of their drops' names.
+        let mut names: Vec<&str> = lines.iter().map(|(drop, _)| drop.as_str()).collect();
+        names.sort_unstable();
+        let mut states = Vec::new();
+        for (n, drop) in names.iter().enumerate() {
+            states.push(marker_state(&mut conn, drop, &format!("{key}:{}", n + 1)).await);
+        }
+        let held = |s: &Option<String>| matches!(s.as_deref(), Some("active" | "confirmed"));
+        match reply.status.as_u16() {
+            201 => {
+                reserved += 1;
+                assert!(states.iter().all(held), "{key}: 201 but {states:?}");
+            }
+            409 | 503 => assert!(
+                !states.iter().any(held),
+                "{key}: answered {} yet holds {states:?}",
+                reply.text
+            ),
+            other => panic!("{key}: unexpected {other}: {}", reply.text),
+        }
+    }
+    assert!(reserved > 0, "some carts were served");
+    for (drop, limit) in [(sized, 40), (plain, 30), (small, 20)] {
+        let (remaining, held) = stock(&mut conn, drop).await;
+        assert!(
+            (0..=limit).contains(&held),
+            "{drop}: {held} held of {limit}"
+        );
+        assert_eq!(remaining + held, limit, "{drop}'s counts add up");
+        let buyers: HashMap<String, i64> = redis::cmd("HGETALL")
+            .arg(DropKeys::new("shop", drop).buyers())
+            .query_async(&mut conn)
+            .await
+            .expect("HGETALL buyers");
+        assert_eq!(buyers.values().sum::<i64>(), held, "{drop}: buyers' counts");
+        assert!(
+            buyers.values().all(|units| *units <= 2),
+            "{drop}: a buyer past the limit: {buyers:?}"
+        );
+    }
+    let sizes: HashMap<String, i64> = redis::cmd("HGETALL")
+        .arg(DropKeys::new("shop", sized).variants())
+        .query_async(&mut conn)
+        .await
+        .expect("HGETALL variants");
+    for (size, quantity) in SIZES {
+        let (left, held) = (sizes[&format!("r:{size}")], sizes[&format!("h:{size}")]);
+        assert!(
+            (0..=quantity).contains(&held),
+            "{size}: {held} of {quantity}"
+        );
+        assert_eq!(left + held, quantity, "{size}'s counts add up");
+    }
+    drop(sidecar);
+}

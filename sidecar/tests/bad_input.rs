@@ -259,7 +259,11 @@ async fn every_bad_input_is_refused_and_changes_nothing() {
     route.assert_answer(404, "not_found");
     // A path no route has is 404 whatever the method; a known path with a method
     // it does not take is 405.
-    let route = sidecar.http.post("/v2/whatever", "{}").await.expect("answers");
+    let route = sidecar
+        .http
+        .post("/v2/whatever", "{}")
+        .await
+        .expect("answers");
     route.assert_answer(404, "not_found");
     let wrong = sidecar.http.post("/healthz", "").await.expect("answers");
     assert_eq!(wrong.status.as_u16(), 405, "{}", wrong.text);
