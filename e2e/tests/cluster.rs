@@ -1247,7 +1247,9 @@ async fn carts_over_three_shards_never_oversell_nor_stay_partly_held() {
         .expect("sidecar on the cluster");
     let http = HttpClient::new(sidecar.base.clone());
     let (sized, plain, small) = (drops[0].as_str(), drops[1].as_str(), drops[2].as_str());
-    let plans: Vec<(String, String, Vec<(String, Option<&str>)>)> = (0..500)
+    // (cart key, buyer, lines as (drop, size))
+    type Plan<'a> = (String, String, Vec<(String, Option<&'a str>)>);
+    let plans: Vec<Plan> = (0..500)
         .map(|i| {
             let size = SIZES[i % SIZES.len()].0;
             let lines = match i % 3 {
