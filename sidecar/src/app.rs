@@ -41,6 +41,10 @@ pub struct App {
     /// `--ledger-retention` (ms): how long a sale that is over, and an event every
     /// consumer group acknowledged, are kept.
     pub retention_ms: i64,
+    /// Rung when this sidecar returned units (a cancel, an expiry, an undone
+    /// admission): the waitlists' heads are offered them at once rather than at the
+    /// next sweep.
+    pub units_back: tokio::sync::Notify,
 }
 
 impl App {
@@ -80,6 +84,7 @@ impl App {
             trace_buyer_ids: settings.trace_buyer_ids,
             max_lock_names: settings.max_lock_names,
             retention_ms: i64::try_from(settings.ledger_retention.as_millis()).unwrap_or(i64::MAX),
+            units_back: tokio::sync::Notify::new(),
         })
     }
 

@@ -54,6 +54,13 @@ pub async fn run(
                 note_outbox_lag(&app).await;
             }
             _ = sweep_tick.tick() => expire_due_holds(&app).await,
+            _ = app.units_back.notified() => {
+                // A moment for the burst to land (a rush of cancels is one pass),
+                // and a bound on how often an offer that cannot be made (no permit
+                // free, its undo ringing again) is tried.
+                tokio::time::sleep(UNITS_BACK_PAUSE).await;
+                offer_units_back(&app).await;
+            }
             _ = dispatch_tick.tick() => dispatch_events(&app).await,
             _ = prune_tick.tick() => {
                 prune_lock_fences(&app).await;
@@ -66,6 +73,9 @@ pub async fn run(
         }
     }
 }
+
+/// How long the offers of returned units wait for more of them.
+const UNITS_BACK_PAUSE: Duration = Duration::from_millis(20);
 
 /// How often the ledger forgets the fences of locks long unused.
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
@@ -311,9 +321,7 @@ async fn expire_due_holds(app: &App) {
         );
         // Redis acts on its own below only once it was found in line with the
         // ledger since its last failure; the refresh rebuilds it otherwise.
-        let redis_acts = !ledger_decides
-            && config.mode == Mode::Gate
-            && crate::service::redis_in_line(app, &drop).await;
+        let redis_acts = !ledger_decides && redis_may_act(app, &drop, &config).await;
         if redis_acts {
             resolve_overdue(app, &drop, now).await;
             match gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
@@ -357,6 +365,31 @@ async fn expire_due_holds(app: &App) {
                 drop: drop.name.clone(),
             })
             .set(drop.throttle.in_use() as i64);
+    }
+}
+
+/// Whether Redis may act on its own for `drop` (the ledger not deciding it is the
+/// caller's to know): the drop is on the gate and Redis was found in line with the
+/// ledger since its last failure.
+async fn redis_may_act(app: &App, drop: &crate::drops::Drop, config: &DropConfig) -> bool {
+    config.mode == Mode::Gate && crate::service::redis_in_line(app, drop).await
+}
+
+/// Offers units this sidecar just returned to the waitlists' heads, on every drop
+/// with a waitlist that Redis decides.
+async fn offer_units_back(app: &App) {
+    for drop in app.drops.all() {
+        let config = drop.config();
+        if config.waitlist.is_none() {
+            continue;
+        }
+        let ledger_decides = matches!(
+            app.ledger.authority(&drop.ledger_key()).await,
+            Ok(Some(authority)) if authority.holder == Holder::Ledger
+        );
+        if !ledger_decides && redis_may_act(app, &drop, &config).await {
+            crate::service::waitlist::offer_due(app, &drop).await;
+        }
     }
 }
 

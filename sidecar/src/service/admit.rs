@@ -409,7 +409,10 @@ async fn undo(app: &App, drop: &Drop, key: &str, attempt: &str) -> redis::RedisR
     let mut tries = 0;
     loop {
         match gate::undo(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                app.units_back.notify_one();
+                return Ok(());
+            }
             Err(error) if tries >= 4 => return Err(error),
             Err(_) => {
                 tries += 1;

@@ -71,6 +71,7 @@ pub async fn record_expiry(app: &App, drop: &Drop, config: &DropConfig, key: &st
     };
     app.metrics.expired.inc();
     drop.throttle.release(key);
+    app.units_back.notify_one();
     let numbered = Step {
         seq: Some(expiry.seq),
         ..step.clone()

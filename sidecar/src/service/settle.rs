@@ -493,6 +493,7 @@ async fn change_on_gate(
         return Turn::Done(Ok(Outcome::Extended(done)));
     }
     drop.throttle.release(key);
+    app.units_back.notify_one();
     if to == State::Cancelled
         && crate::faults::check(crate::faults::Fault::ErrorAfterRedisCancel).is_err()
     {
