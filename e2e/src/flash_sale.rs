@@ -566,7 +566,7 @@ async fn settle(
             1
         };
         for _ in 0..times {
-            match http.post(&format!("{base}/cancel"), "").await {
+            match until_decided(http, &format!("{base}/cancel")).await {
                 Ok(r) if r.outcome() == "cancelled" => buyer.cancelled += units,
                 Ok(r) if r.outcome() == "already_cancelled" => {
                     buyer.duplicate_cancels_absorbed += 1
@@ -576,12 +576,27 @@ async fn settle(
             }
         }
     } else {
-        match http.post(&format!("{base}/confirm"), "").await {
+        match until_decided(http, &format!("{base}/confirm")).await {
             Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += units,
             Ok(r) => buyer.unexpected.push(r.text),
             Err(e) => buyer.unexpected.push(format!("confirm failed: {e}")),
         }
     }
+}
+
+/// Posts a confirm or cancel again while it answers 503 (which changed nothing and
+/// says retry: the ledger was slow or busy), as a shop's checkout does, a few
+/// times within the hold.
+async fn until_decided(http: &HttpClient, path: &str) -> Result<Reply, String> {
+    let mut reply = http.post(path, "").await.map_err(|e| e.to_string())?;
+    for _ in 0..20 {
+        if reply.status.as_u16() != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        reply = http.post(path, "").await.map_err(|e| e.to_string())?;
+    }
+    Ok(reply)
 }
 
 /// A buyer turned away joins the drop's line (the reserve's body under a key of
@@ -642,9 +657,11 @@ async fn serve_the_line(
             progress = true;
             buyer.admitted += 1;
             summary.offered += 1;
-            match http
-                .post(&format!("/v1/drops/{drop}/reservations/{key}/confirm"), "")
-                .await
+            match until_decided(
+                http,
+                &format!("/v1/drops/{drop}/reservations/{key}/confirm"),
+            )
+            .await
             {
                 Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += 1,
                 Ok(r) => buyer.unexpected.push(r.text),

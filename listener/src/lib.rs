@@ -10,7 +10,9 @@
 //!   listener makes room for a new connection by closing the one that has waited
 //!   longest for a request (a silent client, a trickling head or body, an idle
 //!   kept-alive connection), once it has waited a second; until then, and while
-//!   every connection is being answered, the new one waits to be accepted.
+//!   every connection is being answered, new ones wait: the first few hundred
+//!   accepted, each slot going to the address that holds the fewest (a probe is
+//!   not queued behind an attacker's reconnects), the rest in the kernel's queue.
 //! - **Time**: the handshake (TLS, for the webhook) and each request head get
 //!   [`Limits::head_timeout`]; the same timer runs while a kept-alive connection
 //!   waits for its next request, so it is also the idle timeout. A body must arrive
@@ -65,13 +67,12 @@ pub struct Limits {
     /// (probes, scrapes), never for the API or the webhook, whose callers reuse
     /// their connections (past `head_timeout` idle, they are closed anyway).
     pub evict_idle: bool,
-    /// How many new connections the kernel queues while every slot is taken (a full
-    /// listener stops accepting). The sidecar's API: 4096, for a burst of the app's
-    /// own new connections (one per waiting buyer; past the queue, handshakes are
-    /// dropped and on loopback some come back as resets). Ports whose callers are
-    /// few (probes, scrapes, the API server calling the webhook): 1024, since a
-    /// queue full of an attacker's silent connections is served one eviction at a
-    /// time, ahead of the legitimate caller.
+    /// How many new connections the kernel queues while every slot is taken and the
+    /// process's own queue of accepted ones (a few hundred, served fairest first)
+    /// is full. The sidecar's API: 4096, for a burst of the app's own new
+    /// connections (one per waiting buyer; past the queue, handshakes are dropped
+    /// and on loopback some come back as resets). Ports whose callers are few
+    /// (probes, scrapes, the API server calling the webhook): 1024.
     pub accept_queue: u32,
     /// How long a connection that has not sent a request yet must have waited before
     /// a full listener may close it: long for the API, whose client may be slow to
@@ -123,48 +124,13 @@ pub async fn serve<H, Fut, B, A, AFut, IO>(
     let (stop, stopping) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut next_id: u64 = 0;
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of file descriptors, say: wait instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let Some(peer_slot) = peers.enter(peer.ip(), limits.max_per_peer) else {
-            tracing::debug!(%peer, "connection refused: this address holds its share of connections");
-            continue;
-        };
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => {
-                // Full: wait for a slot, making room meanwhile by closing a
-                // connection that has waited long for a request (not one a client
-                // is about to reuse).
-                let mut room = tokio::time::interval(EVICT_EVERY);
-                let slot = loop {
-                    tokio::select! {
-                        slot = slots.clone().acquire_owned() => break slot.ok(),
-                        _ = room.tick() => {
-                            if waiting.evict_oldest(&limits) {
-                                tracing::debug!(%peer, "listener full: closed the connection that waited longest for a request");
-                            }
-                        }
-                        () = &mut shutdown => break None,
-                    }
-                };
-                match slot {
-                    Some(slot) => slot,
-                    None => break,
-                }
-            }
-        };
+    let mut start = |arrival: Arrival, slot: tokio::sync::OwnedSemaphorePermit| {
         next_id += 1;
+        let Arrival {
+            stream,
+            peer,
+            peer_slot,
+        } = arrival;
         let connection = Connection {
             limits,
             handler: handler.clone(),
@@ -202,6 +168,61 @@ pub async fn serve<H, Fut, B, A, AFut, IO>(
             };
             connection.run(io, stopping).await;
         });
+    };
+    let mut lobby = Lobby::default();
+    let mut room = tokio::time::interval(EVICT_EVERY);
+    room.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        // Slots freed go to the lobby first, the least represented address first.
+        while !lobby.0.is_empty() {
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                break;
+            };
+            if let Some(arrival) = lobby.fairest(&peers) {
+                start(arrival, slot);
+            }
+        }
+        tokio::select! {
+            accepted = listener.accept(), if lobby.has_room() => {
+                let (stream, peer) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        // Out of file descriptors, say: wait instead of spinning.
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let Some(peer_slot) = peers.enter(peer.ip(), limits.max_per_peer) else {
+                    tracing::debug!(%peer, "connection refused: this address holds its share of connections");
+                    continue;
+                };
+                let arrival = Arrival { stream, peer, peer_slot };
+                if lobby.0.is_empty()
+                    && let Ok(slot) = slots.clone().try_acquire_owned()
+                {
+                    start(arrival, slot);
+                    continue;
+                }
+                lobby.0.push_back(arrival);
+                if lobby.0.len() > LOBBY {
+                    lobby.close_most_crowded(&peers);
+                }
+            }
+            slot = slots.clone().acquire_owned(), if !lobby.0.is_empty() => {
+                if let (Ok(slot), Some(arrival)) = (slot, lobby.fairest(&peers)) {
+                    start(arrival, slot);
+                }
+            }
+            // Full, and someone waits: room is made by closing the connection that
+            // has waited longest for a request (not one a client is about to reuse).
+            _ = room.tick(), if !lobby.0.is_empty() => {
+                if waiting.evict_oldest(&limits) {
+                    tracing::debug!("listener full: closed the connection that waited longest for a request");
+                }
+            }
+            () = &mut shutdown => break,
+        }
     }
     let _ = stop.send(true);
     // Every connection holds a slot: all slots back means all connections ended.
@@ -259,6 +280,12 @@ struct PeerSlot {
 }
 
 impl Peers {
+    /// The connections `ip` holds, served or waiting.
+    fn held(&self, ip: IpAddr) -> usize {
+        let held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(&ip).copied().unwrap_or(0)
+    }
+
     fn enter(&self, ip: IpAddr, max: usize) -> Option<PeerSlot> {
         let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let count = held.entry(ip).or_insert(0);
@@ -281,6 +308,57 @@ impl Drop for PeerSlot {
             if *count == 0 {
                 held.remove(&self.ip);
             }
+        }
+    }
+}
+
+/// Connections accepted while the listener is full: at most this many wait for a
+/// slot in the process rather than in the kernel's queue, which serves first come
+/// first: an attacker reconnecting thousands of times would keep a probe's handshake
+/// out of it. Here the next slot goes to the address holding the fewest
+/// connections.
+const LOBBY: usize = 256;
+
+/// A connection accepted, not yet served.
+struct Arrival {
+    stream: TcpStream,
+    peer: SocketAddr,
+    peer_slot: PeerSlot,
+}
+
+/// The connections waiting for a slot, oldest first.
+#[derive(Default)]
+struct Lobby(std::collections::VecDeque<Arrival>);
+
+impl Lobby {
+    /// Whether another connection may be accepted: room, or other addresses to be
+    /// fair to (a full lobby then closes the newest connection of the address that
+    /// holds the most). A lobby full of one address's connections (the app on the
+    /// pod's loopback, on the API port) stops accepting: the kernel queues the rest.
+    fn has_room(&self) -> bool {
+        self.0.len() < LOBBY || self.0.iter().any(|a| a.peer.ip() != self.0[0].peer.ip())
+    }
+
+    /// Takes the connection of the address holding the fewest (the oldest of those).
+    fn fairest(&mut self, peers: &Peers) -> Option<Arrival> {
+        let (at, _) = self
+            .0
+            .iter()
+            .enumerate()
+            .min_by_key(|(at, a)| (peers.held(a.peer.ip()), *at))?;
+        self.0.remove(at)
+    }
+
+    /// Closes the newest connection of the address holding the most.
+    fn close_most_crowded(&mut self, peers: &Peers) {
+        let most = self
+            .0
+            .iter()
+            .enumerate()
+            .max_by_key(|(at, a)| (peers.held(a.peer.ip()), *at))
+            .map(|(at, _)| at);
+        if let Some(closed) = most.and_then(|at| self.0.remove(at)) {
+            tracing::debug!(peer = %closed.peer, "listener full: closed a new connection of the address holding the most");
         }
     }
 }

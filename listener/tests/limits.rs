@@ -229,6 +229,62 @@ async fn a_full_listener_closes_the_connection_that_waited_longest_for_a_request
     );
 }
 
+/// Silent connections from `from`, reconnecting whenever closed, until `stop`.
+async fn flood(from: [u8; 4], to: SocketAddr, stop: CancellationToken) {
+    while !stop.is_cancelled() {
+        let socket = TcpSocket::new_v4().expect("socket");
+        if socket.bind(SocketAddr::from((from, 0))).is_err() {
+            return;
+        }
+        let connected = tokio::select! {
+            connected = socket.connect(to) => connected,
+            () = stop.cancelled() => return,
+        };
+        match connected {
+            Ok(mut stream) => {
+                tokio::select! {
+                    _ = closed_by_server(&mut stream) => {}
+                    () = stop.cancelled() => return,
+                }
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_address_is_served_ahead_of_a_flood_of_reconnects() {
+    let limits = Limits {
+        head_timeout: Duration::from_secs(120),
+        accept_queue: 8,
+        ..LIMITS
+    };
+    let server = start(limits).await;
+    let stop = CancellationToken::new();
+    // 120 addresses, each holding its share and reconnecting the moment it is
+    // closed: far more than the slots, the process's queue and the kernel's.
+    let mut attackers = Vec::new();
+    for address in 0..120u8 {
+        for _ in 0..LIMITS.max_per_peer {
+            let from = [127, 0, 1, 1 + address];
+            attackers.push(tokio::spawn(flood(from, server.addr, stop.clone())));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The kubelet's probe, from an address holding nothing: served next.
+    let answer = tokio::time::timeout(EVENTUALLY, get([127, 0, 0, 1], server.addr))
+        .await
+        .unwrap_or_default();
+    stop.cancel();
+    for attacker in attackers {
+        let _ = attacker.await;
+    }
+    assert!(
+        answer.contains("ok 0"),
+        "the probe was not served: {answer:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_request_in_flight_is_never_cut_off_to_make_room() {
     // A slow handler holds its connection inside a request while others knock.

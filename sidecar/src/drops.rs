@@ -110,6 +110,10 @@ pub enum LookupError {
 pub struct Drops {
     namespace: String,
     known: RwLock<HashMap<String, Arc<Drop>>>,
+    /// The ledger keys of sales a refresh found over (the drop deleted, or its
+    /// config naming a new sale), whichever path refreshed: the background task
+    /// notes them in the ledger (see [`Drops::take_over`]).
+    over: std::sync::Mutex<Vec<String>>,
 }
 
 impl Drops {
@@ -117,6 +121,7 @@ impl Drops {
         Self {
             namespace: namespace.to_string(),
             known: RwLock::new(HashMap::new()),
+            over: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -175,11 +180,17 @@ impl Drops {
         let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
         match DropConfig::from_fields(&fields)? {
             None => {
-                known.remove(name);
+                if let Some(gone) = known.remove(name) {
+                    self.note_over(gone.ledger_key());
+                }
                 Ok(None)
             }
             Some(config) => {
                 if let Some(existing) = known.get(name) {
+                    let before = existing.config().sale;
+                    if config.sale != before {
+                        self.note_over(existing.ledger_key_of(&before));
+                    }
                     existing.update(config);
                     return Ok(Some(existing.clone()));
                 }
@@ -202,6 +213,26 @@ impl Drops {
         let keys = DropKeys::new(&self.namespace, name);
         let fields: HashMap<String, String> = conn.hgetall(keys.config()).await?;
         Ok(DropConfig::from_fields(&fields)?)
+    }
+
+    /// The sales found over since the last call (see [`Drops::give_back_over`]).
+    pub fn take_over(&self) -> Vec<String> {
+        std::mem::take(&mut *self.over.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Puts back sales whose end could not be noted, for the next round.
+    pub fn give_back_over(&self, sales: Vec<String>) {
+        self.over
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(sales);
+    }
+
+    fn note_over(&self, ledger_key: String) {
+        self.over
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ledger_key);
     }
 
     /// Every known drop.

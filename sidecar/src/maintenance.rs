@@ -183,19 +183,13 @@ async fn refresh_configs(app: &App) {
         let sale_before = drop.ledger_key();
         let refreshed = app.drops.refresh(&mut conn, &drop.name).await;
         // Redis says the sale is over: the drop deleted (the refresh forgot it on
-        // the deletion tombstone) or its config naming a new sale.
+        // the deletion tombstone) or its config naming a new sale; noted below
+        // with those any other refresh found.
         let over = match &refreshed {
             Ok(None) => true,
             Ok(Some(now)) => now.ledger_key() != sale_before,
             Err(_) => false,
         };
-        if over
-            && let Err(error) =
-                crate::ledger::retention::note_ended(app.ledger.pool(), &sale_before, now_ms())
-                    .await
-        {
-            tracing::warn!(drop = %drop.name, %error, "a sale's end not noted: its rows stay past the retention");
-        }
         if let Err(error) = refreshed {
             tracing::debug!(drop = %drop.name, %error, "config refresh failed");
             if let (true, crate::drops::LookupError::Unavailable(unreachable)) =
@@ -228,9 +222,26 @@ async fn refresh_configs(app: &App) {
         };
         let _ = checked;
     }
+    note_sales_over(app).await;
     if reached {
         note_drops(app, &drops).await;
     }
+}
+
+/// Notes in the ledger the sales a refresh found over, whichever path refreshed
+/// (a request or a gate opening may see the deletion before this task does); a
+/// note that fails is tried again next round.
+async fn note_sales_over(app: &App) {
+    let mut failed = Vec::new();
+    for sale in app.drops.take_over() {
+        if let Err(error) =
+            crate::ledger::retention::note_ended(app.ledger.pool(), &sale, now_ms()).await
+        {
+            tracing::warn!(%sale, %error, "a sale's end not noted yet: tried again next round");
+            failed.push(sale);
+        }
+    }
+    app.drops.give_back_over(failed);
 }
 
 /// The drops' modes and what they have left, for `/metrics`: Redis's count (all
