@@ -69,6 +69,7 @@ struct Buyer {
     cancelled: u64,
     sold_out: u64,
     throttled: u64,
+    unavailable: u64,
     retries_absorbed: u64,
     duplicate_cancels_absorbed: u64,
     unexpected: Vec<String>,
@@ -86,6 +87,9 @@ pub struct Summary {
     pub cancelled: u64,
     pub sold_out: u64,
     pub throttled: u64,
+    /// Reserves answered 503 because the ledger was busy, then tried again with
+    /// the same key (what the answer asks).
+    pub unavailable: u64,
     pub retries_absorbed: u64,
     pub duplicate_cancels_absorbed: u64,
     pub unexpected: Vec<String>,
@@ -212,6 +216,7 @@ impl fmt::Display for Summary {
         writeln!(f, "    cancelled (returned)     {:>8}", self.cancelled)?;
         writeln!(f, "  sold out                   {:>8}", self.sold_out)?;
         writeln!(f, "  throttled (then retried)   {:>8}", self.throttled)?;
+        writeln!(f, "  unavailable (then retried) {:>8}", self.unavailable)?;
         writeln!(
             f,
             "  retries absorbed           {:>8}",
@@ -351,6 +356,7 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
         cancelled: 0,
         sold_out: 0,
         throttled: 0,
+        unavailable: 0,
         retries_absorbed: 0,
         duplicate_cancels_absorbed: 0,
         unexpected: Vec::new(),
@@ -397,6 +403,7 @@ pub async fn run(options: &Options) -> Result<Summary, String> {
         summary.cancelled += buyer.cancelled;
         summary.sold_out += buyer.sold_out;
         summary.throttled += buyer.throttled;
+        summary.unavailable += buyer.unavailable;
         summary.retries_absorbed += buyer.retries_absorbed;
         summary.duplicate_cancels_absorbed += buyer.duplicate_cancels_absorbed;
         summary.unexpected.extend(buyer.unexpected);
@@ -506,6 +513,7 @@ async fn buy(
         };
         let mut admitted = false;
         let mut throttled = false;
+        let mut busy = false;
         for reply in &replies {
             match (reply.status.as_u16(), reply.outcome()) {
                 (201, "admitted" | "reserved") => admitted = true,
@@ -515,6 +523,16 @@ async fn buy(
                 }
                 (409, "sold_out" | "short") => buyer.sold_out += 1,
                 (503, "throttled") => throttled = true,
+                // The ledger was busy: nothing changed, the same key is tried
+                // again.
+                (503, "unavailable") => {
+                    buyer.unavailable += 1;
+                    busy = true;
+                }
+                // A cart that held lines before a 503 gave them back and spent
+                // its key: its retry learns nothing is held, and the buyer is
+                // turned away.
+                (409, "cancelled" | "refused") if buyer.unavailable > 0 => buyer.sold_out += 1,
                 _ => buyer.unexpected.push(reply.text.clone()),
             }
         }
@@ -528,13 +546,13 @@ async fn buy(
             settle(&mut buyer, &mut rng, http, options, &base, units).await;
             return buyer;
         }
-        if !throttled {
+        if !throttled && !busy {
             if options.waitlist && !options.carts && buyer.sold_out > 0 {
                 join_the_line(&mut buyer, http, drop, i).await;
             }
             return buyer;
         }
-        buyer.throttled += 1;
+        buyer.throttled += u64::from(throttled);
         let wait = replies
             .iter()
             .find_map(|r| {
