@@ -312,6 +312,97 @@ async fn an_all_cart_with_a_short_line_holds_nothing_and_an_available_one_holds_
     sidecar.shutdown().await;
 }
 
+/// Whether the ledger holds a reservation under `key` in any drop.
+async fn in_ledger(sidecar: &Sidecar, key: &str) -> bool {
+    use sqlx::Row;
+    let ledger = common::ledger_of(sidecar).await;
+    let rows = sqlx::query("SELECT COUNT(*) FROM reservations WHERE res_key = $1")
+        .bind(key)
+        .fetch_one(ledger.pool())
+        .await
+        .expect("query")
+        .get::<i64, _>(0);
+    rows > 0
+}
+
+#[tokio::test]
+async fn a_carts_lines_on_one_drop_are_decided_in_one_step() {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, false).await;
+    // Size XL sells out to others.
+    for (key, user, quantity) in [("x1", "o1", 2), ("x2", "o2", 1)] {
+        let body = json!({"key": key, "user": user, "quantity": quantity, "variant": "XL"});
+        sidecar
+            .http
+            .post("/v1/drops/shoe/reservations", &body.to_string())
+            .await
+            .expect("answers")
+            .assert_answer(201, "admitted");
+    }
+
+    // `all`: size S fits, XL does not. Decided in one step, S is never held: no
+    // marker, no ledger row, no event (held and given back, it would have all
+    // three, and buyers of S would have heard sold out meanwhile).
+    let lines_asked = [("shoe", Some("S"), 1), ("shoe", Some("XL"), 1)];
+    let refused = post_cart(&sidecar, &cart("one", "bob", &lines_asked, None)).await;
+    refused.assert_answer(409, "short");
+    assert_eq!(short(&refused), ["shoe/XL: sold_out"], "{}", refused.text);
+    assert_eq!(marker_state(&sidecar.redis, "shoe", "one:1"), None);
+    assert!(
+        !in_ledger(&sidecar, "one:1").await,
+        "a withdrawn line left a ledger row"
+    );
+    assert_eq!(left(&sidecar, "shoe", Some("S")).await, 4);
+
+    // Lines in sizes within one drop count toward the per-user limit together,
+    // in the same step: three sizes for a limit of two is short, nothing held.
+    let three = [
+        ("shoe", Some("S"), 1),
+        ("shoe", Some("M"), 1),
+        ("shoe", Some("L"), 1),
+    ];
+    let over = post_cart(&sidecar, &cart("three", "cid", &three, None)).await;
+    over.assert_answer(409, "short");
+    assert_eq!(
+        short(&over),
+        ["shoe/S: per_user_limit_exceeded"],
+        "{}",
+        over.text
+    );
+    for n in 1..=3 {
+        assert_eq!(
+            marker_state(&sidecar.redis, "shoe", &format!("three:{n}")),
+            None
+        );
+        assert!(!in_ledger(&sidecar, &format!("three:{n}")).await);
+    }
+
+    // `available`: the sizes that fit are held, in the same step (the third size
+    // is over the buyer's limit once the first two are counted).
+    let asked = [
+        ("shoe", Some("S"), 1),
+        ("shoe", Some("XL"), 1),
+        ("shoe", Some("M"), 1),
+    ];
+    let partial = post_cart(&sidecar, &cart("two", "dee", &asked, Some("available"))).await;
+    partial.assert_answer(201, "reserved");
+    assert_eq!(
+        lines(&partial),
+        ["shoe/M x1: active", "shoe/S x1: active"],
+        "{}",
+        partial.text
+    );
+    assert_eq!(short(&partial), ["shoe/XL: per_user_limit_exceeded"]);
+    // Its retry is the same cart.
+    post_cart(&sidecar, &cart("two", "dee", &asked, Some("available")))
+        .await
+        .assert_answer(200, "already_reserved");
+    assert_eq!(left(&sidecar, "shoe", Some("S")).await, 3);
+    assert_eq!(left(&sidecar, "shoe", Some("M")).await, 5);
+    sidecar.assert_invariants("shoe", 18);
+    sidecar.shutdown().await;
+}
+
 #[tokio::test]
 async fn the_per_user_limit_counts_across_carts_and_single_reserves() {
     let sidecar = Sidecar::start().await;

@@ -232,9 +232,16 @@ impl Sender {
             return;
         }
         let requests: Vec<Request> = jobs.iter().map(|job| job.request.clone()).collect();
-        let answered = run_batch(self.batch, &mut self.conn, &self.keys, &ledger, &requests)
-            .instrument(parent)
-            .await;
+        let answered = run_batch(
+            self.batch,
+            &mut self.conn,
+            &self.keys,
+            &ledger,
+            &requests,
+            &[],
+        )
+        .instrument(parent)
+        .await;
         match answered {
             Ok(wires) => {
                 for (job, wire) in jobs.into_iter().zip(wires) {

@@ -43,21 +43,26 @@ macro_rules! gate_script {
 /// `batch.lua` runs once per request.
 macro_rules! batch_script {
     ($name:literal) => {
+        batch_script!($name, "batch", concat!("EVALSHA ", $name))
+    };
+    ($name:literal, $driver:literal, $span:expr) => {
         LazyLock::new(|| GateScript {
             script: Script::new(concat!(
                 include_str!("prelude.lua"),
                 "local function one(KEYS, ARGV)\nbegin(KEYS, ARGV)\n",
                 include_str!(concat!($name, ".lua")),
                 "\nend\n",
-                include_str!("batch.lua")
+                include_str!(concat!($driver, ".lua"))
             )),
-            span: concat!("EVALSHA ", $name),
+            span: $span,
         })
     };
 }
 
 static RESERVE: LazyLock<GateScript> = gate_script!("reserve");
 static RESERVES: LazyLock<GateScript> = batch_script!("reserve");
+/// A cart's lines on one drop, in one atomic step (see cart.lua).
+static CART: LazyLock<GateScript> = batch_script!("reserve", "cart", "EVALSHA cart");
 static CONFIRM: LazyLock<GateScript> = gate_script!("confirm");
 static CANCEL: LazyLock<GateScript> = gate_script!("cancel");
 static EXTEND: LazyLock<GateScript> = gate_script!("extend");
@@ -176,6 +181,7 @@ async fn run_batch(
     keys: &DropKeys,
     ledger: &str,
     requests: &[Request],
+    trailing: &[&str],
 ) -> RedisResult<Vec<RedisResult<Wire>>> {
     let mut invocation = script.script.key(keys.config());
     invocation
@@ -197,6 +203,9 @@ async fn run_batch(
         for arg in &request.args {
             invocation.arg(arg);
         }
+    }
+    for arg in trailing {
+        invocation.arg(*arg);
     }
     let span = client_span(script, requests.len());
     let called: RedisResult<Vec<String>> =
@@ -306,10 +315,37 @@ pub async fn reserve_batch(
     requests: &[ReserveRequest],
 ) -> RedisResult<Vec<RedisResult<Reply>>> {
     let requests: Vec<Request> = requests.iter().map(ReserveRequest::request).collect();
-    Ok(run_batch(&RESERVES, conn, keys, ledger, &requests)
+    Ok(run_batch(&RESERVES, conn, keys, ledger, &requests, &[])
         .await?
         .into_iter()
         .map(|wire| wire?.reply(Call::Reserve))
+        .collect())
+}
+
+/// The lines of one cart on one drop, reserved in one atomic step (cart.lua): each
+/// decided in the order given exactly as [`reserve`] would, and with `all`, when
+/// one of them is refused, those this call admitted are taken back and answered
+/// `None` (withdrawn). One answer per line.
+pub async fn reserve_cart(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    lines: &[ReserveRequest],
+    all: bool,
+) -> RedisResult<Vec<RedisResult<Option<Reply>>>> {
+    let requests: Vec<Request> = lines.iter().map(ReserveRequest::request).collect();
+    let mode = if all { "all" } else { "available" };
+    Ok(run_batch(&CART, conn, keys, ledger, &requests, &[mode])
+        .await?
+        .into_iter()
+        .map(|wire| {
+            let wire = wire?;
+            if wire.withdrawn() {
+                Ok(None)
+            } else {
+                wire.reply(Call::Reserve).map(Some)
+            }
+        })
         .collect())
 }
 
@@ -327,7 +363,7 @@ pub async fn activate_batch(
             args: vec![attempt.clone()],
         })
         .collect();
-    Ok(run_batch(&ACTIVATES, conn, keys, ledger, &requests)
+    Ok(run_batch(&ACTIVATES, conn, keys, ledger, &requests, &[])
         .await?
         .into_iter()
         .map(|wire| wire?.activation())

@@ -187,6 +187,12 @@ fn int(s: &str) -> Option<i64> {
 
 impl Wire {
     /// A script's answer: its fifteen fields, one line each (see prelude.lua).
+    /// A cart's line that cart.lua admitted and took back because another of the
+    /// cart's lines on the drop was refused.
+    pub(super) fn withdrawn(&self) -> bool {
+        self.outcome == "withdrawn"
+    }
+
     pub(super) fn parse(text: String) -> RedisResult<Self> {
         let parts: Vec<String> = text.split('\n').map(str::to_string).collect();
         let [

@@ -37,38 +37,161 @@ pub(super) async fn on_gate(
     request: &Reserve,
     offer: bool,
 ) -> Turn<Outcome> {
-    let mut conn = app.redis.clone();
-    let attempt = format!("{:016x}", rand::random::<u64>());
-    let permit_wait = Duration::from_millis(config.acquire_timeout_ms);
-    // A duplicate of this key still in flight is asked again for its permit wait
-    // (and some slack) rather than promise a unit that may be undone; one that is
-    // still pending then (its commit is slow) answers throttled, and the buyer's
-    // retry asks again.
-    let settle_by = Instant::now() + permit_wait + IN_FLIGHT_GRACE;
+    let attempt = new_attempt();
+    let settle_by = settle_by(config);
     // A duplicate of a key this sidecar is admitting waits for that attempt in the
     // process rather than ask Redis over and over (see crate::in_flight).
-    let terms = format!(
+    let _admitting = drop
+        .in_flight
+        .admit(&request.key, &terms(request), settle_by)
+        .await;
+    let admission = admission(config, request, &attempt, offer);
+    let reply = match asked(app, drop, config, request, &admission, settle_by).await {
+        Ok(reply) => reply,
+        Err(turn) => return turn,
+    };
+    after_gate(app, drop, config, request, &attempt, offer, reply).await
+}
+
+/// A new admission's id.
+fn new_attempt() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// Until when a duplicate of a key still in flight is asked again: its permit wait
+/// and some slack, rather than promise a unit that may be undone; one that is still
+/// pending then (its commit is slow) answers throttled, and the buyer's retry asks
+/// again.
+fn settle_by(config: &DropConfig) -> Instant {
+    Instant::now() + Duration::from_millis(config.acquire_timeout_ms) + IN_FLIGHT_GRACE
+}
+
+/// What makes two reserves of one key the same request (see crate::in_flight).
+fn terms(request: &Reserve) -> String {
+    format!(
         "{}\n{}\n{}",
         request.user,
         request.quantity,
         request.variant.as_deref().unwrap_or("")
-    );
-    let _admitting = drop.in_flight.admit(&request.key, &terms, settle_by).await;
-    let mut backoff = Backoff::new();
-    let mut tried_resolving = false;
-    let admission = gate::ReserveRequest {
+    )
+}
+
+fn admission(
+    config: &DropConfig,
+    request: &Reserve,
+    attempt: &str,
+    offer: bool,
+) -> gate::ReserveRequest {
+    gate::ReserveRequest {
         key: request.key.clone(),
         user: request.user.clone(),
         quantity: request.quantity,
         variant: request.variant.clone(),
-        attempt: attempt.clone(),
+        attempt: attempt.to_string(),
         pending_bound_ms: pending_bound_ms(config),
         offer,
-    };
-    let reply = loop {
-        let reply = match drop.gate.reserve(&conn, app.ledger.id(), &admission).await {
+    }
+}
+
+/// How a line of a cart came out when its drop's lines were decided together on
+/// the gate (see [`lines_on_gate`]).
+pub(super) enum Lined {
+    Done(Result<Outcome, Failure>),
+    /// Admitted and taken back in the same step: another of the cart's lines on
+    /// the drop was refused (mode `all`). Nothing of it is held.
+    Withdrawn,
+    /// Not decided with the others (the drop is not on the gate now, Redis failed,
+    /// or an earlier attempt at the line's key is unresolved): to be reserved on
+    /// its own, as any reserve is.
+    Alone,
+}
+
+/// The lines `requests` of one cart, all on `drop`, decided in one atomic step of
+/// the gate (see gate::reserve_cart), then each made durable and activated as
+/// [`on_gate`] does. With `all`, when one is refused, none of them is admitted.
+pub(super) async fn lines_on_gate(
+    app: &App,
+    drop: &Drop,
+    requests: &[Reserve],
+    all: bool,
+) -> Vec<Lined> {
+    let alone = || requests.iter().map(|_| Lined::Alone).collect();
+    let config = drop.config();
+    if !matches!(super::choose(app, drop, &config), Choice::Gate)
+        || super::checked::<Outcome>(app, drop, &config)
+            .await
+            .is_some()
+    {
+        return alone();
+    }
+    let settle_by = settle_by(&config);
+    let attempts: Vec<String> = requests.iter().map(|_| new_attempt()).collect();
+    let mut admitting = Vec::with_capacity(requests.len());
+    for request in requests {
+        admitting.push(
+            drop.in_flight
+                .admit(&request.key, &terms(request), settle_by)
+                .await,
+        );
+    }
+    let admissions: Vec<gate::ReserveRequest> = requests
+        .iter()
+        .zip(&attempts)
+        .map(|(request, attempt)| admission(&config, request, attempt, false))
+        .collect();
+    let mut conn = app.redis.clone();
+    let replies =
+        match gate::reserve_cart(&mut conn, &drop.keys, app.ledger.id(), &admissions, all).await {
+            Ok(replies) => replies,
+            // Each line then asks on its own, and hears Redis's failure there.
+            Err(_) => return alone(),
+        };
+    app.breaker(Some(drop)).answered();
+    let config = &config;
+    let lines = requests
+        .iter()
+        .zip(attempts)
+        .zip(replies)
+        .zip(admitting)
+        .map(|(((request, attempt), reply), admitting)| async move {
+            let lined = match reply {
+                Ok(None) => Lined::Withdrawn,
+                Ok(Some(reply)) if matches!(reply.outcome, Outcome::Pending | Outcome::Overdue) => {
+                    Lined::Alone
+                }
+                Ok(Some(reply)) => {
+                    match after_gate(app, drop, config, request, &attempt, false, reply).await {
+                        Turn::Done(done) => Lined::Done(done),
+                        // Nothing was admitted (the gate is closed or not the
+                        // drop's): decided on its own.
+                        _ => Lined::Alone,
+                    }
+                }
+                Err(_) => Lined::Alone,
+            };
+            std::mem::drop(admitting);
+            lined
+        });
+    futures::future::join_all(lines).await
+}
+
+/// Asks the gate for `admission` until its answer is not about another attempt
+/// still in flight (or `settle_by` passes). `Err`: the turn is over.
+async fn asked(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    request: &Reserve,
+    admission: &gate::ReserveRequest,
+    settle_by: Instant,
+) -> Result<gate::Reply, Turn<Outcome>> {
+    let mut conn = app.redis.clone();
+    let mut backoff = Backoff::new();
+    let mut tried_resolving = false;
+    loop {
+        let reply = match drop.gate.reserve(&conn, app.ledger.id(), admission).await {
             Ok(reply) => reply,
-            Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
+            Err(e) => return Err(Turn::Reroute(redis_failed(app, drop, config, &e))),
         };
         app.breaker(Some(drop)).answered();
         if reply.outcome == Outcome::Overdue && Instant::now() < settle_by {
@@ -81,14 +204,14 @@ pub(super) async fn on_gate(
             }
             tried_resolving = true;
             if let Err(why) = resolve_key(app, drop, &mut conn, &request.key).await {
-                return Turn::Done(Err(Failure::retry(format!(
+                return Err(Turn::Done(Err(Failure::retry(format!(
                     "an earlier attempt with this key is unresolved and could not be resolved now ({why}): nothing was reserved; retry the same key"
-                ))));
+                )))));
             }
             continue;
         }
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
-            break reply;
+            return Ok(reply);
         }
         tracing::debug!(
             drop = %drop.name,
@@ -96,7 +219,23 @@ pub(super) async fn on_gate(
             "waiting for another attempt's pending admission of this key to be activated or undone"
         );
         backoff.wait(settle_by).await;
-    };
+    }
+}
+
+/// An attempt at the gate once the gate has answered: refused, or admitted
+/// pending and then made durable and activated (or taken back).
+async fn after_gate(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    request: &Reserve,
+    attempt: &str,
+    offer: bool,
+    reply: gate::Reply,
+) -> Turn<Outcome> {
+    let mut conn = app.redis.clone();
+    let attempt = attempt.to_string();
+    let permit_wait = Duration::from_millis(config.acquire_timeout_ms);
     // The admission's answer is due by the end of its pending bound: its commit
     // may not begin later (a sweeper resolves the key by then, and its claim of the
     // key in the ledger refuses a commit of this attempt still in flight).

@@ -29,7 +29,7 @@ use crate::ledger::LedgerError;
 use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
 use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
 
-use super::{Failure, Served, Throttled, pending_bound_ms};
+use super::{Failure, Served, Throttled, admit, pending_bound_ms};
 
 /// Why a line of a cart was not held.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -354,9 +354,8 @@ async fn hold(
     let mut short: Vec<ShortLine> = Vec::new();
     let mut stopped: Option<Stop> = None;
     let permits = Prepaid::take(app, cart, mine).await;
-    for (i, line) in cart.lines.iter().enumerate() {
-        let n = i + 1;
-        if i > 0 && faults::check(Fault::DieMidCart).is_err() {
+    for (g, (drop, members)) in by_drop(&cart.lines).into_iter().enumerate() {
+        if g > 0 && faults::check(Fault::DieMidCart).is_err() {
             tracing::error!(cart = %cart.key, "injected fault: the process dies mid-cart");
             std::process::abort();
         }
@@ -367,55 +366,70 @@ async fn hold(
             ))));
             break;
         }
-        let request = Reserve {
-            key: cart.line_key(n),
-            user: cart.user.clone(),
-            quantity: line.quantity,
-            variant: line.variant.clone(),
-        };
-        match reserve_line(app, &line.drop, &request).await {
-            Ok(Served { outcome, .. }) => match outcome {
-                Outcome::Admitted(view) | Outcome::AlreadyReserved(view)
-                    if view.reservation.state.holds_units() =>
-                {
-                    held.push(n);
-                    reservations.push(HeldLine {
-                        n,
-                        line: line.clone(),
-                        key: request.key.clone(),
-                        reservation: Some(view.reservation),
-                    });
+        let requests: Vec<Reserve> = members
+            .iter()
+            .map(|&n| {
+                let line = &cart.lines[n - 1];
+                Reserve {
+                    key: cart.line_key(n),
+                    user: cart.user.clone(),
+                    quantity: line.quantity,
+                    variant: line.variant.clone(),
                 }
-                other => match ShortWhy::of(&other) {
-                    Some(why) => {
-                        short.push(ShortLine { n, why });
-                        // A cart that must be whole cannot be any more: holding its
-                        // later lines only to give them back would turn away other
-                        // buyers meanwhile (in a rush, every cart of them).
-                        if cart.mode == CartMode::All {
-                            break;
-                        }
-                    }
-                    None => {
-                        stopped = Some(match other {
-                            Outcome::VariantRefused(refusal) => {
-                                Stop::Refused(CartOutcome::LineRefused {
-                                    line: line.clone(),
-                                    refusal,
-                                })
-                            }
-                            _ => Stop::Refused(CartOutcome::LineKeyTaken { key: request.key }),
+            })
+            .collect();
+        let answered = reserve_lines(app, drop, &requests, cart.mode == CartMode::All).await;
+        for ((n, request), answered) in members.into_iter().zip(requests).zip(answered) {
+            let line = &cart.lines[n - 1];
+            match answered {
+                // Withdrawn, or not asked after another line of the drop was
+                // refused: not held, and not short of anything itself.
+                None => {}
+                Some(Ok(Served { outcome, .. })) => match outcome {
+                    Outcome::Admitted(view) | Outcome::AlreadyReserved(view)
+                        if view.reservation.state.holds_units() =>
+                    {
+                        held.push(n);
+                        reservations.push(HeldLine {
+                            n,
+                            line: line.clone(),
+                            key: request.key.clone(),
+                            reservation: Some(view.reservation),
                         });
-                        break;
                     }
+                    other => match ShortWhy::of(&other) {
+                        Some(why) => short.push(ShortLine { n, why }),
+                        None if stopped.is_none() => {
+                            stopped = Some(match other {
+                                Outcome::VariantRefused(refusal) => {
+                                    Stop::Refused(CartOutcome::LineRefused {
+                                        line: line.clone(),
+                                        refusal,
+                                    })
+                                }
+                                _ => Stop::Refused(CartOutcome::LineKeyTaken { key: request.key }),
+                            });
+                        }
+                        None => {}
+                    },
                 },
-            },
-            Err(failure) => {
-                stopped = Some(Stop::Failed(failure));
-                break;
+                Some(Err(failure)) => {
+                    if stopped.is_none() {
+                        stopped = Some(Stop::Failed(failure));
+                    }
+                }
             }
         }
+        // A cart that must be whole cannot be any more: holding its later drops'
+        // lines only to give them back would turn away other buyers meanwhile (in
+        // a rush, every cart of them).
+        if stopped.is_some() || (cart.mode == CartMode::All && !short.is_empty()) {
+            break;
+        }
     }
+    held.sort_unstable();
+    reservations.sort_by_key(|line| line.n);
+    short.sort_by_key(|line| line.n);
     // The permits of lines not admitted go back before anything is given back.
     std::mem::drop(permits);
     let held_json = serde_json::to_string(&held).unwrap_or_else(|_| "[]".into());
@@ -713,6 +727,60 @@ fn spent(key: &str, failure: Failure) -> Failure {
     Failure::unavailable(format!(
         "cart {key} could not be held ({why}); every line it held was given back, so nothing is held and this cart key is spent: retry with a new key"
     ))
+}
+
+/// The cart's line numbers (from 1) grouped by drop, the drops in the order their
+/// first line comes: the lines on one drop are decided together.
+fn by_drop(lines: &[CartLine]) -> Vec<(&str, Vec<usize>)> {
+    let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        match groups.iter_mut().find(|(drop, _)| *drop == line.drop) {
+            Some((_, members)) => members.push(i + 1),
+            None => groups.push((&line.drop, vec![i + 1])),
+        }
+    }
+    groups
+}
+
+/// Reserves a cart's lines on drop `drop`: on the gate in one atomic step (with
+/// `all`, none of them when one is refused), otherwise (or for a line whose key is
+/// still unresolved) one by one, and then with `all` no further line once one was
+/// refused. `None`: a line not held and not refused itself (withdrawn, or not
+/// asked).
+async fn reserve_lines(
+    app: &App,
+    drop: &str,
+    requests: &[Reserve],
+    all: bool,
+) -> Vec<Option<Result<Served, Failure>>> {
+    let together = match requests {
+        [_] => vec![admit::Lined::Alone],
+        _ => match super::find_drop(app, drop).await {
+            Ok(found) => admit::lines_on_gate(app, &found, requests, all).await,
+            Err(failure) => {
+                return requests
+                    .iter()
+                    .map(|_| Some(Err(failure.clone())))
+                    .collect();
+            }
+        },
+    };
+    let mut answered = Vec::with_capacity(requests.len());
+    let mut refused = false;
+    for (request, lined) in requests.iter().zip(together) {
+        let line = match lined {
+            admit::Lined::Done(done) => Some(done.map(|outcome| Served {
+                outcome,
+                path: super::Path::Gate,
+            })),
+            admit::Lined::Withdrawn => None,
+            admit::Lined::Alone if all && refused => None,
+            admit::Lined::Alone => Some(reserve_line(app, drop, request).await),
+        };
+        refused |= matches!(&line, Some(Ok(served)) if ShortWhy::of(&served.outcome).is_some());
+        answered.push(line);
+    }
+    answered
 }
 
 /// Reserves one line of a cart. A line whose key an earlier attempt of this cart

@@ -36,6 +36,9 @@ struct Row {
     note: String,
 }
 
+/// The lines of the cart row's carts: one in each of the cart drop's sizes.
+const CART_LINES: usize = 3;
+
 pub async fn table(options: &Options) -> Result<(), String> {
     let redis = RedisServer::start().map_err(|e| e.to_string())?;
     let mut conn = redis
@@ -60,6 +63,15 @@ pub async fn table(options: &Options) -> Result<(), String> {
     ] {
         publish(&redis, dir.path(), name, limit)?;
     }
+    let sizes: Vec<String> = (1..=CART_LINES)
+        .map(|n| format!("{{name: s{n}, quantity: 100000000}}"))
+        .collect();
+    publish_with(
+        &redis,
+        dir.path(),
+        "cart",
+        &format!("variants: [{}]", sizes.join(", ")),
+    )?;
     let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let one = Fleet::start(&redis, &[sqlite]).await?;
     let admit = one
@@ -67,6 +79,15 @@ pub async fn table(options: &Options) -> Result<(), String> {
             "sidecar durable admit (SQLite)",
             &mut conn,
             "admit",
+            201,
+            options,
+        )
+        .await?;
+    let cart = one
+        .row(
+            "sidecar 3-line cart, one drop (SQLite)",
+            &mut conn,
+            "cart",
             201,
             options,
         )
@@ -116,21 +137,17 @@ pub async fn table(options: &Options) -> Result<(), String> {
         "{:<40} {:>10} {:>8} {:>11} {:>10} {:>7} {:>8}  note",
         "path", "answers/s", "p99 ms", "sidecar us", "redis us", "x rate", "x redis"
     );
+    // Admissions against the raw admit, sold-out answers against the raw sold-out.
     let rows = [
-        &raw_admit,
-        &raw_sold_out,
-        &admit,
-        &sold_out,
-        &hot_admit,
-        &hot_sold_out,
+        (&raw_admit, &raw_admit),
+        (&raw_sold_out, &raw_sold_out),
+        (&admit, &raw_admit),
+        (&cart, &raw_admit),
+        (&sold_out, &raw_sold_out),
+        (&hot_admit, &raw_admit),
+        (&hot_sold_out, &raw_sold_out),
     ];
-    for (i, row) in rows.iter().enumerate() {
-        // Admissions against the raw admit, sold-out answers against the raw sold-out.
-        let base = if i % 2 == 0 {
-            &raw_admit
-        } else {
-            &raw_sold_out
-        };
+    for (row, base) in rows {
         println!(
             "{:<40} {:>10.0} {:>8} {:>11} {:>10.1} {:>7.2} {:>8.2}  {}",
             row.name,
@@ -159,6 +176,11 @@ pub async fn table(options: &Options) -> Result<(), String> {
         hot_sold_out.redis / raw_sold_out.redis,
         us(admit.sidecar),
         us(sold_out.sidecar),
+    );
+    println!(
+        "a {CART_LINES}-line cart on one drop over one reserve: sidecar CPU per answer {:.2}x, Redis CPU per answer {:.2}x (target <= 2.0 each)",
+        cart.sidecar.unwrap_or(0.0) / admit.sidecar.unwrap_or(f64::NAN),
+        cart.redis / admit.redis,
     );
     Ok(())
 }
@@ -235,12 +257,23 @@ fn publish(
     name: &str,
     limit: i64,
 ) -> Result<(), String> {
+    publish_with(redis, dir, name, &format!("limitedQuantity: {limit}"))
+}
+
+/// [`publish`] with the stock given as `stock` (a `limitedQuantity` or `variants`
+/// line of the spec).
+fn publish_with(
+    redis: &RedisServer,
+    dir: &std::path::Path,
+    name: &str,
+    stock: &str,
+) -> Result<(), String> {
     let manifest = dir.join(format!("{name}.yaml"));
     std::fs::write(
         &manifest,
         format!(
             "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: shop}}\n\
-             spec:\n  sku: BENCH\n  limitedQuantity: {limit}\n  holdSeconds: 600\n  redis: {{url: redis://unused:1}}\n\
+             spec:\n  sku: BENCH\n  {stock}\n  perUserLimit: {CART_LINES}\n  holdSeconds: 600\n  redis: {{url: redis://unused:1}}\n\
              \x20 gate: {{enabled: true, failurePolicy: Closed}}\n  throttle: {{permits: 1000000}}\n"
         ),
     )
@@ -333,7 +366,14 @@ impl Fleet {
         length: Duration,
         want: u16,
     ) -> Result<Load, String> {
-        let path = format!("/v1/drops/{drop}/reservations");
+        // The cart drop is sold in sizes: each of its answers is one cart of a
+        // line in each size.
+        let cart = drop == "cart";
+        let path = if cart {
+            "/v1/carts".to_string()
+        } else {
+            format!("/v1/drops/{drop}/reservations")
+        };
         let until = Instant::now() + length;
         let tag = rand::random::<u32>();
         let results = join_all((0..clients).map(|c| {
@@ -344,7 +384,19 @@ impl Fleet {
                 while Instant::now() < until {
                     i += 1;
                     let key = format!("{prefix}{tag}-{c}-{i}");
-                    let body = format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#);
+                    let body = if cart {
+                        let lines: Vec<String> = (1..=CART_LINES)
+                            .map(|n| {
+                                format!(r#"{{"drop":"{drop}","variant":"s{n}","quantity":1}}"#)
+                            })
+                            .collect();
+                        format!(
+                            r#"{{"key":"{key}","user":"{key}","lines":[{}]}}"#,
+                            lines.join(",")
+                        )
+                    } else {
+                        format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#)
+                    };
                     let t = Instant::now();
                     let reply = http.post(&path, &body).await.map_err(|e| e.to_string())?;
                     load.times.push(t.elapsed());
