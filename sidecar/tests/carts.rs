@@ -326,9 +326,18 @@ async fn in_ledger(sidecar: &Sidecar, key: &str) -> bool {
 }
 
 #[tokio::test]
-async fn a_carts_lines_on_one_drop_are_decided_in_one_step() {
+async fn a_carts_lines_on_one_drop_are_decided_in_one_step_on_the_gate() {
+    a_carts_lines_on_one_drop_are_decided_in_one_step(false).await;
+}
+
+#[tokio::test]
+async fn a_whole_cart_is_decided_in_one_transaction_on_the_fallback() {
+    a_carts_lines_on_one_drop_are_decided_in_one_step(true).await;
+}
+
+async fn a_carts_lines_on_one_drop_are_decided_in_one_step(kill_switch: bool) {
     let sidecar = Sidecar::start().await;
-    shop(&sidecar, false).await;
+    shop(&sidecar, kill_switch).await;
     // Size XL sells out to others.
     for (key, user, quantity) in [("x1", "o1", 2), ("x2", "o2", 1)] {
         let body = json!({"key": key, "user": user, "quantity": quantity, "variant": "XL"});
@@ -348,11 +357,26 @@ async fn a_carts_lines_on_one_drop_are_decided_in_one_step() {
     refused.assert_answer(409, "short");
     assert_eq!(short(&refused), ["shoe/XL: sold_out"], "{}", refused.text);
     assert_eq!(marker_state(&sidecar.redis, "shoe", "one:1"), None);
+    assert_eq!(marker_state(&sidecar.redis, "shoe", "one:2"), None);
     assert!(
         !in_ledger(&sidecar, "one:1").await,
         "a withdrawn line left a ledger row"
     );
     assert_eq!(left(&sidecar, "shoe", Some("S")).await, 4);
+
+    // On the ledger's gate the whole cart is one transaction: a line on another
+    // drop (the shirt, line 1) is not held either when a size is short.
+    if kill_switch {
+        let across = [("shoe", Some("XL"), 1), ("shirt", None, 1)];
+        let refused = post_cart(&sidecar, &cart("across", "eve", &across, None)).await;
+        refused.assert_answer(409, "short");
+        assert_eq!(short(&refused), ["shoe/XL: sold_out"], "{}", refused.text);
+        assert!(
+            !in_ledger(&sidecar, "across:1").await,
+            "the shirt's line left a row"
+        );
+        assert_eq!(left(&sidecar, "shirt", None).await, 10);
+    }
 
     // Lines in sizes within one drop count toward the per-user limit together,
     // in the same step: three sizes for a limit of two is short, nothing held.

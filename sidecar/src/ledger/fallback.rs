@@ -172,133 +172,92 @@ impl Ledger {
         ask: Ask<'_>,
         now: i64,
     ) -> Result<Outcome, LedgerError> {
-        let Ask {
-            key,
-            user,
-            quantity,
-            variant,
-        } = ask;
         retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            let terms = effective_terms(config, ensure_stock(&mut tx, drop_key, &stock(config)).await?)?;
-            let held = Reservation {
-                user: user.to_string(),
-                quantity,
-                state: State::Active,
-                expires_at_ms: now + terms.hold_seconds * 1000,
-                variant: variant.map(str::to_string),
-            };
-            let attempt = format!("{:016x}", rand::random::<u64>());
-            let change = Change::new(drop_key, stock(config), key, &held, State::Active)
-                .by(&attempt, i64::MAX);
-            if !insert_reservation(&mut tx, &change, "fallback", false, now).await? {
-                let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
-                let outcome = match retry_answer(&mut tx, drop_key, existing, user, quantity, variant).await? {
-                    Some(outcome) => outcome,
-                    None => Outcome::KeyReused,
-                };
-                tx.commit().await?;
-                return Ok(Decision::Done(outcome));
-            }
-            // The variant as the config read afresh names it: the ledger keeps a
-            // stock row for each variant a change told it of.
-            if let Some(refusal) = VariantRefusal::of(variant, &config.variants) {
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::VariantRefused(refusal)));
-            }
-            if terms.starts_at_ms.is_some_and(|start| now < start) {
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::NotOpen {
-                    starts_at_ms: terms.starts_at_ms,
-                }));
-            }
-            if terms.ends_at_ms.is_some_and(|end| now >= end) {
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::Ended {
-                    ends_at_ms: terms.ends_at_ms,
-                }));
-            }
-            if terms.paused {
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::Paused));
-            }
-            // The waitlist: while anyone waits, what comes back is theirs (the gate
-            // offers it when it is back); a buyer's waiting units count as held.
-            let (anyone_waits, waiting) =
-                super::waitlist::standing(&mut tx, drop_key, variant, user).await?;
-            if anyone_waits {
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::SoldOut { remaining: 0 }));
-            }
-            sqlx::query(
-                "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
-                 ON CONFLICT (drop_key, user_id) DO NOTHING",
-            )
-            .bind(drop_key)
-            .bind(user)
-            .execute(&mut *tx)
-            .await?;
-            let within_limit = sqlx::query(
-                "UPDATE buyers SET held = held + $1 WHERE drop_key = $2 AND user_id = $3 AND held + $4 <= $5",
-            )
-            .bind(quantity)
-            .bind(drop_key)
-            .bind(user)
-            .bind(quantity + waiting)
-            .bind(terms.per_user_limit)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if !within_limit {
-                let held: i64 = sqlx::query("SELECT held FROM buyers WHERE drop_key = $1 AND user_id = $2")
-                    .bind(drop_key)
-                    .bind(user)
-                    .fetch_one(&mut *tx)
-                    .await?
-                    .try_get(0)?;
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::PerUserLimit { held: held + waiting, limit: terms.per_user_limit }));
-            }
-            let in_stock = sqlx::query("UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3")
-                .bind(quantity)
-                .bind(drop_key)
-                .bind(quantity)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-                == 1;
-            if !in_stock {
-                let remaining = available(&mut tx, drop_key).await?;
-                tx.rollback().await?;
-                return Ok(Decision::Done(Outcome::SoldOut { remaining }));
-            }
-            if let Some(variant) = variant {
-                let in_variant_stock = sqlx::query(
-                    "UPDATE variant_stock SET available = available - $1 WHERE drop_key = $2 AND variant = $3 AND available >= $4",
-                )
-                .bind(quantity)
-                .bind(drop_key)
-                .bind(variant)
-                .bind(quantity)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-                    == 1;
-                if !in_variant_stock {
-                    let remaining = variant_available(&mut tx, drop_key, variant).await?;
-                    tx.rollback().await?;
-                    return Ok(Decision::Done(Outcome::SoldOut { remaining }));
+            let outcome = match reserve_in(&mut tx, drop_key, config, ask, now).await? {
+                Line::Kept(outcome) => {
+                    tx.commit().await?;
+                    outcome
                 }
+                Line::Refused(outcome) => {
+                    tx.rollback().await?;
+                    outcome
+                }
+            };
+            Ok(Decision::Done(outcome))
+        })
+        .await
+    }
+
+    /// A cart's lines on the ledger's gate, in one transaction: each decided as
+    /// [`Self::fallback_reserve`] decides a reserve, in the order given (a line
+    /// refused is rolled back to before it, the others stand). With `all`, when
+    /// any line is refused (or its key holds another reservation), nothing is
+    /// changed: the lines that would have been admitted are answered `None`
+    /// (withdrawn), the others with their outcomes.
+    pub async fn fallback_cart(
+        &self,
+        lines: &[CartAsk<'_>],
+        all: bool,
+        now: i64,
+    ) -> Result<Vec<Option<Outcome>>, LedgerError> {
+        retry(|| async {
+            let mut tx = self.pool.begin().await?;
+            let mut checked: Vec<&str> = Vec::new();
+            for line in lines {
+                if checked.contains(&line.drop_key) {
+                    continue;
+                }
+                if let Err(authority) = require_ledger(&mut tx, self.backend, line.drop_key).await?
+                {
+                    return Ok(not_authority(authority));
+                }
+                checked.push(line.drop_key);
             }
-            let mut ids = EventIds::for_events(1);
-            write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
-            let view = view(&mut tx, drop_key, key).await?;
+            let mut decided: Vec<Line> = Vec::with_capacity(lines.len());
+            for line in lines {
+                sqlx::query("SAVEPOINT cart_line").execute(&mut *tx).await?;
+                let line = reserve_in(&mut tx, line.drop_key, line.config, line.ask, now).await?;
+                if let Line::Refused(_) = line {
+                    sqlx::query("ROLLBACK TO SAVEPOINT cart_line")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                sqlx::query("RELEASE SAVEPOINT cart_line")
+                    .execute(&mut *tx)
+                    .await?;
+                decided.push(line);
+            }
+            let refused = decided.iter().any(|line| match line {
+                Line::Refused(_) => true,
+                Line::Kept(outcome) => !outcome
+                    .view()
+                    .is_some_and(|v| v.reservation.state.holds_units()),
+            });
+            if all && refused {
+                tx.rollback().await?;
+                return Ok(Decision::Done(
+                    decided
+                        .into_iter()
+                        .map(|line| match line {
+                            Line::Kept(Outcome::Admitted(_)) => None,
+                            Line::Kept(outcome) | Line::Refused(outcome) => Some(outcome),
+                        })
+                        .collect(),
+                ));
+            }
             tx.commit().await?;
-            Ok(Decision::Done(Outcome::Admitted(view)))
+            Ok(Decision::Done(
+                decided
+                    .into_iter()
+                    .map(|line| match line {
+                        Line::Kept(outcome) | Line::Refused(outcome) => Some(outcome),
+                    })
+                    .collect(),
+            ))
         })
         .await
     }
@@ -709,6 +668,151 @@ impl Ledger {
             .await?;
         Ok(row.map(|row| row.try_get(0)).transpose()?)
     }
+}
+
+/// One reserve's decision in a fallback transaction.
+enum Line {
+    /// Admitted, or a retry's answer from the row its key holds: its changes stand.
+    Kept(Outcome),
+    /// Refused: its changes are to be rolled back.
+    Refused(Outcome),
+}
+
+/// A reserve decided in the caller's transaction on the ledger's gate (whose
+/// authority for the drop the caller has checked): the key (a retry hears what it
+/// holds), the variant, the sale window, a pause, the waitlist, the per-user limit
+/// and the stock, on the newest terms any sidecar sharing the ledger has read.
+async fn reserve_in(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    config: &DropConfig,
+    ask: Ask<'_>,
+    now: i64,
+) -> Result<Line, TxError> {
+    let Ask {
+        key,
+        user,
+        quantity,
+        variant,
+    } = ask;
+    let terms = effective_terms(config, ensure_stock(tx, drop_key, &stock(config)).await?)?;
+    let held = Reservation {
+        user: user.to_string(),
+        quantity,
+        state: State::Active,
+        expires_at_ms: now + terms.hold_seconds * 1000,
+        variant: variant.map(str::to_string),
+    };
+    let attempt = format!("{:016x}", rand::random::<u64>());
+    let change =
+        Change::new(drop_key, stock(config), key, &held, State::Active).by(&attempt, i64::MAX);
+    if !insert_reservation(tx, &change, "fallback", false, now).await? {
+        let existing = expire_if_due(tx, drop_key, config, key, now).await?;
+        let outcome = match retry_answer(tx, drop_key, existing, user, quantity, variant).await? {
+            Some(outcome) => outcome,
+            None => Outcome::KeyReused,
+        };
+        return Ok(Line::Kept(outcome));
+    }
+    // The variant as the config read afresh names it: the ledger keeps a
+    // stock row for each variant a change told it of.
+    if let Some(refusal) = VariantRefusal::of(variant, &config.variants) {
+        return Ok(Line::Refused(Outcome::VariantRefused(refusal)));
+    }
+    if terms.starts_at_ms.is_some_and(|start| now < start) {
+        return Ok(Line::Refused(Outcome::NotOpen {
+            starts_at_ms: terms.starts_at_ms,
+        }));
+    }
+    if terms.ends_at_ms.is_some_and(|end| now >= end) {
+        return Ok(Line::Refused(Outcome::Ended {
+            ends_at_ms: terms.ends_at_ms,
+        }));
+    }
+    if terms.paused {
+        return Ok(Line::Refused(Outcome::Paused));
+    }
+    // The waitlist: while anyone waits, what comes back is theirs (the gate
+    // offers it when it is back); a buyer's waiting units count as held.
+    let (anyone_waits, waiting) = super::waitlist::standing(tx, drop_key, variant, user).await?;
+    if anyone_waits {
+        return Ok(Line::Refused(Outcome::SoldOut { remaining: 0 }));
+    }
+    sqlx::query(
+        "INSERT INTO buyers (drop_key, user_id, held) VALUES ($1, $2, 0) \
+         ON CONFLICT (drop_key, user_id) DO NOTHING",
+    )
+    .bind(drop_key)
+    .bind(user)
+    .execute(&mut **tx)
+    .await?;
+    let within_limit = sqlx::query(
+        "UPDATE buyers SET held = held + $1 WHERE drop_key = $2 AND user_id = $3 AND held + $4 <= $5",
+    )
+    .bind(quantity)
+    .bind(drop_key)
+    .bind(user)
+    .bind(quantity + waiting)
+    .bind(terms.per_user_limit)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if !within_limit {
+        let held: i64 = sqlx::query("SELECT held FROM buyers WHERE drop_key = $1 AND user_id = $2")
+            .bind(drop_key)
+            .bind(user)
+            .fetch_one(&mut **tx)
+            .await?
+            .try_get(0)?;
+        return Ok(Line::Refused(Outcome::PerUserLimit {
+            held: held + waiting,
+            limit: terms.per_user_limit,
+        }));
+    }
+    let in_stock = sqlx::query(
+        "UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3",
+    )
+    .bind(quantity)
+    .bind(drop_key)
+    .bind(quantity)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if !in_stock {
+        let remaining = available(tx, drop_key).await?;
+        return Ok(Line::Refused(Outcome::SoldOut { remaining }));
+    }
+    if let Some(variant) = variant {
+        let in_variant_stock = sqlx::query(
+            "UPDATE variant_stock SET available = available - $1 WHERE drop_key = $2 AND variant = $3 AND available >= $4",
+        )
+        .bind(quantity)
+        .bind(drop_key)
+        .bind(variant)
+        .bind(quantity)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected()
+            == 1;
+        if !in_variant_stock {
+            let remaining = variant_available(tx, drop_key, variant).await?;
+            return Ok(Line::Refused(Outcome::SoldOut { remaining }));
+        }
+    }
+    let mut ids = EventIds::for_events(1);
+    write_event(tx, &mut ids, &change, "fallback", now).await?;
+    let view = view(tx, drop_key, key).await?;
+    Ok(Line::Kept(Outcome::Admitted(view)))
+}
+
+/// One line of a cart for [`Ledger::fallback_cart`]: the drop's ledger key, its
+/// config as the caller read it, and what the line asks.
+pub struct CartAsk<'a> {
+    pub drop_key: &'a str,
+    pub config: &'a DropConfig,
+    pub ask: Ask<'a>,
 }
 
 /// A retry's answer from the row its key holds: `already_reserved` for the same

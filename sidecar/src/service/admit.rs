@@ -7,8 +7,9 @@ use dropgate_api::{DropConfig, Mode};
 use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::{
-    Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Published, Served, Throttled, Turn, closed,
-    decide, foreign_ledger, on_ledger, pending_bound_ms, published_now, redis_failed,
+    Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Path, Published, Served, Throttled, Turn,
+    closed, decide, foreign_ledger, handover, on_ledger, pending_bound_ms, published_now,
+    redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -96,7 +97,7 @@ fn admission(
 /// How a line of a cart came out when its drop's lines were decided together on
 /// the gate (see [`lines_on_gate`]).
 pub(super) enum Lined {
-    Done(Result<Outcome, Failure>),
+    Done(Result<Served, Failure>),
     /// Admitted and taken back in the same step: another of the cart's lines on
     /// the drop was refused (mode `all`). Nothing of it is held.
     Withdrawn,
@@ -161,7 +162,10 @@ pub(super) async fn lines_on_gate(
                 }
                 Ok(Some(reply)) => {
                     match after_gate(app, drop, config, request, &attempt, false, reply).await {
-                        Turn::Done(done) => Lined::Done(done),
+                        Turn::Done(done) => Lined::Done(done.map(|outcome| Served {
+                            outcome,
+                            path: Path::Gate,
+                        })),
                         // Nothing was admitted (the gate is closed or not the
                         // drop's): decided on its own.
                         _ => Lined::Alone,
@@ -173,6 +177,128 @@ pub(super) async fn lines_on_gate(
             lined
         });
     futures::future::join_all(lines).await
+}
+
+/// A cart's lines (each with its drop) decided by the ledger's gate in one
+/// transaction (see crate::ledger::Ledger::fallback_cart), when every drop of the
+/// cart is on the fallback now. `None`: they are not all (or a line's throttle
+/// permit is not free, or a drop's config must be read again first): the cart goes
+/// drop by drop, each line on whichever gate decides its drop.
+pub(super) async fn lines_on_fallback(
+    app: &App,
+    lines: &[(&Drop, Reserve)],
+    all: bool,
+) -> Option<Vec<Lined>> {
+    // Each drop once: its gate now, and its config as published now.
+    let mut drops: Vec<(&Drop, Reason, DropConfig)> = Vec::new();
+    for (drop, _) in lines {
+        if drops.iter().any(|(d, ..)| d.name == drop.name) {
+            continue;
+        }
+        let config = drop.config();
+        let Choice::Fallback(reason) = super::choose(app, drop, &config) else {
+            return None;
+        };
+        let config = match published_now(app, drop).await {
+            Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
+                return None;
+            }
+            Published::Now(fresh) => *fresh,
+            Published::Missing => return None,
+            Published::Unreachable => config,
+        };
+        drops.push((drop, reason, config));
+    }
+    let config_of = |drop: &Drop| {
+        drops
+            .iter()
+            .find(|(d, ..)| d.name == drop.name)
+            .map(|(_, _, config)| config)
+    };
+    let mut permits = Vec::with_capacity(lines.len());
+    for (drop, request) in lines {
+        let config = config_of(drop)?;
+        let wait = Duration::from_millis(config.acquire_timeout_ms);
+        permits.push(drop.throttle.acquire_for(&request.key, wait).await?);
+    }
+    let ledger_keys: Vec<String> = lines.iter().map(|(drop, _)| drop.ledger_key()).collect();
+    let asks: Vec<crate::ledger::fallback::CartAsk<'_>> = lines
+        .iter()
+        .zip(&ledger_keys)
+        .filter_map(|((drop, request), drop_key)| {
+            Some(crate::ledger::fallback::CartAsk {
+                drop_key,
+                config: config_of(drop)?,
+                ask: request.ask(),
+            })
+        })
+        .collect();
+    let now = now_ms();
+    let every = |failure: Failure| {
+        Some(
+            lines
+                .iter()
+                .map(|_| Lined::Done(Err(failure.clone().on_fallback())))
+                .collect(),
+        )
+    };
+    let mut handed = false;
+    let decided = loop {
+        match app.ledger.fallback_cart(&asks, all, now).await {
+            Ok(decided) => break decided,
+            // A drop not handed to the ledger yet: each is, then the cart is
+            // decided again, once.
+            Err(crate::ledger::LedgerError::NotAuthority(_)) if !handed => {
+                handed = true;
+                for (drop, reason, _) in &drops {
+                    match handover::hand_to_ledger(app, drop, *reason).await {
+                        Ok(_) => {}
+                        Err(handover::Refusal::BackOnGate) => return None,
+                        Err(handover::Refusal::Refused(why)) => {
+                            return every(Failure::unavailable(why));
+                        }
+                    }
+                }
+            }
+            Err(crate::ledger::LedgerError::StaleConfig(_)) => {
+                return every(Failure::retry(
+                    "the ledger holds a newer config of a drop of this cart than this sidecar read: nothing was changed; retry",
+                ));
+            }
+            Err(error) => {
+                return every(Failure::unavailable(format!(
+                    "Redis is not gating this cart's drops and the ledger failed: {error}"
+                )));
+            }
+        }
+    };
+    Some(
+        lines
+            .iter()
+            .zip(permits)
+            .zip(decided)
+            .map(|(((drop, request), permit), outcome)| match outcome {
+                None => Lined::Withdrawn,
+                Some(outcome) => {
+                    match &outcome {
+                        Outcome::Admitted(view) => {
+                            drop.throttle.hold(
+                                &request.key,
+                                permit,
+                                view.reservation.expires_at_ms,
+                            );
+                        }
+                        settled if settled.settles() => drop.throttle.release(&request.key),
+                        _ => {}
+                    }
+                    Lined::Done(Ok(Served {
+                        outcome,
+                        path: Path::Fallback,
+                    }))
+                }
+            })
+            .collect(),
+    )
 }
 
 /// Asks the gate for `admission` until its answer is not about another attempt

@@ -354,12 +354,17 @@ async fn hold(
     let mut short: Vec<ShortLine> = Vec::new();
     let mut stopped: Option<Stop> = None;
     let permits = Prepaid::take(app, cart, mine).await;
+    // When every drop of the cart is on the ledger's gate, the ledger decides the
+    // whole cart in one transaction.
+    let mut on_fallback = whole_on_fallback(app, cart).await;
     for (g, (drop, members)) in by_drop(&cart.lines).into_iter().enumerate() {
         if g > 0 && faults::check(Fault::DieMidCart).is_err() {
             tracing::error!(cart = %cart.key, "injected fault: the process dies mid-cart");
             std::process::abort();
         }
-        if now_ms() > deadline_ms {
+        // (A cart the ledger decided whole is past any bound's reach: its lines are
+        // decided.)
+        if on_fallback.is_none() && now_ms() > deadline_ms {
             stopped = Some(Stop::Failed(Failure::retry(format!(
                 "cart {} took longer than its bound to hold: retry the same key to go on with it",
                 cart.key
@@ -378,7 +383,10 @@ async fn hold(
                 }
             })
             .collect();
-        let answered = reserve_lines(app, drop, &requests, cart.mode == CartMode::All).await;
+        let answered = match on_fallback.as_mut() {
+            Some(decided) => members.iter().map(|&n| decided[n - 1].take()).collect(),
+            None => reserve_lines(app, drop, &requests, cart.mode == CartMode::All).await,
+        };
         for ((n, request), answered) in members.into_iter().zip(requests).zip(answered) {
             let line = &cart.lines[n - 1];
             match answered {
@@ -742,6 +750,46 @@ fn by_drop(lines: &[CartLine]) -> Vec<(&str, Vec<usize>)> {
     groups
 }
 
+/// Every line of `cart` decided by the ledger's gate in one transaction, when all
+/// its drops are on the fallback now (see admit::lines_on_fallback); `None`
+/// otherwise. A line's `None`: withdrawn (not held, not refused itself).
+async fn whole_on_fallback(
+    app: &App,
+    cart: &CartReserve,
+) -> Option<Vec<Option<Result<Served, Failure>>>> {
+    let mut drops = Vec::new();
+    for line in &cart.lines {
+        drops.push(super::find_drop(app, &line.drop).await.ok()?);
+    }
+    let lines: Vec<(&crate::drops::Drop, Reserve)> = cart
+        .lines
+        .iter()
+        .zip(&drops)
+        .enumerate()
+        .map(|(i, (line, drop))| {
+            (
+                drop.as_ref(),
+                Reserve {
+                    key: cart.line_key(i + 1),
+                    user: cart.user.clone(),
+                    quantity: line.quantity,
+                    variant: line.variant.clone(),
+                },
+            )
+        })
+        .collect();
+    let decided = admit::lines_on_fallback(app, &lines, cart.mode == CartMode::All).await?;
+    Some(
+        decided
+            .into_iter()
+            .map(|lined| match lined {
+                admit::Lined::Done(done) => Some(done),
+                admit::Lined::Withdrawn | admit::Lined::Alone => None,
+            })
+            .collect(),
+    )
+}
+
 /// Reserves a cart's lines on drop `drop`: on the gate in one atomic step (with
 /// `all`, none of them when one is refused), otherwise (or for a line whose key is
 /// still unresolved) one by one, and then with `all` no further line once one was
@@ -769,10 +817,7 @@ async fn reserve_lines(
     let mut refused = false;
     for (request, lined) in requests.iter().zip(together) {
         let line = match lined {
-            admit::Lined::Done(done) => Some(done.map(|outcome| Served {
-                outcome,
-                path: super::Path::Gate,
-            })),
+            admit::Lined::Done(done) => Some(done),
             admit::Lined::Withdrawn => None,
             admit::Lined::Alone if all && refused => None,
             admit::Lined::Alone => Some(reserve_line(app, drop, request).await),
