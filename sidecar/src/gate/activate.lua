@@ -3,18 +3,18 @@
 -- reported as it is: `gone` with the marker as it stands (expired meanwhile, taken
 -- for dead and admitted afresh by a retry, activated by a replay from the ledger,
 -- or no marker at all).
-local m = redis.call('HMGET', K.marker, 'attempt', 'state')
-if not ours() then
-  return answer('gone')
+local m = redis.call('HMGET', K.marker, 'attempt', 'state', 'sale', 'user', 'admittedAt', 'line',
+  'quantity', 'expiresAt', 'variant')
+if m[3] == false or m[3] ~= SALE then
+  return reply('gone', '', '', '', '', tostring(remaining()))
 end
 if m[2] == 'pending' and m[1] == ARGV[3] then
   redis.call('HSET', K.marker, 'state', 'active')
   redis.call('ZREM', K.unresolved, KEY)
-  local listed = redis.call('HMGET', K.marker, 'user', 'admittedAt')
-  list_for_buyer(listed[1], tonumber(listed[2]) or now_ms())
-  if redis.call('HEXISTS', K.marker, 'line') == 1 then
+  list_for_buyer(m[4], tonumber(m[5]) or now_ms())
+  if m[6] then
     redis.call('HSET', wl_entry(KEY), 'state', 'offered')
   end
-  return answer('admitted')
+  return shown('admitted', m[4], m[7], 'active', m[8], m[9], remaining(m[9]))
 end
-return answer('gone')
+return shown('gone', m[4], m[7], m[2], m[8], m[9], remaining(m[9]))

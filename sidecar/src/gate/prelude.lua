@@ -85,14 +85,6 @@ local function expire_shared(at)
   end
 end
 
--- Numbers a change the ledger will record. The counter only grows; a Redis that
--- lost writes hands out numbers the ledger already holds, which gives it away.
-local function bump()
-  SEQ = redis.call('INCR', K.seq)
-  redis.call('HSET', K.marker, 'seq', SEQ)
-  return SEQ
-end
-
 -- Whether KEY has a marker in this sale.
 local function ours()
   local sale = redis.call('HGET', K.marker, 'sale')
@@ -135,16 +127,23 @@ local function reply(outcome, user, quantity, state, when, left, variant)
     .. '\n' .. LIMIT .. '\n' .. GENERATION .. '\n' .. (variant or '') .. '\n' .. VARIANTS
 end
 
+-- An answer that shows a reservation whose fields the caller holds (user,
+-- quantity, state, expiresAt, variant as the marker has them) with `left` units
+-- remaining: what `answer` reads, without reading it again.
+local function shown(outcome, user, quantity, state, expires_at, variant, left)
+  return outcome .. '\n' .. (user or '') .. '\n' .. (quantity or '') .. '\n' .. (state or '')
+    .. '\n' .. (expires_at or '') .. '\n' .. tostring(left) .. '\n' .. tostring(SEQ)
+    .. '\n' .. EPOCH .. '\n' .. tostring(EXPIRED) .. '\n' .. EXPIRED_FROM .. '\n' .. SALE
+    .. '\n' .. LIMIT .. '\n' .. GENERATION .. '\n' .. (variant or '') .. '\n' .. VARIANTS
+end
+
 -- An answer that shows KEY's reservation.
 local function answer(outcome)
   if not ours() then
     return reply(outcome, '', '', '', '', tostring(remaining()))
   end
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt', 'variant')
-  return outcome .. '\n' .. (m[1] or '') .. '\n' .. (m[2] or '') .. '\n' .. (m[3] or '')
-    .. '\n' .. (m[4] or '') .. '\n' .. tostring(remaining(m[5])) .. '\n' .. tostring(SEQ)
-    .. '\n' .. EPOCH .. '\n' .. tostring(EXPIRED) .. '\n' .. EXPIRED_FROM .. '\n' .. SALE
-    .. '\n' .. LIMIT .. '\n' .. GENERATION .. '\n' .. (m[5] or '') .. '\n' .. VARIANTS
+  return shown(outcome, m[1], m[2], m[3], m[4], m[5], remaining(m[5]))
 end
 
 -- Whether the caller's ledger is not the sale's: then it changes nothing here.

@@ -126,12 +126,18 @@ end
 local deadline = now + tonumber(cfg[5]) * 1000
 take(user, quantity, variant)
 redis.call('ZADD', K.holds, deadline, KEY)
+-- Whatever an earlier sale left under this key, nothing of it carries over.
 redis.call('DEL', K.marker)
-redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
-  'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound,
-  'admittedAt', now)
+-- The change's number first, so that the marker is written whole in one HSET.
+SEQ = redis.call('INCR', K.seq)
 if variant ~= '' then
-  redis.call('HSET', K.marker, 'variant', variant)
+  redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
+    'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound,
+    'admittedAt', now, 'seq', SEQ, 'variant', variant)
+else
+  redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
+    'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound,
+    'admittedAt', now, 'seq', SEQ)
 end
 if offer then
   -- The entry leaves the line with its units: they are held now (take counted
@@ -142,7 +148,6 @@ if offer then
   redis.call('HSET', K.marker, 'line', '1')
 end
 redis.call('ZADD', K.unresolved, now + bound, KEY)
-bump()
 -- The marker outlives the hold so that a late retry still reads already_reserved;
 -- the drop's other keys expire with the config when the sale has an end.
 if cfg[6] ~= '' then
@@ -153,4 +158,6 @@ if cfg[6] ~= '' then
 else
   redis.call('PEXPIREAT', K.marker, deadline + 7 * 86400 * 1000)
 end
-return answer('admitted')
+-- The marker as just written, and what is left once these units are taken.
+return shown('admitted', user, tostring(quantity), 'pending', tostring(deadline), variant,
+  left - quantity)

@@ -146,10 +146,13 @@ impl Ledger {
         &self,
         cart: NewCart<'_>,
     ) -> Result<Option<(CartRow, bool)>, LedgerError> {
-        let written = sqlx::query(
+        // One statement for a new cart (the usual case): the row it wrote comes
+        // back. A key with a row already reads that row.
+        let written = sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO carts (namespace, cart_key, user_id, terms, state, attempt, deadline_ms, created_at_ms) \
-             VALUES ($1, $2, $3, $4, 'holding', $5, $6, $7) ON CONFLICT (namespace, cart_key) DO NOTHING",
-        )
+             VALUES ($1, $2, $3, $4, 'holding', $5, $6, $7) ON CONFLICT (namespace, cart_key) DO NOTHING \
+             RETURNING {COLUMNS}"
+        )))
         .bind(cart.namespace)
         .bind(cart.key)
         .bind(cart.user)
@@ -157,11 +160,14 @@ impl Ledger {
         .bind(cart.attempt)
         .bind(cart.deadline_ms)
         .bind(cart.now_ms)
-        .execute(self.pool())
+        .fetch_optional(self.pool())
         .await?;
+        if let Some(row) = written {
+            return Ok(Some((cart_row(&row)?, true)));
+        }
         // `None`: the row that was in the way was forgotten before it could be read.
         let row = self.cart(cart.namespace, cart.key).await?;
-        Ok(row.map(|row| (row, written.rows_affected() == 1)))
+        Ok(row.map(|row| (row, false)))
     }
 
     /// The cart recorded under `key`, if any.

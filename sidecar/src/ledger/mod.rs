@@ -562,20 +562,31 @@ async fn commit(
     let mut units: Vec<(&str, i64)> = Vec::new();
     let mut variant_units: Vec<(&str, &str, i64)> = Vec::new();
     let mut buyers: Vec<(&str, &str, i64)> = Vec::new();
-    for change in changes {
+    let admitted = |change: &Change| {
         let authority = drops
             .iter()
             .find(|(key, ..)| *key == change.drop_key)
             .and_then(|(_, authority, _)| authority.as_ref());
-        if let Err(refusal) = authority::admits_gate(authority, change.epoch) {
+        authority::admits_gate(authority, change.epoch)
+    };
+    // The batch's new admissions (most of a rush) first, a statement per table for
+    // all of them; what one of them finds in its key's way is then decided on its
+    // own below, as every other change is.
+    let fresh = new_admissions(&mut tx, &mut ids, changes, &admitted, now).await?;
+    for (i, change) in changes.iter().enumerate() {
+        if let Err(refusal) = admitted(change) {
             verdicts.push(Err(refusal));
             continue;
         }
-        let moved = match apply_gate_change(&mut tx, &mut ids, change, now).await? {
-            Ok(moved) => moved,
-            Err(refusal) => {
-                verdicts.push(Err(refusal));
-                continue;
+        let moved = if fresh[i] {
+            -change.quantity
+        } else {
+            match apply_gate_change(&mut tx, &mut ids, change, now).await? {
+                Ok(moved) => moved,
+                Err(refusal) => {
+                    verdicts.push(Err(refusal));
+                    continue;
+                }
             }
         };
         if moved != 0 {
@@ -640,15 +651,128 @@ async fn commit(
             return Err(CommitError::Overdrawn(drop_key.to_string()));
         }
     }
-    for (drop_key, user, held) in buyers {
-        move_buyer(&mut tx, drop_key, user, held).await?;
-    }
+    move_buyers(&mut tx, &buyers).await?;
     crate::faults::check(crate::faults::Fault::BeforeLedgerCommit)
         .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
     tx.commit()
         .await
         .map_err(|e| CommitError::Unknown(e.to_string()))?;
     Ok(verdicts)
+}
+
+/// Records the new admissions among `changes` (an admission, not an offer, whose
+/// key no other change of the batch names, under an authority that `admitted`
+/// passes) with one multi-row INSERT of their reservation rows and one of their
+/// events. Returns, per change, whether it was recorded here: a key that already
+/// has a row (a retry, a key used before) wrote nothing, and is left to
+/// [`apply_gate_change`] like any other change.
+async fn new_admissions(
+    tx: &mut Transaction<'static, Any>,
+    ids: &mut EventIds,
+    changes: &[&Change],
+    admitted: &impl Fn(&Change) -> Result<(), RecordError>,
+    now: i64,
+) -> Result<Vec<bool>, sqlx::Error> {
+    let mut named: std::collections::HashMap<(&str, &str), usize> = Default::default();
+    for change in changes {
+        *named.entry((&change.drop_key, &change.key)).or_default() += 1;
+    }
+    let candidates: Vec<usize> = (0..changes.len())
+        .filter(|&i| {
+            let change = changes[i];
+            change.state == State::Active
+                && !change.extension
+                && !change.offered
+                && admitted(change).is_ok()
+                && named[&(change.drop_key.as_str(), change.key.as_str())] == 1
+        })
+        .collect();
+    let by_key: std::collections::HashMap<(&str, &str), usize> = candidates
+        .iter()
+        .map(|&i| ((changes[i].drop_key.as_str(), changes[i].key.as_str()), i))
+        .collect();
+    let mut fresh = vec![false; changes.len()];
+    if candidates.is_empty() {
+        return Ok(fresh);
+    }
+    const COLUMNS: usize = 13;
+    let rows: Vec<String> = (0..candidates.len())
+        .map(|r| {
+            let first = r * COLUMNS + 1;
+            let params: Vec<String> = (first..first + COLUMNS).map(|n| format!("${n}")).collect();
+            format!("({})", params.join(", "))
+        })
+        .collect();
+    let sql = format!(
+        "INSERT INTO reservations \
+         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt, variant, admitted_at_ms) \
+         VALUES {} ON CONFLICT (drop_key, res_key) DO UPDATE SET \
+         user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
+         expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, admitted_at_ms = excluded.admitted_at_ms, \
+         replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
+         WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt \
+         RETURNING drop_key, res_key",
+        rows.join(", ")
+    );
+    let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for &i in &candidates {
+        let change = changes[i];
+        insert = insert
+            .bind(&change.drop_key)
+            .bind(&change.key)
+            .bind(&change.user)
+            .bind(change.quantity)
+            .bind(change.state.as_str())
+            .bind("gate")
+            .bind(change.expires_at_ms)
+            .bind(now)
+            .bind(1_i64)
+            .bind(change.seq)
+            .bind(change.attempt.as_deref())
+            .bind(change.variant.as_deref().unwrap_or(""))
+            .bind(change.admitted_at_ms.unwrap_or(now));
+    }
+    let written = insert.fetch_all(&mut **tx).await?;
+    let mut events = Vec::with_capacity(written.len());
+    for row in &written {
+        let (drop_key, key): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+        if let Some(&i) = by_key.get(&(drop_key.as_str(), key.as_str())) {
+            fresh[i] = true;
+        }
+    }
+    // The events in the batch's order, as one change at a time would have numbered
+    // them.
+    for &i in &candidates {
+        if fresh[i] {
+            events.push(event_row(changes[i], "gate", now)?);
+        }
+    }
+    write_event_rows(tx, ids, &events, now).await?;
+    Ok(fresh)
+}
+
+/// Moves each buyer's count by what the batch moved it, in one statement.
+async fn move_buyers(
+    tx: &mut Transaction<'static, Any>,
+    buyers: &[(&str, &str, i64)],
+) -> Result<(), sqlx::Error> {
+    if buyers.is_empty() {
+        return Ok(());
+    }
+    let rows: Vec<String> = (0..buyers.len())
+        .map(|r| format!("(${}, ${}, ${})", r * 3 + 1, r * 3 + 2, r * 3 + 3))
+        .collect();
+    let sql = format!(
+        "INSERT INTO buyers (drop_key, user_id, held) VALUES {} \
+         ON CONFLICT (drop_key, user_id) DO UPDATE SET held = buyers.held + excluded.held",
+        rows.join(", ")
+    );
+    let mut upsert = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for (drop_key, user, held) in buyers {
+        upsert = upsert.bind(*drop_key).bind(*user).bind(*held);
+    }
+    upsert.execute(&mut **tx).await?;
+    Ok(())
 }
 
 /// Writes a change the Redis gate decided: the reservation row and the outbox
@@ -1228,6 +1352,20 @@ async fn write_event(
     path: &str,
     now: i64,
 ) -> Result<(), sqlx::Error> {
+    let row = event_row(change, path, now)?;
+    write_event_rows(tx, ids, std::slice::from_ref(&row), now).await
+}
+
+/// An outbox row as [`write_event`] writes it, before its id is taken.
+struct EventRow {
+    event_id: String,
+    drop_key: String,
+    payload: String,
+    seq: Option<i64>,
+}
+
+/// The outbox row of `change`'s event.
+fn event_row(change: &Change, path: &str, now: i64) -> Result<EventRow, sqlx::Error> {
     let kind = if change.extension {
         "extended"
     } else if change.offered && change.state == State::Active {
@@ -1273,19 +1411,59 @@ async fn write_event(
         }
     }
     let payload = outbox::canonical(&event_body).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
-    let id = ids.take(tx).await?;
-    sqlx::query(
+    Ok(EventRow {
+        event_id,
+        drop_key: change.drop_key.clone(),
+        payload,
+        seq: change.seq,
+    })
+}
+
+/// Writes `rows` to the outbox in one statement, their ids taken in order (an
+/// event already written under its id is left as it was).
+async fn write_event_rows(
+    tx: &mut Transaction<'static, Any>,
+    ids: &mut EventIds,
+    rows: &[EventRow],
+    now: i64,
+) -> Result<(), sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut numbered = Vec::with_capacity(rows.len());
+    for row in rows {
+        numbered.push((ids.take(tx).await?, row));
+    }
+    let values: Vec<String> = (0..rows.len())
+        .map(|r| {
+            let n = r * 6;
+            format!(
+                "(${}, ${}, ${}, ${}, ${}, NULL, ${})",
+                n + 1,
+                n + 2,
+                n + 3,
+                n + 4,
+                n + 5,
+                n + 6
+            )
+        })
+        .collect();
+    let sql = format!(
         "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, sent_at_ms, seq) \
-         VALUES ($1, $2, $3, $4, $5, NULL, $6) ON CONFLICT (event_id) DO NOTHING",
-    )
-    .bind(id)
-    .bind(&event_id)
-    .bind(&change.drop_key)
-    .bind(payload)
-    .bind(now)
-    .bind(change.seq)
-    .execute(&mut **tx)
-    .await?;
+         VALUES {} ON CONFLICT (event_id) DO NOTHING",
+        values.join(", ")
+    );
+    let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for (id, row) in numbered {
+        insert = insert
+            .bind(id)
+            .bind(row.event_id.as_str())
+            .bind(row.drop_key.as_str())
+            .bind(row.payload.as_str())
+            .bind(now)
+            .bind(row.seq);
+    }
+    insert.execute(&mut **tx).await?;
     Ok(())
 }
 
