@@ -269,9 +269,33 @@ pub fn warp_handler(
     }
 }
 
-/// How many connections each peer address holds.
+/// How many connections each peer address holds, and how often it connected lately.
 #[derive(Clone, Default)]
-struct Peers(Arc<Mutex<HashMap<IpAddr, usize>>>);
+struct Peers(Arc<Mutex<PeerCounts>>);
+
+#[derive(Default)]
+struct PeerCounts {
+    held: HashMap<IpAddr, usize>,
+    /// Each address's arrivals, decayed by half every [`ARRIVALS_HALF_LIFE`] (and
+    /// when it was last decayed): a client that reconnects over and over (a flood)
+    /// weighs more than one that connects now and then (a kubelet's probe), even
+    /// when each holds one connection right now.
+    arrivals: HashMap<IpAddr, (f64, std::time::Instant)>,
+}
+
+/// How fast an address's arrivals are forgotten.
+const ARRIVALS_HALF_LIFE: Duration = Duration::from_secs(2);
+/// Past this many addresses remembered, those whose arrivals have faded are
+/// forgotten (and past [`ARRIVALS_FORGET_ALL`], all of them: memory stays bounded
+/// whatever number of addresses connect).
+const ARRIVALS_PRUNE_AT: usize = 4096;
+const ARRIVALS_FORGET_ALL: usize = 65_536;
+
+fn decayed((count, at): (f64, std::time::Instant), now: std::time::Instant) -> f64 {
+    let halvings =
+        now.saturating_duration_since(at).as_secs_f64() / ARRIVALS_HALF_LIFE.as_secs_f64();
+    count * 0.5_f64.powf(halvings)
+}
 
 /// One peer's connection, counted until it is dropped.
 struct PeerSlot {
@@ -280,15 +304,35 @@ struct PeerSlot {
 }
 
 impl Peers {
-    /// The connections `ip` holds, served or waiting.
-    fn held(&self, ip: IpAddr) -> usize {
-        let held = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        held.get(&ip).copied().unwrap_or(0)
+    fn lock(&self) -> std::sync::MutexGuard<'_, PeerCounts> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The connections `ip` holds (served or waiting), and how often it came back
+    /// lately: its arrivals beyond one, whole.
+    fn weight(&self, ip: IpAddr) -> (usize, u64) {
+        let counts = self.lock();
+        let held = counts.held.get(&ip).copied().unwrap_or(0);
+        let arrivals = counts
+            .arrivals
+            .get(&ip)
+            .map_or(0.0, |a| decayed(*a, std::time::Instant::now()));
+        (held, (arrivals - 1.0).max(0.0).floor() as u64)
     }
 
     fn enter(&self, ip: IpAddr, max: usize) -> Option<PeerSlot> {
-        let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let count = held.entry(ip).or_insert(0);
+        let mut counts = self.lock();
+        let now = std::time::Instant::now();
+        if counts.arrivals.len() >= ARRIVALS_PRUNE_AT {
+            counts.arrivals.retain(|_, a| decayed(*a, now) >= 0.5);
+            if counts.arrivals.len() >= ARRIVALS_FORGET_ALL {
+                counts.arrivals.clear();
+            }
+        }
+        // Every arrival counts, a refused one too.
+        let arrived = counts.arrivals.entry(ip).or_insert((0.0, now));
+        *arrived = (decayed(*arrived, now) + 1.0, now);
+        let count = counts.held.entry(ip).or_insert(0);
         if *count >= max {
             return None;
         }
@@ -302,7 +346,7 @@ impl Peers {
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut held = self.peers.0.lock().unwrap_or_else(|e| e.into_inner());
+        let held = &mut self.peers.lock().held;
         if let Some(count) = held.get_mut(&self.ip) {
             *count = count.saturating_sub(1);
             if *count == 0 {
@@ -326,6 +370,30 @@ struct Arrival {
     peer_slot: PeerSlot,
 }
 
+impl Arrival {
+    /// How much this connection weighs on a full listener, lightest served first
+    /// and heaviest closed first: the connections its address holds; then whether
+    /// it has sent nothing yet (a client with a request to make sends it at once,
+    /// a flood's silent connection never does); then how often its address came
+    /// back lately (a flood reconnects the moment it is closed, a kubelet's probe
+    /// comes every few seconds).
+    fn weight(&self, peers: &Peers) -> (usize, bool, u64) {
+        let (held, again) = peers.weight(self.peer.ip());
+        (held, !self.has_sent(), again)
+    }
+
+    /// Whether bytes wait to be read on it (looked at without waiting or reading).
+    fn has_sent(&self) -> bool {
+        let mut byte = [0u8; 1];
+        let mut buf = tokio::io::ReadBuf::new(&mut byte);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        matches!(
+            self.stream.poll_peek(&mut cx, &mut buf),
+            std::task::Poll::Ready(Ok(n)) if n > 0
+        )
+    }
+}
+
 /// The connections waiting for a slot, oldest first.
 #[derive(Default)]
 struct Lobby(std::collections::VecDeque<Arrival>);
@@ -339,23 +407,23 @@ impl Lobby {
         self.0.len() < LOBBY || self.0.iter().any(|a| a.peer.ip() != self.0[0].peer.ip())
     }
 
-    /// Takes the connection of the address holding the fewest (the oldest of those).
+    /// Takes the lightest connection (see [`Arrival::weight`]; the oldest of those).
     fn fairest(&mut self, peers: &Peers) -> Option<Arrival> {
         let (at, _) = self
             .0
             .iter()
             .enumerate()
-            .min_by_key(|(at, a)| (peers.held(a.peer.ip()), *at))?;
+            .min_by_key(|(at, a)| (a.weight(peers), *at))?;
         self.0.remove(at)
     }
 
-    /// Closes the newest connection of the address holding the most.
+    /// Closes the heaviest connection (see [`Arrival::weight`]; the newest of those).
     fn close_most_crowded(&mut self, peers: &Peers) {
         let most = self
             .0
             .iter()
             .enumerate()
-            .max_by_key(|(at, a)| (peers.held(a.peer.ip()), *at))
+            .max_by_key(|(at, a)| (a.weight(peers), *at))
             .map(|(at, _)| at);
         if let Some(closed) = most.and_then(|at| self.0.remove(at)) {
             tracing::debug!(peer = %closed.peer, "listener full: closed a new connection of the address holding the most");

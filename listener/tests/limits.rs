@@ -285,6 +285,37 @@ async fn a_new_address_is_served_ahead_of_a_flood_of_reconnects() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_address_is_served_ahead_of_a_flood_holding_one_connection_an_address() {
+    let limits = Limits {
+        head_timeout: Duration::from_secs(120),
+        accept_queue: 8,
+        ..LIMITS
+    };
+    let server = start(limits).await;
+    let stop = CancellationToken::new();
+    // 600 addresses, one silent connection each, reconnecting the moment it is
+    // closed: every address in the process's queue holds as many as the probe's,
+    // so only how often an address comes back tells the flood from the probe.
+    let mut attackers = Vec::new();
+    for address in 0..600u16 {
+        let from = [127, 0, 2 + (address / 250) as u8, 1 + (address % 250) as u8];
+        attackers.push(tokio::spawn(flood(from, server.addr, stop.clone())));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let answer = tokio::time::timeout(EVENTUALLY, get([127, 0, 0, 1], server.addr))
+        .await
+        .unwrap_or_default();
+    stop.cancel();
+    for attacker in attackers {
+        let _ = attacker.await;
+    }
+    assert!(
+        answer.contains("ok 0"),
+        "the probe was not served: {answer:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_request_in_flight_is_never_cut_off_to_make_room() {
     // A slow handler holds its connection inside a request while others knock.
