@@ -421,11 +421,10 @@ async fn hold(
                         None => {}
                     },
                 },
-                Some(Err(failure)) => {
-                    if stopped.is_none() {
-                        stopped = Some(Stop::Failed(failure));
-                    }
+                Some(Err(failure)) if stopped.is_none() => {
+                    stopped = Some(Stop::Failed(failure));
                 }
+                Some(Err(_)) => {}
             }
         }
         // A cart that must be whole cannot be any more: holding its later drops'
