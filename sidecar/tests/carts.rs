@@ -378,6 +378,28 @@ async fn a_carts_lines_on_one_drop_are_decided_in_one_step(kill_switch: bool) {
         assert_eq!(left(&sidecar, "shirt", None).await, 10);
     }
 
+    // An `available` cart refused for a line whose key holds something else (422)
+    // holds nothing on its other drops either.
+    let taken = json!({"key": "taken:1", "user": "fay", "quantity": 2});
+    sidecar
+        .http
+        .post("/v1/drops/shirt/reservations", &taken.to_string())
+        .await
+        .expect("answers")
+        .assert_answer(201, "admitted");
+    let other_key = [("shirt", None, 1), ("shoe", Some("S"), 1)];
+    let refused = post_cart(
+        &sidecar,
+        &cart("taken", "fay", &other_key, Some("available")),
+    )
+    .await;
+    assert_eq!(refused.status, 422, "{}", refused.text);
+    assert!(
+        !in_ledger(&sidecar, "taken:2").await,
+        "the shoe's line stayed held"
+    );
+    assert_eq!(left(&sidecar, "shoe", Some("S")).await, 4);
+
     // Lines in sizes within one drop count toward the per-user limit together,
     // in the same step: three sizes for a limit of two is short, nothing held.
     let three = [
@@ -423,6 +445,7 @@ async fn a_carts_lines_on_one_drop_are_decided_in_one_step(kill_switch: bool) {
         .assert_answer(200, "already_reserved");
     assert_eq!(left(&sidecar, "shoe", Some("S")).await, 3);
     assert_eq!(left(&sidecar, "shoe", Some("M")).await, 5);
+    assert_eq!(left(&sidecar, "shirt", None).await, 8);
     sidecar.assert_invariants("shoe", 18);
     sidecar.shutdown().await;
 }

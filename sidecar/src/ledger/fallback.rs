@@ -195,9 +195,11 @@ impl Ledger {
     /// A cart's lines on the ledger's gate, in one transaction: each decided as
     /// [`Self::fallback_reserve`] decides a reserve, in the order given (a line
     /// refused is rolled back to before it, the others stand). With `all`, when
-    /// any line is refused (or its key holds another reservation), nothing is
-    /// changed: the lines that would have been admitted are answered `None`
-    /// (withdrawn), the others with their outcomes.
+    /// any line is refused, and in any mode when a line is refused for something
+    /// other than being short (its key holds another reservation, its variant does
+    /// not fit: the whole cart is refused then), nothing is changed: the lines that
+    /// would have been admitted are answered `None` (withdrawn), the others with
+    /// their outcomes.
     pub async fn fallback_cart(
         &self,
         lines: &[CartAsk<'_>],
@@ -231,13 +233,33 @@ impl Ledger {
                     .await?;
                 decided.push(line);
             }
-            let refused = decided.iter().any(|line| match line {
-                Line::Refused(_) => true,
-                Line::Kept(outcome) => !outcome
+            let outcome = |line: &Line| match line {
+                Line::Kept(outcome) | Line::Refused(outcome) => outcome.clone(),
+            };
+            let holds = |outcome: &Outcome| {
+                outcome
                     .view()
-                    .is_some_and(|v| v.reservation.state.holds_units()),
+                    .is_some_and(|v| v.reservation.state.holds_units())
+            };
+            // A line short of stock, of the buyer's limit or of the sale's window;
+            // any other refusal (a key used for something else, a variant that does
+            // not fit) refuses the whole cart, whatever its mode.
+            let short = |outcome: &Outcome| {
+                matches!(
+                    outcome,
+                    Outcome::SoldOut { .. }
+                        | Outcome::PerUserLimit { .. }
+                        | Outcome::NotOpen { .. }
+                        | Outcome::Ended { .. }
+                        | Outcome::Paused
+                )
+            };
+            let refused = decided.iter().any(|line| !holds(&outcome(line)));
+            let stopped = decided.iter().any(|line| {
+                let outcome = outcome(line);
+                !holds(&outcome) && !short(&outcome)
             });
-            if all && refused {
+            if (all && refused) || stopped {
                 tx.rollback().await?;
                 return Ok(Decision::Done(
                     decided
