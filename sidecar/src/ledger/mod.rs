@@ -1301,9 +1301,10 @@ async fn move_buyer(
 
 /// Outbox ids taken from the sequence a block at a time: one statement per
 /// transaction instead of one per event (an unused id leaves a gap, which orders
-/// nothing differently). The block is taken at the transaction's first event, where
-/// the single id was taken before, so the order in which a commit locks rows is
-/// unchanged.
+/// nothing differently). The block is taken at the transaction's first event: in a
+/// group commit, after the batch's new admissions are inserted and before its other
+/// changes' rows are locked. A PostgreSQL deadlock this order meets with another
+/// transaction fails the batch, which is then committed change by change.
 pub(super) struct EventIds {
     /// Ids to take when the first is wanted.
     size: i64,
