@@ -312,6 +312,53 @@ async fn an_all_cart_with_a_short_line_holds_nothing_and_an_available_one_holds_
     sidecar.shutdown().await;
 }
 
+/// A cart whose later line cannot be decided (its drop's one throttle permit is
+/// taken by a buyer in checkout) gives back the line it held before answering
+/// 503; the key is spent, and the answer says so in its body, so the shop
+/// retries with a new key, which holds the cart once a permit is free.
+#[tokio::test]
+async fn a_cart_that_held_a_line_and_then_failed_gives_it_back_and_says_its_key_is_spent() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("bag", DropSpec::new(5).per_user_limit(2).permits(1000))
+        .await;
+    sidecar
+        .seed("pin", DropSpec::new(5).per_user_limit(2).permits(1))
+        .await;
+    sidecar
+        .reserve("pin", "in-checkout", "ann", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let lines_asked = [("bag", None, 1), ("pin", None, 1)];
+
+    let failed = post_cart(&sidecar, &cart("k1", "bob", &lines_asked, None)).await;
+    failed.assert_answer(503, "unavailable");
+    assert_eq!(failed.body["keySpent"], true, "{}", failed.text);
+    assert_eq!(
+        marker_state(&sidecar.redis, "bag", "k1:1").as_deref(),
+        Some("cancelled"),
+        "the bag's line was held, then given back"
+    );
+    assert_eq!(left(&sidecar, "bag", None).await, 5);
+    assert_eq!(left(&sidecar, "pin", None).await, 4);
+    // The spent key answers what became of it; it holds nothing.
+    post_cart(&sidecar, &cart("k1", "bob", &lines_asked, None))
+        .await
+        .assert_answer(409, "cancelled");
+
+    // A permit free again, a new key holds the cart.
+    sidecar
+        .settle("pin", "in-checkout", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    post_cart(&sidecar, &cart("k2", "bob", &lines_asked, None))
+        .await
+        .assert_answer(201, "reserved");
+    sidecar.assert_invariants("bag", 5);
+    sidecar.assert_invariants("pin", 5);
+    sidecar.shutdown().await;
+}
+
 /// Whether the ledger holds a reservation under `key` in any drop.
 async fn in_ledger(sidecar: &Sidecar, key: &str) -> bool {
     use sqlx::Row;

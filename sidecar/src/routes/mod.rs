@@ -22,7 +22,7 @@ use warp::{Filter, Rejection};
 
 use crate::answer::Answer;
 use crate::app::App;
-use crate::service::{Failure, Throttled};
+use crate::service::{Failure, Retry, Throttled};
 
 /// Largest request body accepted: the bodies are a few short fields.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -282,10 +282,11 @@ fn failed(app: &App, failure: Failure) -> Answer {
             )
         }
         Failure::Unavailable { why, path, retry } => {
-            let answer = if retry {
-                retry_later(why)
-            } else {
-                Answer::unavailable(why)
+            let answer = match retry {
+                Retry::SameKey => Answer::unavailable(why),
+                Retry::SameKeySoon => retry_later(why),
+                // Said in the body too, so a client need not read the sentence.
+                Retry::NewKey => Answer::unavailable(why).with("keySpent", true),
             };
             reservations::mark(answer, path)
         }

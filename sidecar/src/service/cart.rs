@@ -29,7 +29,7 @@ use crate::ledger::LedgerError;
 use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
 use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
 
-use super::{Failure, Served, Throttled, admit, pending_bound_ms};
+use super::{Failure, Path, Retry, Served, Throttled, admit, pending_bound_ms};
 
 /// Why a line of a cart was not held.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -471,7 +471,7 @@ async fn hold(
             return Err(failure);
         }
         Some(Stop::Failed(failure)) => {
-            release_now(
+            let released = release_now(
                 app,
                 cart,
                 mine,
@@ -480,8 +480,20 @@ async fn hold(
                 &held,
                 &short_json,
             )
-            .await?;
-            return Err(spent(&cart.key, failure));
+            .await;
+            return Err(match released {
+                Ok(()) => spent(&cart.key, failure, true),
+                // Another attempt of the same key took the cart over: it answers.
+                Err(
+                    taken @ Failure::Throttled {
+                        why: Throttled::KeyInFlight,
+                        ..
+                    },
+                ) => taken,
+                // Given back later by the sweeper, which ends it `released` too:
+                // the key is spent all the same, and the answer says so.
+                Err(_) => spent(&cart.key, failure, false),
+            });
         }
         Some(Stop::Refused(outcome)) => {
             release_now(
@@ -673,7 +685,30 @@ async fn release_now(
         abandon(app, cart, lines_held).await;
         return Err(in_flight(&cart.key));
     }
-    give_back(app, &cart.key, &cart.user, &cart.lines, false).await?;
+    if let Err(failure) = give_back(app, &cart.key, &cart.user, &cart.lines, false).await {
+        // Handed to the sweeper now rather than at the bound, so the units held
+        // come back as soon as the gate answers again, not seconds after.
+        let handed = app
+            .ledger
+            .move_cart(CartMove {
+                namespace,
+                key: &cart.key,
+                from: CartState::Releasing,
+                attempt: &releasing,
+                to: CartState::Releasing,
+                ends_as: Some(ends_as),
+                new_attempt: &attempt(),
+                deadline_ms: 0,
+                expires_at_ms: 0,
+                held: &held,
+                short,
+            })
+            .await;
+        if let Err(error) = handed {
+            tracing::debug!(cart = %cart.key, %error, "a give-back is left to its bound");
+        }
+        return Err(failure);
+    }
     app.ledger
         .move_cart(CartMove {
             namespace,
@@ -720,20 +755,36 @@ async fn abandon(app: &App, cart: &CartReserve, lines_held: &[usize]) {
     }
 }
 
-/// A line's 503 after the lines held before it were given back.
-fn spent(key: &str, failure: Failure) -> Failure {
-    let why = match &failure {
+/// A line's 503 after the lines held before it were given back (`given_back`), or
+/// while they are still being given back.
+fn spent(key: &str, failure: Failure, given_back: bool) -> Failure {
+    let (why, path) = match failure {
         Failure::Throttled {
             why: Throttled::KeyInFlight,
+            path,
             ..
-        } => "an earlier attempt at one of its lines was still unresolved".to_string(),
-        Failure::Throttled { .. } => "a line found no throttle permit".to_string(),
-        Failure::Unavailable { why, .. } => why.clone(),
-        Failure::UnknownDrop { name, .. } => format!("drop {name} is not published any more"),
+        } => (
+            "an earlier attempt at one of its lines was still unresolved".to_string(),
+            path,
+        ),
+        Failure::Throttled { path, .. } => ("a line found no throttle permit".to_string(), path),
+        Failure::Unavailable { why, path, .. } => (why, path),
+        Failure::UnknownDrop { name, .. } => {
+            (format!("drop {name} is not published any more"), Path::Gate)
+        }
     };
-    Failure::unavailable(format!(
-        "cart {key} could not be held ({why}); every line it held was given back, so nothing is held and this cart key is spent: retry with a new key"
-    ))
+    let lines = if given_back {
+        "every line it held was given back, so nothing is held"
+    } else {
+        "the lines it held are being given back (none can be confirmed; the sweeper finishes it once the gate answers)"
+    };
+    Failure::Unavailable {
+        why: format!(
+            "cart {key} could not be held ({why}); {lines}, and this cart key is spent: retry with a new key"
+        ),
+        path,
+        retry: Retry::NewKey,
+    }
 }
 
 /// The cart's line numbers (from 1) grouped by drop, the drops in the order their

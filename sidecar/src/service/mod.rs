@@ -96,13 +96,24 @@ pub enum Failure {
         why: Throttled,
         path: Path,
     },
-    /// Neither gate could decide; the sentence says why. `retry`: soon, with the
-    /// same key (a hand-over or a record in progress).
+    /// Neither gate could decide; the sentence says why, `retry` how to ask again.
     Unavailable {
         why: String,
         path: Path,
-        retry: bool,
+        retry: Retry,
     },
+}
+
+/// How a caller told "unavailable" asks again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retry {
+    /// With the same key, once whatever failed is back.
+    SameKey,
+    /// With the same key, in a moment (a hand-over or a record in progress).
+    SameKeySoon,
+    /// With a new key: this one is spent (a cart whose held lines were given
+    /// back; their keys are used).
+    NewKey,
 }
 
 impl Failure {
@@ -110,7 +121,7 @@ impl Failure {
         Failure::Unavailable {
             why: why.into(),
             path: Path::Gate,
-            retry: false,
+            retry: Retry::SameKey,
         }
     }
 
@@ -118,7 +129,7 @@ impl Failure {
         Failure::Unavailable {
             why: why.into(),
             path: Path::Gate,
-            retry: true,
+            retry: Retry::SameKeySoon,
         }
     }
 
