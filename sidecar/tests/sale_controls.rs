@@ -685,6 +685,17 @@ async fn only_an_active_hold_of_a_drop_that_allows_it_is_extended() {
         sidecar
             .seed("sale", spec().hold_seconds(600).max_hold_seconds(900))
             .await;
+        // The bound in force is what the drop's look-up shows (once re-read).
+        let mut shown = sidecar.http.get("/v1/drops/sale").await.expect("answers");
+        for _ in 0..50 {
+            if shown.body["maxHoldSeconds"] == 900 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            shown = sidecar.http.get("/v1/drops/sale").await.expect("answers");
+        }
+        assert_eq!(shown.body["maxHoldSeconds"], 900, "{gate}: {}", shown.text);
+        assert_eq!(shown.body["holdSeconds"], 600, "{gate}: {}", shown.text);
         for (key, op, outcome) in [("b", "confirm", "confirmed"), ("c", "cancel", "cancelled")] {
             let held = sidecar.reserve("sale", key, key, 1).await;
             held.assert_answer_because(201, "admitted", gate);

@@ -556,6 +556,208 @@ async fn the_line_survives_a_redis_that_lost_its_data_in_order() {
     sidecar.shutdown().await;
 }
 
+/// A Redis that lost only a join (a failover to a replica that missed it) is behind
+/// the ledger although no change number is missing: it is rebuilt, and the lost
+/// entry waits at its place again; a later join never gets its position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_lost_only_a_join_is_rebuilt_and_no_position_is_handed_out_twice() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(2)).await;
+    for buyer in ["a", "b"] {
+        sidecar
+            .reserve("sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "admitted");
+    }
+    for buyer in ["c", "d"] {
+        join(&sidecar, "sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "waiting");
+    }
+    // The replica never saw d's join: its entry, its place, its units, its number.
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let seq_before: i64 = redis::cmd("GET")
+        .arg(keys.seq())
+        .query(&mut conn)
+        .expect("GET");
+    redis::pipe()
+        .cmd("DEL")
+        .arg(keys.waitlist_entry("d"))
+        .cmd("ZREM")
+        .arg(keys.waitlist_line(""))
+        .arg("d")
+        .cmd("HDEL")
+        .arg(keys.waitlist_users())
+        .arg("d")
+        .cmd("SET")
+        .arg(keys.waitlist_counter())
+        .arg(1)
+        .query::<()>(&mut conn)
+        .expect("forget d's join");
+
+    // The sidecar's refresh finds the line behind the ledger and rebuilds Redis.
+    let mut place: Option<i64> = None;
+    for _ in 0..100 {
+        place = redis::cmd("ZSCORE")
+            .arg(keys.waitlist_line(""))
+            .arg("d")
+            .query(&mut conn)
+            .expect("ZSCORE");
+        if place.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(place, Some(2), "d waits at its place again");
+    let seq_after: i64 = redis::cmd("GET")
+        .arg(keys.seq())
+        .query(&mut conn)
+        .expect("GET");
+    assert!(seq_after >= seq_before);
+    assert_waiting_at(&look(&sidecar, "sale", "d").await, 2);
+    let joined = join(&sidecar, "sale", "f", "f", 1).await;
+    joined.assert_answer(201, "waiting");
+    assert_eq!(joined.body["position"], 3, "{}", joined.text);
+    // Units back go to c, then d, in order.
+    for (holder, head) in [("a", "c"), ("b", "d")] {
+        sidecar
+            .settle("sale", holder, "cancel")
+            .await
+            .assert_answer(200, "cancelled");
+        offered(&sidecar, "sale", head).await;
+    }
+    assert_waiting_at(&look(&sidecar, "sale", "f").await, 1);
+    sidecar.assert_invariants("sale", 2);
+    sidecar.shutdown().await;
+}
+
+/// An offer that expired while still pending leaves its entry back at the head of
+/// the line and its marker `expired` (what `expire_if_due` leaves when the offer's
+/// commit was slower than its hold). The next unit back is offered to that entry
+/// afresh, and the line goes on; before, every offer to it heard the dead marker
+/// and the line stood still for the rest of the sale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_that_expired_while_pending_does_not_stop_the_line() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(2)).await;
+    for buyer in ["a", "b"] {
+        sidecar
+            .reserve("sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "admitted");
+    }
+    for buyer in ["c", "d"] {
+        join(&sidecar, "sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "waiting");
+    }
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = sidecar.redis.connection().expect("connect");
+    let sale: String = redis::cmd("HGET")
+        .arg(keys.reservation("a"))
+        .arg("sale")
+        .query(&mut conn)
+        .expect("HGET");
+    redis::cmd("HSET")
+        .arg(keys.reservation("c"))
+        .arg(&[
+            ("user", "c"),
+            ("quantity", "1"),
+            ("state", "expired"),
+            ("expiresAt", "1"),
+            ("sale", sale.as_str()),
+            ("line", "1"),
+            ("attempt", "dead"),
+        ])
+        .query::<()>(&mut conn)
+        .expect("the expired offer's marker");
+
+    for (holder, head) in [("a", "c"), ("b", "d")] {
+        sidecar
+            .settle("sale", holder, "cancel")
+            .await
+            .assert_answer(200, "cancelled");
+        offered(&sidecar, "sale", head).await;
+    }
+    assert_eq!(
+        ledger_line(&sidecar, "sale").await,
+        ["c:offered", "d:offered"]
+    );
+    sidecar.assert_invariants("sale", 2);
+    sidecar.shutdown().await;
+}
+
+/// An entry the ledger has served (its offer recorded) that Redis has back in
+/// line, its marker dead (an offer Redis expired while pending whose commit
+/// landed all the same): the ledger refuses a second offer under its key, and the
+/// entry leaves the line in Redis too instead of standing at its head for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_the_ledger_served_leaves_the_line_in_redis_too() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(2)).await;
+    for buyer in ["a", "b"] {
+        sidecar
+            .reserve("sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "admitted");
+    }
+    join(&sidecar, "sale", "c", "c", 1)
+        .await
+        .assert_answer(201, "waiting");
+    sidecar
+        .settle("sale", "a", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    offered(&sidecar, "sale", "c").await;
+    // c gives its unit back; the line is empty, so it is anyone's.
+    sidecar
+        .settle("sale", "c", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    // Redis has c back in line at its place, its marker dead.
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = sidecar.redis.connection().expect("connect");
+    redis::pipe()
+        .cmd("HSET")
+        .arg(keys.reservation("c"))
+        .arg("state")
+        .arg("expired")
+        .cmd("HSET")
+        .arg(keys.waitlist_entry("c"))
+        .arg("state")
+        .arg("waiting")
+        .cmd("ZADD")
+        .arg(keys.waitlist_line(""))
+        .arg(1)
+        .arg("c")
+        .cmd("HINCRBY")
+        .arg(keys.waitlist_users())
+        .arg("c")
+        .arg(1)
+        .query::<()>(&mut conn)
+        .expect("c back in line");
+
+    // The sweeper meets c at the head with a unit free: the ledger says c was
+    // served, and Redis follows; then the unit is anyone's again.
+    let mut late = sidecar.reserve("sale", "late", "z", 1).await;
+    for _ in 0..100 {
+        if late.status.as_u16() == 201 {
+            break;
+        }
+        late.assert_answer(409, "sold_out");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        late = sidecar.reserve("sale", "late", "z", 1).await;
+    }
+    late.assert_answer(201, "admitted");
+    look(&sidecar, "sale", "c")
+        .await
+        .assert_answer(200, "offered");
+    assert_eq!(ledger_line(&sidecar, "sale").await, ["c:offered"]);
+    sidecar.assert_invariants("sale", 2);
+    sidecar.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_line_waits_through_the_fallback_gate_and_keeps_its_order() {
     through_the_fallback(Sidecar::start().await).await;

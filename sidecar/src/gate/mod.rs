@@ -898,14 +898,20 @@ impl GateKey {
     }
 }
 
-/// The gate key and the change counter, as Redis holds them now.
-pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(GateKey, i64)> {
-    let (gate, seq): (Option<String>, Option<i64>) = redis::pipe()
+/// The gate key, the change counter and the waitlist's position counter, as Redis
+/// holds them now. (Joins are numbered by the latter, not by a change number.)
+pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(GateKey, i64, i64)> {
+    let (gate, seq, positions): (Option<String>, Option<i64>, Option<i64>) = redis::pipe()
         .get(keys.gate())
         .get(keys.seq())
+        .get(keys.waitlist_counter())
         .query_async(conn)
         .await?;
-    Ok((GateKey::parse(gate)?, seq.unwrap_or(0)))
+    Ok((
+        GateKey::parse(gate)?,
+        seq.unwrap_or(0),
+        positions.unwrap_or(0),
+    ))
 }
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.

@@ -78,8 +78,19 @@ if variant ~= '' then
   redis.call('HSET', K.marker, 'variant', variant)
 end
 clear_settling()
-if before == 'pending' and redis.call('HEXISTS', K.marker, 'line') == 1 then
-  -- An offer the ledger recorded: its entry is served.
+-- A reservation under the key of a waitlist entry still in line or being offered is
+-- that entry's offer (a reserve under a key waiting in line is refused), and the
+-- ledger recorded it: the entry is served, whether Redis still has it offering or
+-- put it back in line (an offer Redis took back, or expired, before its commit
+-- landed), and its units no longer count as waiting.
+local e = redis.call('HMGET', wl_entry(KEY), 'state', 'user', 'quantity', 'variant', 'sale')
+if e[5] == SALE and (e[1] == 'offering' or e[1] == 'waiting' or e[1] == 'joining') then
+  if e[1] ~= 'offering' then
+    redis.call('ZREM', wl_line(e[4] or ''), KEY)
+    if redis.call('HINCRBY', wl_users(), e[2], -tonumber(e[3])) <= 0 then
+      redis.call('HDEL', wl_users(), e[2])
+    end
+  end
   redis.call('HSET', wl_entry(KEY), 'state', 'offered')
 end
 if target == 'active' then

@@ -33,6 +33,15 @@ local user, quantity, attempt, bound = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonu
 local variant = ARGV[7]
 local now = now_ms()
 
+if ARGV[8] == '1' and ours() and redis.call('HGET', K.marker, 'state') == 'expired'
+  and redis.call('HEXISTS', K.marker, 'line') == 1
+  and redis.call('HGET', wl_entry(KEY), 'state') == 'waiting' then
+  -- An offer that expired while pending put its entry back in line (expire_if_due):
+  -- that attempt's marker is nobody's reservation, and the entry is offered afresh
+  -- under its key. Had the ledger recorded that offer after all, it refuses this
+  -- one, and the sweeper takes the entry out of line (service::waitlist).
+  redis.call('DEL', K.marker)
+end
 if ours() then
   local owner = redis.call('HMGET', K.marker, 'user', 'quantity', 'variant')
   if owner[1] == user and tonumber(owner[2]) == quantity and (owner[3] or '') == variant then

@@ -165,6 +165,17 @@ impl Ledger {
         self.waiting_entry(drop_key, key).await
     }
 
+    /// The highest position the drop's lines handed out that the ledger recorded
+    /// (0 when none): Redis numbered it first, so a Redis whose position counter is
+    /// lower lost joins.
+    pub async fn max_position(&self, drop_key: &str) -> Result<i64, LedgerError> {
+        let row = sqlx::query("SELECT MAX(position) FROM waitlist WHERE drop_key = $1")
+            .bind(drop_key)
+            .fetch_one(self.pool())
+            .await?;
+        Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
+    }
+
     /// The key's entry as the ledger has it.
     pub async fn waiting_entry(
         &self,

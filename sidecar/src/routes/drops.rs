@@ -50,6 +50,7 @@ async fn describe(app: &App, raw_drop: &str) -> Answer {
         .with("mode", config.mode.as_str())
         .with("perUserLimit", config.per_user_limit)
         .with("holdSeconds", config.hold_seconds)
+        .with("maxHoldSeconds", config.max_hold_seconds)
         .with("paused", config.paused)
         .with("startsAt", time(config.starts_at_ms))
         .with("endsAt", time(config.ends_at_ms))

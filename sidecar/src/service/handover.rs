@@ -131,14 +131,16 @@ async fn try_open(app: &App, drop: &Drop, suspect: bool) -> Result<Opening, Hand
     let key = drop.ledger_key();
     // Only the sale's ledger opens its gate; the first to get here makes it its own.
     require_sale(app, drop, &key).await?;
+    let standing = standing(app, drop, &key).await?;
+    let redis_behind = suspect || standing.redis_behind();
     let Standing {
         authority,
         ledger_seq,
         gate,
         gate_floor,
         redis_seq,
-    } = standing(app, drop, &key).await?;
-    let redis_behind = suspect || redis_seq < ledger_seq;
+        ..
+    } = standing;
     let now = now_ms();
 
     if let (Some(a), Some(g)) = (&authority, gate)
@@ -208,6 +210,17 @@ struct Standing {
     gate_floor: i64,
     /// Redis's change counter.
     redis_seq: i64,
+    /// Whether Redis's waitlist position counter is below the highest position the
+    /// ledger recorded: joins carry no change number, so this is how a Redis that
+    /// lost only joins shows.
+    lines_behind: bool,
+}
+
+impl Standing {
+    /// Whether Redis lost writes the ledger recorded.
+    fn redis_behind(&self) -> bool {
+        self.redis_seq < self.ledger_seq || self.lines_behind
+    }
 }
 
 /// Reads where the drop stands, the ledger first: every number it holds was handed
@@ -216,14 +229,16 @@ struct Standing {
 async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, HandoverError> {
     let authority = app.ledger.authority(key).await?;
     let ledger_seq = app.ledger.max_seq(key).await?;
+    let ledger_positions = app.ledger.max_position(key).await?;
     let mut conn = app.redis.clone();
-    let (gate, redis_seq) = gate::standing(&mut conn, &drop.keys).await?;
+    let (gate, redis_seq, redis_positions) = gate::standing(&mut conn, &drop.keys).await?;
     Ok(Standing {
         authority,
         ledger_seq,
         gate: gate.open_at,
         gate_floor: gate.floor(),
         redis_seq,
+        lines_behind: redis_positions < ledger_positions,
     })
 }
 
@@ -546,16 +561,13 @@ pub enum Verified {
 pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
     let era = app.redis_era(drop);
     let key = drop.ledger_key();
-    let Standing {
-        authority,
-        ledger_seq,
-        gate,
-        redis_seq,
-        ..
-    } = standing(app, drop, &key).await?;
-    if redis_seq < ledger_seq {
+    let standing = standing(app, drop, &key).await?;
+    if standing.redis_behind() {
         return Ok(Verified::Behind);
     }
+    let Standing {
+        authority, gate, ..
+    } = standing;
     if !matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g)
     {
         return Ok(Verified::NotOpen);
@@ -575,16 +587,14 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
     app.ledger
         .note_gate_seen(&key, &app.sidecar_id, now)
         .await?;
+    let standing = standing(app, drop, &key).await?;
+    let behind = standing.redis_behind();
     let Standing {
-        authority,
-        ledger_seq,
-        gate,
-        redis_seq,
-        ..
-    } = standing(app, drop, &key).await?;
+        authority, gate, ..
+    } = standing;
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
-    if redis_seq < ledger_seq || !in_line {
-        match open_gate(app, drop, redis_seq < ledger_seq).await {
+    if behind || !in_line {
+        match open_gate(app, drop, behind).await {
             Opening::Refused(why) => return Err(HandoverError::NotOpened(why)),
             Opening::Awaiting => return Err(HandoverError::Awaiting(drop.name.clone())),
             _ => {}

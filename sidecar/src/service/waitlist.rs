@@ -269,22 +269,46 @@ async fn offer_head(app: &App, drop: &Drop, config: &DropConfig, variant: Option
                 _ => false,
             }
         }
-        Turn::Done(Err(_)) => {
-            // The ledger refused the offer because the buyer left first: Redis
-            // follows (the undo put the entry back in line).
-            match app
-                .ledger
-                .waiting_entry(&drop.ledger_key(), &request.key)
-                .await
-            {
-                Ok(Some(WaitRow {
-                    state: WaitState::Left,
-                    ..
-                })) => {
-                    follow_leave(app, drop, &request.key).await;
+        // Refused by the ledger, or the key holds a reservation already: what the
+        // ledger recorded of the entry says why.
+        _ => follow_ledger(app, drop, &request.key).await,
+    }
+}
+
+/// Brings Redis's entry `key`, which could not be offered, to the ledger's record
+/// of it: true when it left the line so, and the next head may be looked at.
+/// - Left: the buyer left first (the offer's undo put it back in line).
+/// - Offered: it was served already: an offer whose commit landed after Redis took
+///   it back or expired it while pending, which put it back in line. Left there
+///   it would stop the line for good (its key answers every new offer with the
+///   reservation it holds, or the ledger refuses one).
+async fn follow_ledger(app: &App, drop: &Drop, key: &str) -> bool {
+    let drop_key = drop.ledger_key();
+    match app.ledger.waiting_entry(&drop_key, key).await {
+        Ok(Some(WaitRow {
+            state: WaitState::Left,
+            ..
+        })) => {
+            follow_leave(app, drop, key).await;
+            true
+        }
+        Ok(Some(
+            row @ WaitRow {
+                state: WaitState::Offered,
+                ..
+            },
+        )) => {
+            let mut conn = app.redis.clone();
+            let sale = drop.config().sale;
+            match line::replay(&mut conn, &drop.keys, app.ledger.id(), &row, &sale).await {
+                Ok(_) => {
+                    tracing::info!(drop = %drop.name, key, "an entry the ledger has served leaves the line in Redis too");
                     true
                 }
-                _ => false,
+                Err(error) => {
+                    tracing::warn!(drop = %drop.name, key, %error, "an entry the ledger has served is still in line in Redis");
+                    false
+                }
             }
         }
         _ => false,
