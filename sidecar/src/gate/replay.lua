@@ -78,19 +78,13 @@ if variant ~= '' then
   redis.call('HSET', K.marker, 'variant', variant)
 end
 clear_settling()
--- A reservation under the key of a waitlist entry still in line or being offered is
--- that entry's offer (a reserve under a key waiting in line is refused), and the
--- ledger recorded it: the entry is served, whether Redis still has it offering or
--- put it back in line (an offer Redis took back, or expired, before its commit
--- landed), and its units no longer count as waiting.
-local e = redis.call('HMGET', wl_entry(KEY), 'state', 'user', 'quantity', 'variant', 'sale')
-if e[5] == SALE and (e[1] == 'offering' or e[1] == 'waiting' or e[1] == 'joining') then
-  if e[1] ~= 'offering' then
-    redis.call('ZREM', wl_line(e[4] or ''), KEY)
-    if redis.call('HINCRBY', wl_users(), e[2], -tonumber(e[3])) <= 0 then
-      redis.call('HDEL', wl_users(), e[2])
-    end
-  end
+-- An offer the ledger recorded: its entry is served, whether the marker was still
+-- pending here or Redis had lost it meanwhile. (An entry Redis put back in line
+-- is not touched here: a key reused after its marker lapsed could name another
+-- reservation; the sweeper asks the ledger's row of the entry when it meets it at
+-- the head, service::waitlist::follow_ledger.)
+local e = redis.call('HMGET', wl_entry(KEY), 'state', 'sale')
+if e[1] == 'offering' and e[2] == SALE then
   redis.call('HSET', wl_entry(KEY), 'state', 'offered')
 end
 if target == 'active' then

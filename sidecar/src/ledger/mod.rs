@@ -695,51 +695,44 @@ async fn new_admissions(
     if candidates.is_empty() {
         return Ok(fresh);
     }
-    const COLUMNS: usize = 13;
-    let rows: Vec<String> = (0..candidates.len())
-        .map(|r| {
-            let first = r * COLUMNS + 1;
-            let params: Vec<String> = (first..first + COLUMNS).map(|n| format!("${n}")).collect();
-            format!("({})", params.join(", "))
-        })
-        .collect();
-    let sql = format!(
-        "INSERT INTO reservations \
-         (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt, variant, admitted_at_ms) \
-         VALUES {} ON CONFLICT (drop_key, res_key) DO UPDATE SET \
-         user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
-         expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, admitted_at_ms = excluded.admitted_at_ms, \
-         replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
-         WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt \
-         RETURNING drop_key, res_key",
-        rows.join(", ")
-    );
-    let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
-    for &i in &candidates {
-        let change = changes[i];
-        insert = insert
-            .bind(&change.drop_key)
-            .bind(&change.key)
-            .bind(&change.user)
-            .bind(change.quantity)
-            .bind(change.state.as_str())
-            .bind("gate")
-            .bind(change.expires_at_ms)
-            .bind(now)
-            .bind(1_i64)
-            .bind(change.seq)
-            .bind(change.attempt.as_deref())
-            .bind(change.variant.as_deref().unwrap_or(""))
-            .bind(change.admitted_at_ms.unwrap_or(now));
-    }
-    let written = insert.fetch_all(&mut **tx).await?;
-    let mut events = Vec::with_capacity(written.len());
-    for row in &written {
-        let (drop_key, key): (String, String) = (row.try_get(0)?, row.try_get(1)?);
-        if let Some(&i) = by_key.get(&(drop_key.as_str(), key.as_str())) {
-            fresh[i] = true;
+    for run in row_runs(candidates.len()) {
+        let sql = format!(
+            "INSERT INTO reservations \
+             (drop_key, res_key, user_id, quantity, state, path, expires_at_ms, updated_at_ms, replayed, seq, attempt, variant, admitted_at_ms) \
+             VALUES {} ON CONFLICT (drop_key, res_key) DO UPDATE SET \
+             user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
+             expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, admitted_at_ms = excluded.admitted_at_ms, \
+             replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
+             WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt \
+             RETURNING drop_key, res_key",
+            placeholders(run.len(), 13)
+        );
+        let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for &i in &candidates[run] {
+            let change = changes[i];
+            insert = insert
+                .bind(&change.drop_key)
+                .bind(&change.key)
+                .bind(&change.user)
+                .bind(change.quantity)
+                .bind(change.state.as_str())
+                .bind("gate")
+                .bind(change.expires_at_ms)
+                .bind(now)
+                .bind(1_i64)
+                .bind(change.seq)
+                .bind(change.attempt.as_deref())
+                .bind(change.variant.as_deref().unwrap_or(""))
+                .bind(change.admitted_at_ms.unwrap_or(now));
+        }
+        for row in &insert.fetch_all(&mut **tx).await? {
+            let (drop_key, key): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+            if let Some(&i) = by_key.get(&(drop_key.as_str(), key.as_str())) {
+                fresh[i] = true;
+            }
         }
     }
+    let mut events = Vec::with_capacity(candidates.len());
     // The events in the batch's order, as one change at a time would have numbered
     // them.
     for &i in &candidates {
@@ -759,20 +752,58 @@ async fn move_buyers(
     if buyers.is_empty() {
         return Ok(());
     }
-    let rows: Vec<String> = (0..buyers.len())
-        .map(|r| format!("(${}, ${}, ${})", r * 3 + 1, r * 3 + 2, r * 3 + 3))
-        .collect();
-    let sql = format!(
-        "INSERT INTO buyers (drop_key, user_id, held) VALUES {} \
-         ON CONFLICT (drop_key, user_id) DO UPDATE SET held = buyers.held + excluded.held",
-        rows.join(", ")
-    );
-    let mut upsert = sqlx::query(sqlx::AssertSqlSafe(sql));
-    for (drop_key, user, held) in buyers {
-        upsert = upsert.bind(*drop_key).bind(*user).bind(*held);
+    for run in row_runs(buyers.len()) {
+        let sql = format!(
+            "INSERT INTO buyers (drop_key, user_id, held) VALUES {} \
+             ON CONFLICT (drop_key, user_id) DO UPDATE SET held = buyers.held + excluded.held",
+            placeholders(run.len(), 3)
+        );
+        let mut upsert = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (drop_key, user, held) in &buyers[run] {
+            upsert = upsert.bind(*drop_key).bind(*user).bind(*held);
+        }
+        upsert.execute(&mut **tx).await?;
     }
-    upsert.execute(&mut **tx).await?;
     Ok(())
+}
+
+/// The longest run of rows one multi-row statement writes.
+const MAX_RUN: usize = 64;
+
+/// Splits `n` rows into runs of 64, 32, 16, 8, 4, 2 or 1 rows, largest first: a
+/// multi-row statement then comes in at most seven texts per table, which stay
+/// in each connection's prepared-statement cache (a text per batch size would
+/// push each other out of it in a rush, and every batch would be prepared anew).
+fn row_runs(n: usize) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let size = (n - start).min(MAX_RUN);
+        let size = 1 << size.ilog2();
+        runs.push(start..start + size);
+        start += size;
+    }
+    runs
+}
+
+/// `rows` groups of `columns` numbered parameters: `($1, $2), ($3, $4)`.
+fn placeholders(rows: usize, columns: usize) -> String {
+    let mut sql = String::with_capacity(rows * columns * 5);
+    for r in 0..rows {
+        if r > 0 {
+            sql.push_str(", ");
+        }
+        sql.push('(');
+        for c in 0..columns {
+            if c > 0 {
+                sql.push_str(", ");
+            }
+            sql.push('$');
+            sql.push_str(&(r * columns + c + 1).to_string());
+        }
+        sql.push(')');
+    }
+    sql
 }
 
 /// Writes a change the Redis gate decided: the reservation row and the outbox
@@ -1435,37 +1466,53 @@ async fn write_event_rows(
     for row in rows {
         numbered.push((ids.take(tx).await?, row));
     }
-    let values: Vec<String> = (0..rows.len())
-        .map(|r| {
-            let n = r * 6;
-            format!(
-                "(${}, ${}, ${}, ${}, ${}, NULL, ${})",
-                n + 1,
-                n + 2,
-                n + 3,
-                n + 4,
-                n + 5,
-                n + 6
-            )
-        })
-        .collect();
-    let sql = format!(
-        "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, sent_at_ms, seq) \
-         VALUES {} ON CONFLICT (event_id) DO NOTHING",
-        values.join(", ")
-    );
-    let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
-    for (id, row) in numbered {
-        insert = insert
-            .bind(id)
-            .bind(row.event_id.as_str())
-            .bind(row.drop_key.as_str())
-            .bind(row.payload.as_str())
-            .bind(now)
-            .bind(row.seq);
+    // (sent_at_ms is left NULL: not sent yet.)
+    for run in row_runs(numbered.len()) {
+        let sql = format!(
+            "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, seq) \
+             VALUES {} ON CONFLICT (event_id) DO NOTHING",
+            placeholders(run.len(), 6)
+        );
+        let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (id, row) in &numbered[run] {
+            insert = insert
+                .bind(*id)
+                .bind(row.event_id.as_str())
+                .bind(row.drop_key.as_str())
+                .bind(row.payload.as_str())
+                .bind(now)
+                .bind(row.seq);
+        }
+        insert.execute(&mut **tx).await?;
     }
-    insert.execute(&mut **tx).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod run_tests {
+    use super::{placeholders, row_runs};
+
+    #[test]
+    fn rows_go_in_runs_of_powers_of_two_largest_first() {
+        assert!(row_runs(0).is_empty());
+        let sizes = |n| row_runs(n).iter().map(|r| r.len()).collect::<Vec<_>>();
+        assert_eq!(sizes(1), [1]);
+        assert_eq!(sizes(37), [32, 4, 1]);
+        assert_eq!(sizes(64), [64]);
+        assert_eq!(sizes(200), [64, 64, 64, 8]);
+        // Every row once, in order.
+        for n in 0..300 {
+            let runs = row_runs(n);
+            let covered: Vec<usize> = runs.into_iter().flatten().collect();
+            assert_eq!(covered, (0..n).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn placeholders_number_every_column_of_every_row() {
+        assert_eq!(placeholders(2, 3), "($1, $2, $3), ($4, $5, $6)");
+        assert_eq!(placeholders(1, 1), "($1)");
+    }
 }
 
 #[cfg(test)]

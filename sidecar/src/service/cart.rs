@@ -483,16 +483,13 @@ async fn hold(
             .await;
             return Err(match released {
                 Ok(()) => spent(&cart.key, failure, true),
-                // Another attempt of the same key took the cart over: it answers.
-                Err(
-                    taken @ Failure::Throttled {
-                        why: Throttled::KeyInFlight,
-                        ..
-                    },
-                ) => taken,
                 // Given back later by the sweeper, which ends it `released` too:
                 // the key is spent all the same, and the answer says so.
-                Err(_) => spent(&cart.key, failure, false),
+                Err(Unreleased::Releasing(_)) => spent(&cart.key, failure, false),
+                // Still `holding` (the ledger could not record the give-back's
+                // start), or taken over by another attempt of the key: a retry of
+                // the same key goes on with it.
+                Err(Unreleased::Holding(failure)) => failure,
             });
         }
         Some(Stop::Refused(outcome)) => {
@@ -622,6 +619,23 @@ enum Stop {
     Refused(CartOutcome),
 }
 
+/// Why a cart's lines were not all given back by [`release_now`].
+enum Unreleased {
+    /// The cart is still `holding` (the ledger could not record that it is being
+    /// given back) or another attempt took it over: the key is not spent.
+    Holding(Failure),
+    /// The cart is `releasing`: the sweeper gives back what is left, and ends it.
+    Releasing(Failure),
+}
+
+impl From<Unreleased> for Failure {
+    fn from(unreleased: Unreleased) -> Self {
+        match unreleased {
+            Unreleased::Holding(failure) | Unreleased::Releasing(failure) => failure,
+        }
+    }
+}
+
 /// Gives back every line of `cart` that attempt `mine` may have held, and records
 /// the cart as `ends_as`. A 503 when a line could not be given back: the cart stays
 /// `releasing`, and the sweeper finishes it.
@@ -633,7 +647,7 @@ async fn release_now(
     ends_as: CartState,
     lines_held: &[usize],
     short: &str,
-) -> Result<(), Failure> {
+) -> Result<(), Unreleased> {
     let namespace = app.drops.namespace();
     let held = serde_json::to_string(lines_held).unwrap_or_else(|_| "[]".into());
     if lines_held.is_empty() && begun == Begun::Here {
@@ -655,11 +669,11 @@ async fn release_now(
                 short,
             })
             .await
-            .map_err(|e| ledger_down("record the cart's refusal", e))?;
+            .map_err(|e| Unreleased::Holding(ledger_down("record the cart's refusal", e)))?;
         return if moved {
             Ok(())
         } else {
-            Err(in_flight(&cart.key))
+            Err(Unreleased::Holding(in_flight(&cart.key)))
         };
     }
     let releasing = attempt();
@@ -680,10 +694,10 @@ async fn release_now(
             short,
         })
         .await
-        .map_err(|e| ledger_down("record the cart's refusal", e))?;
+        .map_err(|e| Unreleased::Holding(ledger_down("record the cart's refusal", e)))?;
     if !moved {
         abandon(app, cart, lines_held).await;
-        return Err(in_flight(&cart.key));
+        return Err(Unreleased::Holding(in_flight(&cart.key)));
     }
     if let Err(failure) = give_back(app, &cart.key, &cart.user, &cart.lines, false).await {
         // Handed to the sweeper now rather than at the bound, so the units held
@@ -707,7 +721,7 @@ async fn release_now(
         if let Err(error) = handed {
             tracing::debug!(cart = %cart.key, %error, "a give-back is left to its bound");
         }
-        return Err(failure);
+        return Err(Unreleased::Releasing(failure));
     }
     app.ledger
         .move_cart(CartMove {
@@ -724,7 +738,7 @@ async fn release_now(
             short,
         })
         .await
-        .map_err(|e| unknown(&cart.key, "record the cart's refusal", e))?;
+        .map_err(|e| Unreleased::Releasing(unknown(&cart.key, "record the cart's refusal", e)))?;
     Ok(())
 }
 
