@@ -358,6 +358,127 @@ async fn each_variant_has_a_line_of_its_own() {
     sidecar.shutdown().await;
 }
 
+/// `POST /v1/drops/sale/reservations` of `variant`.
+async fn reserve_size(
+    sidecar: &Sidecar,
+    key: &str,
+    user: &str,
+    quantity: i64,
+    size: &str,
+) -> Reply {
+    let body = json!({"key": key, "user": user, "quantity": quantity, "variant": size});
+    sidecar
+        .http
+        .post("/v1/drops/sale/reservations", &body.to_string())
+        .await
+        .expect("answers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_size_cut_another_size_takes_no_unit_a_line_waits_for_on_the_gate() {
+    another_size_takes_no_unit_a_line_waits_for(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_size_cut_another_size_takes_no_unit_a_line_waits_for_on_the_fallback() {
+    another_size_takes_no_unit_a_line_waits_for(true).await;
+}
+
+/// After M is cut below what it holds, the drop's own count is the tighter one
+/// (M's debt is in it): a unit of S that comes back is the drop's only unit, and
+/// an L buyer (L has a unit of its own) must not take it while S's head waits for
+/// two; once S's second unit is back the head is served whole, and once M's debt
+/// is paid L's unit is anyone's.
+async fn another_size_takes_no_unit_a_line_waits_for(kill_switch: bool) {
+    let sized = |m: i64| {
+        let spec = DropSpec::new(0)
+            .variants(&[("S", 2), ("M", m), ("L", 1)])
+            .per_user_limit(2)
+            .waitlist();
+        if kill_switch {
+            spec.kill_switch()
+        } else {
+            spec
+        }
+    };
+    let sidecar = Sidecar::start().await;
+    // The sale and its line start on the gate (joins are the gate's).
+    sidecar
+        .seed(
+            "sale",
+            DropSpec::new(0)
+                .variants(&[("S", 2), ("M", 2), ("L", 1)])
+                .per_user_limit(2)
+                .waitlist(),
+        )
+        .await;
+    for (key, size) in [("s1", "S"), ("s2", "S"), ("m1", "M"), ("m2", "M")] {
+        reserve_size(&sidecar, key, key, 1, size)
+            .await
+            .assert_answer(201, "admitted");
+    }
+    let body = json!({"key": "w", "user": "w", "quantity": 2, "variant": "S"});
+    sidecar
+        .http
+        .post("/v1/drops/sale/waitlist", &body.to_string())
+        .await
+        .expect("answers")
+        .assert_answer(201, "waiting");
+    // M cut from 2 to 1 while both are held: the drop owes one unit.
+    sidecar.seed("sale", sized(1)).await;
+    let mut probe = reserve_size(&sidecar, "probe", "p", 1, "M").await;
+    for _ in 0..50 {
+        if !kill_switch || path_of(&probe) == "fallback" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        probe = reserve_size(&sidecar, "probe", "p", 1, "M").await;
+    }
+    probe.assert_answer(409, "sold_out");
+    // s1's unit comes back: S has one, and so has the drop (M still owes one).
+    sidecar
+        .settle("sale", "s1", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    // L has a unit of its own, but the drop's one unit is what S's head needs.
+    let outsider = reserve_size(&sidecar, "z", "z", 1, "L").await;
+    outsider.assert_answer(409, "sold_out");
+    assert_eq!(outsider.body["remaining"], 0, "{}", outsider.text);
+    if !kill_switch {
+        look(&sidecar, "sale", "w")
+            .await
+            .assert_answer(200, "waiting");
+    }
+    // Back on the gate with S's second unit, the head is served whole.
+    if kill_switch {
+        sidecar
+            .seed(
+                "sale",
+                DropSpec::new(0)
+                    .variants(&[("S", 2), ("M", 1), ("L", 1)])
+                    .per_user_limit(2)
+                    .waitlist(),
+            )
+            .await;
+    }
+    sidecar
+        .settle("sale", "s2", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    let served = offered(&sidecar, "sale", "w").await;
+    assert_eq!(served.body["quantity"], 2, "{}", served.text);
+    // Once M's debt is paid, L's unit is anyone's.
+    sidecar
+        .settle("sale", "m1", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    reserve_size(&sidecar, "z2", "z", 1, "L")
+        .await
+        .assert_answer(201, "admitted");
+    sidecar.assert_invariants("sale", 4);
+    sidecar.shutdown().await;
+}
+
 /// 300 buyers for 20 units: the turned-away half waits in line, holds are
 /// cancelled or expire, and every unit that comes back goes to the line in order
 /// while the other buyers keep asking and get nothing.

@@ -792,18 +792,23 @@ async fn reserve_in(
             limit: terms.per_user_limit,
         }));
     }
+    // Units other sizes' line heads need are not this buyer's (as on the gate).
+    let aside = match variant {
+        Some(variant) => super::waitlist::set_aside(tx, drop_key, variant).await?,
+        None => 0,
+    };
     let in_stock = sqlx::query(
         "UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3",
     )
     .bind(quantity)
     .bind(drop_key)
-    .bind(quantity)
+    .bind(quantity + aside)
     .execute(&mut **tx)
     .await?
     .rows_affected()
         == 1;
     if !in_stock {
-        let remaining = available(tx, drop_key).await?;
+        let remaining = (available(tx, drop_key).await? - aside).max(0);
         return Ok(Line::Refused(Outcome::SoldOut { remaining }));
     }
     if let Some(variant) = variant {

@@ -275,3 +275,32 @@ pub(super) async fn standing(
     .await?;
     Ok((row.try_get::<i64, _>(0)? > 0, row.try_get::<i64, _>(1)?))
 }
+
+/// Units of the drop's own count set aside for the heads of the other variants'
+/// lines (than `variant`): each head's quantity, as far as its variant has it.
+/// The drop's count only binds below the sum of its variants' after a cut, so
+/// this matters only then; on the gate `reserve.lua` does the same.
+pub(super) async fn set_aside(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    variant: &str,
+) -> Result<i64, sqlx::Error> {
+    let heads = sqlx::query(
+        "SELECT w.quantity, vs.available FROM waitlist w \
+         LEFT JOIN variant_stock vs ON vs.drop_key = w.drop_key AND vs.variant = w.variant \
+         WHERE w.drop_key = $1 AND w.state = 'waiting' AND w.variant IS NOT NULL AND w.variant <> $2 \
+         AND w.position = (SELECT MIN(w2.position) FROM waitlist w2 \
+           WHERE w2.drop_key = w.drop_key AND w2.state = 'waiting' AND w2.variant = w.variant)",
+    )
+    .bind(drop_key)
+    .bind(variant)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut aside = 0;
+    for head in &heads {
+        let need: i64 = head.try_get(0)?;
+        let own: Option<i64> = head.try_get(1)?;
+        aside += need.min(own.unwrap_or(0)).max(0);
+    }
+    Ok(aside)
+}
