@@ -484,7 +484,17 @@ async fn another_size_takes_no_unit_a_line_waits_for(kill_switch: bool) {
 /// while the other buyers keep asking and get nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returned_units_go_to_the_line_in_order_under_load() {
-    let sidecar = Arc::new(Sidecar::start().await);
+    under_load(Sidecar::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returned_units_go_to_the_line_in_order_under_load_on_postgresql() {
+    let postgres = dropgate_testkit::PostgresServer::start().expect("PostgreSQL");
+    under_load(Sidecar::start_with_database(Some(postgres.url())).await).await;
+}
+
+async fn under_load(sidecar: Sidecar) {
+    let sidecar = Arc::new(sidecar);
     sidecar
         .seed(
             "sale",

@@ -18,6 +18,8 @@ pub struct Sidecar {
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<Result<(), dropgate_sidecar::Error>>>,
     _dir: tempfile::TempDir,
+    /// Its ledger's URL.
+    database_url: String,
 }
 
 /// A sidecar process of its own (in-process `run`), for tests with more than one.
@@ -137,6 +139,7 @@ impl Sidecar {
             stop: peer.stop.take(),
             task: peer.task.take(),
             _dir: dir,
+            database_url,
         }
     }
 
@@ -287,14 +290,12 @@ pub fn marker_state(redis: &RedisServer, drop: &str, key: &str) -> Option<String
         .expect("HGET")
 }
 
-/// The sidecar's own SQLite ledger, opened beside it.
+/// The sidecar's ledger (its own SQLite file, or the PostgreSQL it was given),
+/// opened beside it.
 pub async fn ledger_of(sidecar: &Sidecar) -> dropgate_sidecar::ledger::Ledger {
-    dropgate_sidecar::ledger::Ledger::open(&format!(
-        "sqlite://{}",
-        sidecar.database_path().display()
-    ))
-    .await
-    .expect("the sidecar's ledger opens")
+    dropgate_sidecar::ledger::Ledger::open(&sidecar.database_url)
+        .await
+        .expect("the sidecar's ledger opens")
 }
 
 /// Each reservation's state in the ledger of drop `shop/sale` (any sale of it), by
