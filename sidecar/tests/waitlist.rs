@@ -448,6 +448,19 @@ async fn another_size_takes_no_unit_a_line_waits_for(kill_switch: bool) {
         look(&sidecar, "sale", "w")
             .await
             .assert_answer(200, "waiting");
+        // Nor does the unit go to L's own line: the L buyer who joins it waits
+        // through several sweeps while S's head does.
+        let body = json!({"key": "zl", "user": "z", "quantity": 1, "variant": "L"});
+        sidecar
+            .http
+            .post("/v1/drops/sale/waitlist", &body.to_string())
+            .await
+            .expect("answers")
+            .assert_answer(201, "waiting");
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        look(&sidecar, "sale", "zl")
+            .await
+            .assert_answer(200, "waiting");
     }
     // Back on the gate with S's second unit, the head is served whole.
     if kill_switch {
@@ -467,14 +480,19 @@ async fn another_size_takes_no_unit_a_line_waits_for(kill_switch: bool) {
         .assert_answer(200, "cancelled");
     let served = offered(&sidecar, "sale", "w").await;
     assert_eq!(served.body["quantity"], 2, "{}", served.text);
-    // Once M's debt is paid, L's unit is anyone's.
+    // Once M's debt is paid, L's unit goes to L's line on the gate, to anyone on
+    // the fallback (it has no line there: joins are the gate's).
     sidecar
         .settle("sale", "m1", "cancel")
         .await
         .assert_answer(200, "cancelled");
-    reserve_size(&sidecar, "z2", "z", 1, "L")
-        .await
-        .assert_answer(201, "admitted");
+    if kill_switch {
+        reserve_size(&sidecar, "z2", "z", 1, "L")
+            .await
+            .assert_answer(201, "admitted");
+    } else {
+        offered(&sidecar, "sale", "zl").await;
+    }
     sidecar.assert_invariants("sale", 4);
     sidecar.shutdown().await;
 }

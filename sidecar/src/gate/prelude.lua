@@ -215,6 +215,29 @@ local function waiting_units(user)
   return tonumber(redis.call('HGET', wl_users(), user) or '0')
 end
 
+-- Units of the drop's own count set aside for the heads of the lines of its
+-- variants (VARIANTS) other than `variant` that joined before position `before`
+-- (math.huge for a buyer in no line): each such waiting head's quantity, as far
+-- as its own variant has it. Heads go by when they joined, across lines, so two
+-- lines never wait for each other. It binds only while a variant's debt (a cut
+-- below what it holds) is in the drop's count; see reserve.lua.
+local function set_aside(variant, before)
+  local aside = 0
+  for name in string.gmatch(VARIANTS, '([^,=]+)=[^,]*') do
+    if name ~= variant then
+      local head = redis.call('ZRANGE', wl_line(name), 0, 0)[1]
+      if head then
+        local e = redis.call('HMGET', wl_entry(head), 'state', 'quantity', 'sale', 'position')
+        if e[1] == 'waiting' and e[3] == SALE and (tonumber(e[4]) or 0) < before then
+          local own = tonumber(redis.call('HGET', K.variants, 'r:' .. name) or '0')
+          aside = aside + math.max(0, math.min(own, tonumber(e[2]) or 0))
+        end
+      end
+    end
+  end
+  return aside
+end
+
 -- Puts an entry whose offer was taken back (its admission undone, abandoned or
 -- expired before it was durable) back at its place in its line, its units counted
 -- as waiting again: nobody behind it is served first.

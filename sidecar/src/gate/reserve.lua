@@ -134,22 +134,17 @@ end
 -- With variants, the drop's own count can be the tighter one (a size cut below
 -- what it holds is paid back from every size's returns): units another size's
 -- line head needs, which that size has and the drop still counts, are set aside
--- for it, so no buyer outside the line takes them while it waits. (Nothing is
--- set aside while the drop's count is the sum of its sizes': then every size's
--- own count already covers it.)
-if lined and not offer and variant ~= '' then
+-- for it, so no buyer outside that line takes them while it waits, nor an offer to
+-- another size's line whose head joined after it. (Nothing is set aside in effect
+-- while the drop's count is the sum of its sizes': then every size's own count
+-- already covers it.)
+if lined and variant ~= '' then
   local drop_left = tonumber(redis.call('GET', K.remaining) or '0')
-  local aside = 0
-  for name in string.gmatch(VARIANTS, '([^,=]+)=[^,]*') do
-    if name ~= variant then
-      local head = redis.call('ZRANGE', wl_line(name), 0, 0)[1]
-      if head then
-        local need = tonumber(redis.call('HGET', wl_entry(head), 'quantity') or '1') or 1
-        local own = tonumber(redis.call('HGET', K.variants, 'r:' .. name) or '0')
-        aside = aside + math.max(0, math.min(own, need))
-      end
-    end
+  local before = math.huge
+  if offer then
+    before = tonumber(redis.call('HGET', wl_entry(KEY), 'position')) or math.huge
   end
+  local aside = set_aside(variant, before)
   if drop_left - quantity < aside then
     return reply('sold_out', '', '', '', '', tostring(math.max(0, drop_left - aside)), variant)
   end

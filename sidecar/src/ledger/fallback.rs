@@ -755,8 +755,14 @@ async fn reserve_in(
         return Ok(Line::Refused(Outcome::Paused));
     }
     // The waitlist: while anyone waits, what comes back is theirs (the gate
-    // offers it when it is back); a buyer's waiting units count as held.
-    let (anyone_waits, waiting) = super::waitlist::standing(tx, drop_key, variant, user).await?;
+    // offers it when it is back); a buyer's waiting units count as held. A
+    // waitlist turned off leaves its entries where they are, and counts them no
+    // more (as on the gate).
+    let (anyone_waits, waiting) = if config.waitlist.is_some() {
+        super::waitlist::standing(tx, drop_key, variant, user).await?
+    } else {
+        (false, 0)
+    };
     if anyone_waits {
         return Ok(Line::Refused(Outcome::SoldOut { remaining: 0 }));
     }
@@ -794,8 +800,10 @@ async fn reserve_in(
     }
     // Units other sizes' line heads need are not this buyer's (as on the gate).
     let aside = match variant {
-        Some(variant) => super::waitlist::set_aside(tx, drop_key, variant).await?,
-        None => 0,
+        Some(variant) if config.waitlist.is_some() => {
+            super::waitlist::set_aside(tx, drop_key, variant, &config.variants).await?
+        }
+        _ => 0,
     };
     let in_stock = sqlx::query(
         "UPDATE stock SET available = available - $1 WHERE drop_key = $2 AND available >= $3",

@@ -284,9 +284,10 @@ pub(super) async fn set_aside(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     variant: &str,
+    variants: &[dropgate_api::Variant],
 ) -> Result<i64, sqlx::Error> {
     let heads = sqlx::query(
-        "SELECT w.quantity, vs.available FROM waitlist w \
+        "SELECT w.quantity, vs.available, w.variant FROM waitlist w \
          LEFT JOIN variant_stock vs ON vs.drop_key = w.drop_key AND vs.variant = w.variant \
          WHERE w.drop_key = $1 AND w.state = 'waiting' AND w.variant IS NOT NULL AND w.variant <> $2 \
          AND w.position = (SELECT MIN(w2.position) FROM waitlist w2 \
@@ -298,6 +299,12 @@ pub(super) async fn set_aside(
     .await?;
     let mut aside = 0;
     for head in &heads {
+        // A size the config no longer has sells nothing more: its line is not
+        // served, and sets nothing aside.
+        let size: String = head.try_get(2)?;
+        if !variants.iter().any(|v| v.name == size) {
+            continue;
+        }
         let need: i64 = head.try_get(0)?;
         let own: Option<i64> = head.try_get(1)?;
         aside += need.min(own.unwrap_or(0)).max(0);

@@ -18,7 +18,10 @@ if not e then
 end
 local left = tonumber(redis.call('GET', K.remaining) or '0')
 if ARGV[3] ~= '' then
-  left = math.min(left, tonumber(redis.call('HGET', K.variants, 'r:' .. ARGV[3]) or '0'))
+  -- Less what the other sizes' heads have set aside (see reserve.lua).
+  VARIANTS = redis.call('HGET', K.config, 'variants') or ''
+  left = math.min(left - set_aside(ARGV[3], e.position or math.huge),
+    tonumber(redis.call('HGET', K.variants, 'r:' .. ARGV[3]) or '0'))
 end
 -- detail: what is left, whether a join is past its bound, the key.
 local overdue = '0'
