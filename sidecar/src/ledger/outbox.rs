@@ -73,6 +73,8 @@ pub enum DispatchError {
 const CLAIM_MS: i64 = 30_000;
 /// How long a drop whose publish failed is left out of the rounds.
 const FAILED_DROP_REST_MS: i64 = 5_000;
+/// The claimant of a resting drop's events (no dispatcher's id: those are hex).
+const RESTING: &str = "resting";
 /// Events of one drop claimed per round: a drop whose events cannot be published
 /// takes at most this many of a round's places, never the whole round.
 const PER_DROP: i64 = 64;
@@ -112,13 +114,19 @@ pub async fn dispatch(
                  SELECT id, drop_key, ROW_NUMBER() OVER (PARTITION BY drop_key ORDER BY id) AS place \
                  FROM outbox WHERE sent_at_ms IS NULL) AS pending \
                WHERE place <= $3 AND drop_key NOT IN ( \
-                 SELECT drop_key FROM outbox WHERE sent_at_ms IS NULL AND claimed_until_ms >= $4) \
-               ORDER BY id LIMIT $5)",
+                 SELECT drop_key FROM outbox WHERE sent_at_ms IS NULL AND claimed_until_ms >= $4 \
+                 AND claimed_by <> $5) \
+               ORDER BY id LIMIT $6)",
         )
         .bind(owner)
         .bind(claim_until)
         .bind(PER_DROP)
         .bind(now)
+        // A dispatcher's own claims are not in its way: its rounds run one after
+        // another, so a claim of its own that is still standing is a round that
+        // failed part-way (the ledger restarting under it), whose events would
+        // otherwise wait out the whole claim.
+        .bind(owner)
         .bind(batch)
         .execute(&mut *tx)
         .await?;
@@ -192,14 +200,17 @@ pub async fn dispatch(
                     .execute(&mut *tx)
                     .await?;
             }
-            // A drop whose publish failed rests (its claim stays, longer) so that
-            // it cannot fill the next rounds; the rest is free for anyone's next round.
+            // A drop whose publish failed rests (its claim stays, longer, under a
+            // name that is nobody's: it holds this dispatcher's rounds off too) so
+            // that it cannot fill the next rounds; the rest is free for anyone's
+            // next round.
             for drop_key in &held_back {
                 sqlx::query(
-                    "UPDATE outbox SET claimed_until_ms = $1 \
-                     WHERE sent_at_ms IS NULL AND claimed_by = $2 AND claimed_until_ms = $3 AND drop_key = $4",
+                    "UPDATE outbox SET claimed_until_ms = $1, claimed_by = $2 \
+                     WHERE sent_at_ms IS NULL AND claimed_by = $3 AND claimed_until_ms = $4 AND drop_key = $5",
                 )
                 .bind(now + FAILED_DROP_REST_MS)
+                .bind(RESTING)
                 .bind(owner)
                 .bind(claim_until)
                 .bind(drop_key)
