@@ -57,6 +57,26 @@ async fn offered(sidecar: &Sidecar, drop: &str, key: &str) -> Reply {
     panic!("{key} was never offered: {}", last.text);
 }
 
+/// Each of `buyers` holds one unit of `sale` under a key of their name.
+async fn hold_each(sidecar: &Sidecar, buyers: &[&str]) {
+    for buyer in buyers {
+        sidecar
+            .reserve("sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "admitted");
+    }
+}
+
+/// Each of `buyers` waits for one unit of `sale`, in this order, under a key of
+/// their name.
+async fn join_each(sidecar: &Sidecar, buyers: &[&str]) {
+    for buyer in buyers {
+        join(sidecar, "sale", buyer, buyer, 1)
+            .await
+            .assert_answer(201, "waiting");
+    }
+}
+
 /// Asserts `key` waits at `position`.
 fn assert_waiting_at(reply: &Reply, position: i64) {
     reply.assert_answer(200, "waiting");
@@ -93,12 +113,7 @@ fn spec(limit: i64) -> DropSpec {
 async fn units_that_come_back_go_to_the_head_of_the_line_in_order() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(3)).await;
-    for buyer in ["a", "b", "c"] {
-        sidecar
-            .reserve("sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "admitted");
-    }
+    hold_each(&sidecar, &["a", "b", "c"]).await;
     sidecar
         .reserve("sale", "late", "g", 1)
         .await
@@ -662,17 +677,8 @@ fn offered_on_stream(sidecar: &Sidecar) -> HashSet<String> {
 async fn the_line_survives_a_redis_that_lost_its_data_in_order() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(2)).await;
-    for buyer in ["a", "b"] {
-        sidecar
-            .reserve("sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "admitted");
-    }
-    for buyer in ["c", "d", "e"] {
-        join(&sidecar, "sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "waiting");
-    }
+    hold_each(&sidecar, &["a", "b"]).await;
+    join_each(&sidecar, &["c", "d", "e"]).await;
     leave(&sidecar, "sale", "d")
         .await
         .assert_answer(200, "left");
@@ -712,17 +718,8 @@ async fn the_line_survives_a_redis_that_lost_its_data_in_order() {
 async fn a_redis_that_lost_only_a_join_is_rebuilt_and_no_position_is_handed_out_twice() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(2)).await;
-    for buyer in ["a", "b"] {
-        sidecar
-            .reserve("sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "admitted");
-    }
-    for buyer in ["c", "d"] {
-        join(&sidecar, "sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "waiting");
-    }
+    hold_each(&sidecar, &["a", "b"]).await;
+    join_each(&sidecar, &["c", "d"]).await;
     // The replica never saw d's join: its entry, its place, its units, its number.
     let keys = DropKeys::new(NS, "sale");
     let mut conn = sidecar.redis.connection().expect("connect");
@@ -790,17 +787,8 @@ async fn a_redis_that_lost_only_a_join_is_rebuilt_and_no_position_is_handed_out_
 async fn an_offer_that_expired_while_pending_does_not_stop_the_line() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(2)).await;
-    for buyer in ["a", "b"] {
-        sidecar
-            .reserve("sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "admitted");
-    }
-    for buyer in ["c", "d"] {
-        join(&sidecar, "sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "waiting");
-    }
+    hold_each(&sidecar, &["a", "b"]).await;
+    join_each(&sidecar, &["c", "d"]).await;
     let keys = DropKeys::new(NS, "sale");
     let mut conn = sidecar.redis.connection().expect("connect");
     let sale: String = redis::cmd("HGET")
@@ -845,12 +833,7 @@ async fn an_offer_that_expired_while_pending_does_not_stop_the_line() {
 async fn an_entry_the_ledger_served_leaves_the_line_in_redis_too() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(2)).await;
-    for buyer in ["a", "b"] {
-        sidecar
-            .reserve("sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "admitted");
-    }
+    hold_each(&sidecar, &["a", "b"]).await;
     join(&sidecar, "sale", "c", "c", 1)
         .await
         .assert_answer(201, "waiting");
@@ -917,17 +900,8 @@ async fn the_line_waits_through_the_fallback_gate_and_keeps_its_order() {
 
 async fn through_the_fallback(sidecar: Sidecar) {
     sidecar.seed("sale", spec(2)).await;
-    for buyer in ["a", "b"] {
-        sidecar
-            .reserve("sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "admitted");
-    }
-    for buyer in ["c", "d"] {
-        join(&sidecar, "sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "waiting");
-    }
+    hold_each(&sidecar, &["a", "b"]).await;
+    join_each(&sidecar, &["c", "d"]).await;
     // The kill switch: the ledger decides; the line is kept, and waits.
     sidecar.seed("sale", spec(2).kill_switch()).await;
     // (Once this sidecar read it: a reserve is then decided by the ledger.)
@@ -971,11 +945,7 @@ async fn a_restock_goes_to_the_line_first() {
         .reserve("sale", "a", "a", 1)
         .await
         .assert_answer(201, "admitted");
-    for buyer in ["b", "c", "d"] {
-        join(&sidecar, "sale", buyer, buyer, 1)
-            .await
-            .assert_answer(201, "waiting");
-    }
+    join_each(&sidecar, &["b", "c", "d"]).await;
     // Two more units: the first two in line get them, the third still waits and
     // keeps the next reserve out.
     sidecar.seed("sale", spec(3)).await;
