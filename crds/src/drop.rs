@@ -62,9 +62,9 @@ use crate::config::{FailurePolicy, Mode};
     validation = Rule::new("!has(self.startsAt) || !has(self.endsAt) || self.endsAt > self.startsAt")
         .message("endsAt must be after startsAt")
         .field_path(".endsAt"),
-    validation = Rule::new("self.throttle.acquireTimeoutMs < self.holdSeconds * 1000")
-        .message("throttle.acquireTimeoutMs must be shorter than holdSeconds (an admission waits for its permit within its hold)")
-        .field_path(".throttle.acquireTimeoutMs"),
+    validation = Rule::new("self.throttle.acquireTimeoutMs + 2000 < self.holdSeconds * 1000")
+        .message("holdSeconds must be longer than throttle.acquireTimeoutMs plus the ledger's 2 s commit deadline (a hold outlasts its admission's pending bound)")
+        .field_path(".holdSeconds"),
     validation = Rule::new("!has(self.maxHoldSeconds) || self.maxHoldSeconds >= self.holdSeconds")
         .message("maxHoldSeconds must be at least holdSeconds (a hold is never cut short by it)")
         .field_path(".maxHoldSeconds"),
@@ -106,7 +106,9 @@ pub struct InventoryDropSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ends_at: Option<Time>,
     /// An admitted reservation not confirmed within this many seconds expires and
-    /// returns its stock.
+    /// returns its stock. Longer than throttle.acquireTimeoutMs plus the ledger's 2 s
+    /// commit deadline, so that no hold expires while its admission is being made
+    /// durable (at least 3 with the default acquireTimeoutMs).
     #[serde(default = "default_hold_seconds")]
     #[schemars(range(min = 1, max = 604800))]
     pub hold_seconds: i64,
@@ -323,7 +325,8 @@ pub struct ThrottleSpec {
     #[schemars(range(min = 1, max = 1000000))]
     pub permits: i64,
     /// How long an admitted reservation waits for a permit before it is undone
-    /// and answered 503 throttled (ms). Must be shorter than holdSeconds.
+    /// and answered 503 throttled (ms). Plus the ledger's 2 s commit deadline, it
+    /// must be shorter than holdSeconds.
     #[serde(default = "default_acquire_timeout_ms")]
     #[schemars(range(min = 0, max = 60000))]
     pub acquire_timeout_ms: i64,
@@ -591,12 +594,14 @@ impl InventoryDropSpec {
         if !(0..=60_000).contains(&self.throttle.acquire_timeout_ms) {
             return err("throttle.acquireTimeoutMs", "must be from 0 to 60000");
         }
-        // An admission waits for its permit within its hold, so that it cannot
-        // expire before it is activated.
-        if self.throttle.acquire_timeout_ms >= self.hold_seconds * 1000 {
+        // A hold outlasts its admission's pending bound (the permit wait, then the
+        // ledger's commit deadline), so that it cannot expire, and its unit be sold
+        // again, before its admission is made durable.
+        if self.throttle.acquire_timeout_ms + crate::COMMIT_DEADLINE_MS >= self.hold_seconds * 1000
+        {
             return err(
-                "throttle.acquireTimeoutMs",
-                "must be shorter than holdSeconds",
+                "holdSeconds",
+                "must be longer than throttle.acquireTimeoutMs plus the ledger's 2 s commit deadline",
             );
         }
         Ok(())
@@ -785,6 +790,35 @@ spec:
             assert_eq!(refused.field, "maxHoldSeconds");
             assert!(refused.to_string().contains(says), "{refused}");
         }
+    }
+
+    #[test]
+    fn a_hold_outlasts_its_admissions_pending_bound() {
+        let hold = |seconds: i64, acquire_ms: i64| {
+            let yaml = MINIMAL.replace(
+                "limitedQuantity: 5",
+                &format!(
+                    "limitedQuantity: 5\n  holdSeconds: {seconds}\n  throttle: {{acquireTimeoutMs: {acquire_ms}}}"
+                ),
+            );
+            parse(&yaml).expect("parses").spec.validate()
+        };
+        assert_eq!(hold(3, 0), Ok(()));
+        assert_eq!(hold(3, 999), Ok(()));
+        for (seconds, acquire_ms) in [(1, 0), (2, 0), (3, 1000), (60, 58_000)] {
+            let refused = hold(seconds, acquire_ms).expect_err("a hold within its pending bound");
+            assert_eq!(refused.field, "holdSeconds");
+        }
+        // The API server's rule writes the deadline out: it must be this one.
+        let crd = serde_json::to_string(&<InventoryDrop as kube::CustomResourceExt>::crd())
+            .expect("serializes");
+        assert!(
+            crd.contains(&format!(
+                "self.throttle.acquireTimeoutMs + {} < self.holdSeconds * 1000",
+                crate::COMMIT_DEADLINE_MS
+            )),
+            "the CRD's hold rule names another deadline"
+        );
     }
 
     fn with_sizes(limit: &str, sizes: &str) -> InventoryDropSpec {

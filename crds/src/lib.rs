@@ -28,6 +28,13 @@ pub use keys::{DropKeys, LockKeys};
 /// beyond it, and the HTTP API refuses anything larger.
 pub const MAX_QUANTITY: i64 = i32::MAX as i64;
 
+/// How long a sidecar's ledger commit of a change may take (its deadline). An
+/// admission stays pending for at most its permit wait plus this (its pending
+/// bound), so a drop's hold must outlast both: otherwise a hold could expire, and
+/// its unit be sold again, while its admission is still being made durable. The
+/// CRD's CEL rule writes the number out (`drop.rs`); a test keeps them equal.
+pub const COMMIT_DEADLINE_MS: i64 = 2_000;
+
 /// Longest idempotency key, user id or lock name accepted, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
 

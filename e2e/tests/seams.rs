@@ -603,7 +603,7 @@ async fn a_confirm_lost_in_a_failover_is_never_expired_by_the_sweeper() {
     publish(
         dir.path(),
         &redis,
-        DropSpec::new(3).hold_seconds(1).acquire_timeout_ms(50),
+        DropSpec::new(3).hold_seconds(3).acquire_timeout_ms(50),
     );
     // Sweeps every 100 ms; no refresh (which would rebuild Redis) for a minute.
     let shop = sidecar(
@@ -621,7 +621,7 @@ async fn a_confirm_lost_in_a_failover_is_never_expired_by_the_sweeper() {
 
     // Past the hold's deadline, the failover: Redis as the replica had it (the hold
     // active, its deadline passed), and every connection dropped.
-    tokio::time::sleep(Duration::from_millis(1300).saturating_sub(reserved_at.elapsed())).await;
+    tokio::time::sleep(Duration::from_millis(3300).saturating_sub(reserved_at.elapsed())).await;
     redis
         .roll_back_to(&before_confirm)
         .expect("Redis rolls back");

@@ -146,14 +146,14 @@ async fn a_retry_of_an_admitted_key_is_already_reserved_after_the_sale_ended() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_look_up_of_a_lapsed_hold_answers_found_expired() {
     for path in PATHS {
-        let (sidecar, _redis, _dir) = without_sweeper(path.spec().hold_seconds(1)).await;
+        let (sidecar, _redis, _dir) = without_sweeper(path.spec().hold_seconds(3)).await;
         says(
             path,
             &sidecar.reserve("sale", "a", "alice", 1).await,
             201,
             "admitted",
         );
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(Duration::from_millis(3100)).await;
         for _ in 0..2 {
             let found = sidecar.lookup("sale", "a").await;
             says(path, &found, 200, "found");
@@ -168,7 +168,7 @@ async fn a_look_up_that_expires_a_hold_frees_its_permit_at_once() {
     for path in PATHS {
         let (sidecar, _redis, _dir) = without_sweeper(
             path.spec()
-                .hold_seconds(1)
+                .hold_seconds(3)
                 .permits(1)
                 .acquire_timeout_ms(20),
         )
@@ -179,7 +179,7 @@ async fn a_look_up_that_expires_a_hold_frees_its_permit_at_once() {
             201,
             "admitted",
         );
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(Duration::from_millis(3100)).await;
         assert_eq!(sidecar.lookup("sale", "a").await.body["state"], "expired");
         says(
             path,

@@ -18,7 +18,7 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
             "sale",
             DropSpec::new(40)
                 .per_user_limit(1)
-                .hold_seconds(1)
+                .hold_seconds(3)
                 .permits(1000)
                 .acquire_timeout_ms(50),
         )
@@ -34,7 +34,7 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
         );
     }
     // Confirm each right around its deadline, while the sweeper runs.
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    tokio::time::sleep(Duration::from_millis(2900)).await;
     let replies = join_all((0..40).map(|i| {
         let sidecar = &sidecar;
         async move {
@@ -76,7 +76,7 @@ async fn a_confirm_racing_the_expiry_has_exactly_one_winner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entries_of_the_due_set_without_a_hold_never_stop_the_sweep() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", DropSpec::new(5).hold_seconds(1)).await;
+    sidecar.seed("sale", DropSpec::new(5).hold_seconds(3)).await;
     // 300 due entries whose markers are gone (lived out their TTL, say): more than
     // one sweep takes at a time, all ahead of the real hold.
     let mut conn = sidecar.redis.connection().expect("connect");
@@ -92,7 +92,7 @@ async fn entries_of_the_due_set_without_a_hold_never_stop_the_sweep() {
     assert_eq!(sidecar.reserve("sale", "k", "alice", 1).await.status, 201);
     assert_eq!(sidecar.remaining("sale"), 4);
     let mut returned = false;
-    for _ in 0..100 {
+    for _ in 0..140 {
         tokio::time::sleep(Duration::from_millis(50)).await;
         if sidecar.remaining("sale") == 5 {
             returned = true;
@@ -124,14 +124,14 @@ async fn entries_of_the_due_set_without_a_hold_never_stop_the_sweep() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicted_marker_gets_its_unit_back_through_the_ledger_repair() {
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", DropSpec::new(1).hold_seconds(1)).await;
+    sidecar.seed("sale", DropSpec::new(1).hold_seconds(3)).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
     let mut conn = sidecar.redis.connection().expect("connect");
     let _: () = redis::cmd("DEL")
         .arg(DropKeys::new(common::NS, "sale").reservation("a"))
         .query(&mut conn)
         .expect("DEL");
-    // The deadline (1 s) and the repair's grace (30 s) pass.
+    // The deadline (3 s) and the repair's grace (30 s) pass.
     let mut sold = false;
     for _ in 0..90 {
         tokio::time::sleep(Duration::from_millis(500)).await;

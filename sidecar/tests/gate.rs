@@ -281,7 +281,7 @@ async fn the_sale_window_is_enforced() {
 async fn an_unconfirmed_hold_expires_and_returns_its_unit() {
     let sidecar = Sidecar::start().await;
     sidecar
-        .seed("sale", spec(3).hold_seconds(1).permits(1))
+        .seed("sale", spec(3).hold_seconds(3).permits(1))
         .await;
     assert_eq!(
         sidecar.reserve("sale", "swept", "alice", 1).await.status,
@@ -290,7 +290,7 @@ async fn an_unconfirmed_hold_expires_and_returns_its_unit() {
     assert_eq!(sidecar.remaining("sale"), 2);
     // The sweeper expires it without any look-up, and frees the permit.
     let mut expired = false;
-    for _ in 0..60 {
+    for _ in 0..80 {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         if sidecar.remaining("sale") == 3 {
             expired = true;

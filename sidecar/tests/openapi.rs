@@ -177,7 +177,7 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
         DropSpec::new(2).variants(&[("S", 1), ("M", 1)]),
     )
     .await;
-    common::seed(&url, "brief", DropSpec::new(10).hold_seconds(1)).await;
+    common::seed(&url, "brief", DropSpec::new(10).hold_seconds(3)).await;
     common::seed(
         &url,
         "line",
@@ -365,7 +365,7 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
         .post("/v1/drops/brief/reservations", &reserve("e", "erin", 1))
         .await;
     Tour::expect(&r, 201, "admitted");
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
     let r = tour
         .post(
             "/v1/drops/brief/reservations/e/extend",
@@ -437,7 +437,7 @@ async fn a_tour_of_the_api_gives_every_documented_answer() {
     let brief = r#"{"key":"cart4","user":"judy","lines":[{"drop":"brief","quantity":1}]}"#;
     let r = tour.post("/v1/carts", brief).await;
     Tour::expect(&r, 201, "reserved");
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
     let r = tour.post("/v1/carts/cart4/cancel", "").await;
     Tour::expect(&r, 409, "expired");
 

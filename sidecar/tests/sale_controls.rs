@@ -724,7 +724,7 @@ async fn an_extension_racing_expiry_is_either_kept_or_refused() {
             "gate",
             (|| {
                 DropSpec::new(20)
-                    .hold_seconds(1)
+                    .hold_seconds(3)
                     .max_hold_seconds(60)
                     .permits(1000)
                     .acquire_timeout_ms(100)
@@ -732,7 +732,7 @@ async fn an_extension_racing_expiry_is_either_kept_or_refused() {
         ),
         ("fallback", || {
             DropSpec::new(20)
-                .hold_seconds(1)
+                .hold_seconds(3)
                 .max_hold_seconds(60)
                 .permits(1000)
                 .acquire_timeout_ms(100)
@@ -810,7 +810,7 @@ async fn an_extension_survives_a_mode_switch_and_a_redis_loss() {
     let spec = || {
         DropSpec::new(10)
             .per_user_limit(3)
-            .hold_seconds(2)
+            .hold_seconds(3)
             .max_hold_seconds(120)
     };
     sidecar.seed("sale", spec()).await;
@@ -830,7 +830,7 @@ async fn an_extension_survives_a_mode_switch_and_a_redis_loss() {
         .await
         .assert_answer(200, "extended");
     // Past a's first deadline: Redis had it, the extension came from the ledger.
-    tokio::time::sleep(std::time::Duration::from_millis(2_500)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(3_500)).await;
     let looked = sidecar.lookup("sale", "a").await;
     assert_eq!(looked.body["state"], "active", "{}", looked.text);
     assert_eq!(expires_at(&looked), on_fallback_until, "{}", looked.text);
@@ -845,7 +845,7 @@ async fn an_extension_survives_a_mode_switch_and_a_redis_loss() {
         .await
         .assert_answer(201, "admitted");
     // Past both first deadlines and the sweeper's turn.
-    tokio::time::sleep(std::time::Duration::from_millis(3_000)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(4_500)).await;
     for (key, until) in [("a", on_fallback_until), ("b", gate_until)] {
         let looked = sidecar.lookup("sale", key).await;
         assert_eq!(looked.body["state"], "active", "{key}: {}", looked.text);
@@ -1133,7 +1133,7 @@ async fn an_extended_hold_keeps_its_permit() {
         .seed(
             "sale",
             DropSpec::new(10)
-                .hold_seconds(1)
+                .hold_seconds(3)
                 .max_hold_seconds(60)
                 .permits(1)
                 .acquire_timeout_ms(100),
@@ -1145,7 +1145,7 @@ async fn an_extended_hold_keeps_its_permit() {
         .await
         .assert_answer(200, "extended");
     // Past the first deadline: the one permit is still the extended hold's.
-    tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(3_500)).await;
     sidecar
         .reserve("sale", "b", "bob", 1)
         .await

@@ -533,7 +533,7 @@ async fn under_load(sidecar: Sidecar) {
             "sale",
             DropSpec::new(20)
                 .per_user_limit(1)
-                .hold_seconds(2)
+                .hold_seconds(3)
                 .permits(1000)
                 .waitlist(),
         )

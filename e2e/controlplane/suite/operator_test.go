@@ -255,7 +255,7 @@ func invalidDropsRejectedAtApply(t *testing.T, e *env) {
 		{"ends-before-start", `{sku: X, limitedQuantity: 10, startsAt: "2026-12-01T12:00:00Z", endsAt: "2026-12-01T10:00:00Z", redis: {url: "` + u + `"}}`, "spec.endsAt"},
 		{"ends-at-start", `{sku: X, limitedQuantity: 10, startsAt: "2026-12-01T12:00:00Z", endsAt: "2026-12-01T12:00:00Z", redis: {url: "` + u + `"}}`, "spec.endsAt"},
 		{"url-and-secret", `{sku: X, limitedQuantity: 10, redis: {url: "` + u + `", secretRef: {name: sale-redis, key: url}}}`, "spec.redis"},
-		{"timeout-past-hold", `{sku: X, limitedQuantity: 10, holdSeconds: 2, throttle: {permits: 8, acquireTimeoutMs: 2000}, redis: {url: "` + u + `"}}`, "spec.throttle.acquireTimeoutMs"},
+		{"hold-within-pending-bound", `{sku: X, limitedQuantity: 10, holdSeconds: 4, throttle: {permits: 8, acquireTimeoutMs: 2000}, redis: {url: "` + u + `"}}`, "spec.holdSeconds"},
 		{"max-hold-below-hold", `{sku: X, limitedQuantity: 10, holdSeconds: 60, maxHoldSeconds: 30, redis: {url: "` + u + `"}}`, "spec.maxHoldSeconds"},
 		{"max-hold-past-a-week", `{sku: X, limitedQuantity: 10, maxHoldSeconds: 604801, redis: {url: "` + u + `"}}`, "spec.maxHoldSeconds"},
 		{"http-url", `{sku: X, limitedQuantity: 10, redis: {url: "http://127.0.0.1:6379"}}`, "spec.redis.url"},
@@ -275,7 +275,7 @@ func invalidDropsRejectedAtApply(t *testing.T, e *env) {
 	e.kubectlIn(t, dropYAML(ns, "sizes-and-sum", `{sku: X, limitedQuantity: 9, variants: [{name: US-9, quantity: 4}, {name: US-10, quantity: 5}], redis: {url: "`+u+`"}}`),
 		"apply", "--dry-run=server", "-f", "-")
 	// Just inside every rule: accepted.
-	e.kubectlIn(t, dropYAML(ns, "just-valid", `{sku: X, limitedQuantity: 10, startsAt: "2026-12-01T10:00:00Z", endsAt: "2026-12-01T10:00:01Z", holdSeconds: 2, maxHoldSeconds: 2, throttle: {permits: 8, acquireTimeoutMs: 1999}, redis: {url: "rediss://127.0.0.1:6380"}}`),
+	e.kubectlIn(t, dropYAML(ns, "just-valid", `{sku: X, limitedQuantity: 10, startsAt: "2026-12-01T10:00:00Z", endsAt: "2026-12-01T10:00:01Z", holdSeconds: 4, maxHoldSeconds: 4, throttle: {permits: 8, acquireTimeoutMs: 1999}, redis: {url: "rediss://127.0.0.1:6380"}}`),
 		"apply", "--dry-run=server", "-f", "-")
 
 	// An unknown field: kubectl apply (its default --validate=strict asks the

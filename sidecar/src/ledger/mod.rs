@@ -205,7 +205,7 @@ const BATCH: usize = 512;
 /// finished (it died, or the ledger stalled), and a retry of the same key or a
 /// sweeper resolves it from the ledger; a prepared confirm or cancel likewise
 /// past this alone. The writer refuses a change whose deadline has passed.
-pub const COMMIT_DEADLINE_MS: u64 = 2_000;
+pub const COMMIT_DEADLINE_MS: u64 = dropgate_api::COMMIT_DEADLINE_MS as u64;
 
 /// How long a statement may wait for a lock, and run, and how long a caller waits
 /// for a connection: within [`COMMIT_DEADLINE_MS`], so that a stalled ledger fails a
