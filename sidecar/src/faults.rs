@@ -27,6 +27,12 @@ pub enum Fault {
     /// The process dies after a waitlist join was placed in Redis, before the
     /// ledger wrote it.
     DieMidJoin,
+    /// A fallback transaction commits, and the COMMIT's answer is lost (as when the
+    /// connection breaks just after the server committed).
+    LandedCommitUnanswered,
+    /// A fallback transaction's COMMIT is lost on its way: nothing lands, and no
+    /// answer says so.
+    LostCommitUnanswered,
 }
 
 impl Fault {
@@ -41,10 +47,12 @@ impl Fault {
             Fault::ErrorAfterRedisCancel => "error-after-redis-cancel",
             Fault::DieMidCart => "die-mid-cart",
             Fault::DieMidJoin => "die-mid-join",
+            Fault::LandedCommitUnanswered => "landed-commit-unanswered",
+            Fault::LostCommitUnanswered => "lost-commit-unanswered",
         }
     }
 
-    const ALL: [Fault; 8] = [
+    const ALL: [Fault; 10] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -53,6 +61,8 @@ impl Fault {
         Fault::ErrorAfterRedisCancel,
         Fault::DieMidCart,
         Fault::DieMidJoin,
+        Fault::LandedCommitUnanswered,
+        Fault::LostCommitUnanswered,
     ];
 }
 

@@ -16,8 +16,8 @@ use sqlx::{Any, Row, Transaction};
 
 use super::authority::require_ledger;
 use super::{
-    EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation, transition,
-    write_event,
+    Backend, EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation,
+    transition, write_event,
 };
 use crate::reservation::{
     Ask, Change, Outcome, Reservation, Settle, State, Stock, Terms, VariantRefusal, View,
@@ -98,6 +98,80 @@ impl From<sqlx::Error> for TxError {
 /// serialisation conflict) before giving up.
 const ATTEMPTS: usize = 5;
 
+/// What a fallback transaction decided, and whether its COMMIT was answered.
+enum Committed<T> {
+    /// Committed, or rolled back on purpose.
+    Known(T),
+    /// The COMMIT failed without the server's word (the connection broke, the
+    /// driver failed): it may have landed.
+    Unknown(T, sqlx::Error),
+}
+
+/// Commits `tx`, which decided `done`. A COMMIT the server refused landed nothing
+/// (an error as any other); one that failed otherwise is [`Committed::Unknown`].
+async fn commit<T>(tx: Transaction<'static, Any>, done: T) -> Result<Committed<T>, TxError> {
+    use crate::faults::{Fault, check};
+    let unanswered = || sqlx::Error::Io(std::io::Error::other("injected: COMMIT unanswered"));
+    if check(Fault::LostCommitUnanswered).is_err() {
+        tx.rollback().await?;
+        return Ok(Committed::Unknown(done, unanswered()));
+    }
+    let committed = tx.commit().await;
+    if committed.is_ok() && check(Fault::LandedCommitUnanswered).is_err() {
+        return Ok(Committed::Unknown(done, unanswered()));
+    }
+    match committed {
+        Ok(()) => Ok(Committed::Known(done)),
+        Err(refused @ sqlx::Error::Database(_)) => Err(TxError::Sql(refused)),
+        Err(unanswered) => Ok(Committed::Unknown(done, unanswered)),
+    }
+}
+
+/// How long an admission whose COMMIT was not answered asks the ledger whether it
+/// landed before the caller is told that nobody can say.
+const ASK_WHETHER_LANDED_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A fresh attempt id: the reservation rows a fallback transaction writes carry
+/// it, so that a COMMIT that was not answered can be asked about (and fenced off).
+fn new_attempt() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// What a confirm, cancel or extension that was not answered left in the ledger
+/// when it landed.
+#[derive(Clone, Copy, Debug)]
+enum Landing {
+    /// The reservation in this state.
+    In(State),
+    /// Held at least until then.
+    Until(i64),
+}
+
+/// `ask` until the ledger answers, for at most [`ASK_WHETHER_LANDED_FOR`]; past
+/// that, [`LedgerError::CommitUnknown`] naming `error`, the COMMIT's failure.
+async fn ask_until_answered<T, F, Fut>(ask: F, error: &sqlx::Error) -> Result<T, LedgerError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, LedgerError>>,
+{
+    let until = std::time::Instant::now() + ASK_WHETHER_LANDED_FOR;
+    let mut pause = std::time::Duration::from_millis(10);
+    loop {
+        match ask().await {
+            Ok(answer) => return Ok(answer),
+            Err(asking) if std::time::Instant::now() >= until => {
+                return Err(LedgerError::CommitUnknown(format!(
+                    "{error}; asking whether it landed: {asking}"
+                )));
+            }
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_millis(500));
+            }
+        }
+    }
+}
+
 fn stock(config: &DropConfig) -> Stock {
     Stock::of(config)
 }
@@ -172,24 +246,62 @@ impl Ledger {
         ask: Ask<'_>,
         now: i64,
     ) -> Result<Outcome, LedgerError> {
-        retry(|| async {
+        let attempt = new_attempt();
+        let decided = retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            let outcome = match reserve_in(&mut tx, drop_key, config, ask, now).await? {
-                Line::Kept(outcome) => {
-                    tx.commit().await?;
-                    outcome
-                }
+            let outcome = match reserve_in(&mut tx, drop_key, config, ask, &attempt, now).await? {
+                Line::Kept(outcome) => commit(tx, outcome).await?,
                 Line::Refused(outcome) => {
                     tx.rollback().await?;
-                    outcome
+                    Committed::Known(outcome)
                 }
             };
             Ok(Decision::Done(outcome))
         })
-        .await
+        .await?;
+        match decided {
+            Committed::Known(outcome) => Ok(outcome),
+            Committed::Unknown(admitted @ Outcome::Admitted(_), error) => {
+                self.landed(drop_key, ask, &attempt, error).await?;
+                Ok(admitted)
+            }
+            // A retry's answer: nothing of the request's own was to be written.
+            Committed::Unknown(_, error) => Err(error.into()),
+        }
+    }
+
+    /// Settles the admission `attempt` of `ask`, whose COMMIT was not answered, so
+    /// that the caller's answer is true: `Ok` when it landed; the commit's error
+    /// when it did not, and now never can (see [`Self::admission_landed`]): nothing
+    /// changed; [`LedgerError::CommitUnknown`] when the ledger cannot be asked.
+    async fn landed(
+        &self,
+        drop_key: &str,
+        ask: Ask<'_>,
+        attempt: &str,
+        error: sqlx::Error,
+    ) -> Result<(), LedgerError> {
+        let asked = ask_until_answered(
+            || {
+                self.admission_landed(
+                    drop_key,
+                    ask.key,
+                    ask.user,
+                    ask.quantity,
+                    attempt,
+                    crate::clock::now_ms(),
+                )
+            },
+            &error,
+        )
+        .await?;
+        match asked {
+            Landed::Yes => Ok(()),
+            Landed::No | Landed::Other(_) => Err(error.into()),
+        }
     }
 
     /// A cart's lines on the ledger's gate, in one transaction: each decided as
@@ -206,7 +318,8 @@ impl Ledger {
         all: bool,
         now: i64,
     ) -> Result<Vec<Option<Outcome>>, LedgerError> {
-        retry(|| async {
+        let attempt = new_attempt();
+        let decided = retry(|| async {
             let mut tx = self.pool.begin().await?;
             let mut checked: Vec<&str> = Vec::new();
             for line in lines {
@@ -222,7 +335,8 @@ impl Ledger {
             let mut decided: Vec<Line> = Vec::with_capacity(lines.len());
             for line in lines {
                 sqlx::query("SAVEPOINT cart_line").execute(&mut *tx).await?;
-                let line = reserve_in(&mut tx, line.drop_key, line.config, line.ask, now).await?;
+                let line = reserve_in(&mut tx, line.drop_key, line.config, line.ask, &attempt, now)
+                    .await?;
                 if let Line::Refused(_) = line {
                     sqlx::query("ROLLBACK TO SAVEPOINT cart_line")
                         .execute(&mut *tx)
@@ -261,7 +375,7 @@ impl Ledger {
             });
             if (all && refused) || stopped {
                 tx.rollback().await?;
-                return Ok(Decision::Done(
+                return Ok(Decision::Done(Committed::Known(
                     decided
                         .into_iter()
                         .map(|line| match line {
@@ -269,19 +383,36 @@ impl Ledger {
                             Line::Kept(outcome) | Line::Refused(outcome) => Some(outcome),
                         })
                         .collect(),
-                ));
+                )));
             }
-            tx.commit().await?;
-            Ok(Decision::Done(
-                decided
-                    .into_iter()
-                    .map(|line| match line {
-                        Line::Kept(outcome) | Line::Refused(outcome) => Some(outcome),
-                    })
-                    .collect(),
-            ))
+            let outcomes = decided
+                .into_iter()
+                .map(|line| match line {
+                    Line::Kept(outcome) | Line::Refused(outcome) => Some(outcome),
+                })
+                .collect();
+            Ok(Decision::Done(commit(tx, outcomes).await?))
         })
-        .await
+        .await?;
+        match decided {
+            Committed::Known(outcomes) => Ok(outcomes),
+            Committed::Unknown(outcomes, error) => {
+                // The lines were one transaction: whether the first admitted one
+                // landed says whether they all did.
+                let first_admitted = lines
+                    .iter()
+                    .zip(&outcomes)
+                    .find(|(_, outcome)| matches!(outcome, Some(Outcome::Admitted(_))));
+                match first_admitted {
+                    Some((line, _)) => {
+                        self.landed(line.drop_key, line.ask, &attempt, error)
+                            .await?;
+                        Ok(outcomes)
+                    }
+                    None => Err(error.into()),
+                }
+            }
+        }
     }
 
     /// The answer to a retry of `key`, when the ledger already holds it: what the
@@ -325,7 +456,7 @@ impl Ledger {
         settle: Settle,
         now: i64,
     ) -> Result<Outcome, LedgerError> {
-        retry(|| async {
+        let decided = retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
@@ -333,16 +464,16 @@ impl Ledger {
             let stored = ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             // A hold past its deadline expires first, whatever was asked.
             let Some(row) = expire_if_due(&mut tx, drop_key, config, key, now).await? else {
-                tx.commit().await?;
-                return Ok(Decision::Done(Outcome::NotFound));
+                return Ok(Decision::Done(commit(tx, (Outcome::NotFound, None)).await?));
             };
             if let (Settle::Extend { until_ms }, State::Active) = (settle, row.state) {
                 let terms = effective_terms(config, stored)?;
                 let outcome =
                     extend_on_fallback(&mut tx, drop_key, config, &row, terms, until_ms, now)
                         .await?;
-                tx.commit().await?;
-                return Ok(Decision::Done(outcome));
+                let landing =
+                    matches!(outcome, Outcome::Extended(_)).then_some(Landing::Until(until_ms));
+                return Ok(Decision::Done(commit(tx, (outcome, landing)).await?));
             }
             let kept = match settle {
                 Settle::Confirm { quantity } => quantity,
@@ -353,8 +484,8 @@ impl Ledger {
                 && asked > row.quantity
             {
                 // More than is held: nothing changes.
-                tx.commit().await?;
-                return Ok(Decision::Done(Outcome::AboveHeld { held: row.quantity }));
+                let outcome = Outcome::AboveHeld { held: row.quantity };
+                return Ok(Decision::Done(commit(tx, (outcome, None)).await?));
             }
             let target = match (settle, row.state) {
                 (Settle::Confirm { .. }, State::Active) => Some(State::Confirmed),
@@ -392,10 +523,60 @@ impl Ledger {
                 // The ledger never records a pending admission.
                 (_, State::Pending) => Outcome::Recording,
             };
-            tx.commit().await?;
-            Ok(Decision::Done(outcome))
+            let landing = target.map(Landing::In);
+            Ok(Decision::Done(commit(tx, (outcome, landing)).await?))
         })
-        .await
+        .await?;
+        match decided {
+            Committed::Known((outcome, _)) => Ok(outcome),
+            Committed::Unknown((outcome, Some(landing)), error) => {
+                self.settled(drop_key, key, landing, error).await?;
+                Ok(outcome)
+            }
+            // Nothing the request asked for was to be written.
+            Committed::Unknown((_, None), error) => Err(error.into()),
+        }
+    }
+
+    /// Whether the change of `key` to `landing`, whose COMMIT was not answered,
+    /// is in the ledger, so that the caller's answer is true: `Ok` when it is; the
+    /// commit's error when it is not; [`LedgerError::CommitUnknown`] when the
+    /// ledger cannot be asked. On PostgreSQL the row is read with a lock, which
+    /// waits for the unanswered transaction to end first.
+    async fn settled(
+        &self,
+        drop_key: &str,
+        key: &str,
+        landing: Landing,
+        error: sqlx::Error,
+    ) -> Result<(), LedgerError> {
+        let sql = match self.backend {
+            Backend::Postgres => {
+                "SELECT state, expires_at_ms FROM reservations WHERE drop_key = $1 AND res_key = $2 FOR UPDATE"
+            }
+            Backend::Sqlite => {
+                "SELECT state, expires_at_ms FROM reservations WHERE drop_key = $1 AND res_key = $2"
+            }
+        };
+        let read = || async {
+            let mut tx = self.pool.begin().await?;
+            let row: Option<(String, i64)> = sqlx::query_as(sql)
+                .bind(drop_key)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok::<_, LedgerError>(row)
+        };
+        let row = ask_until_answered(read, &error).await?;
+        let landed = match (landing, row) {
+            (Landing::In(state), Some((now_in, _))) => now_in == state.as_str(),
+            (Landing::Until(until_ms), Some((now_in, expires_at_ms))) => {
+                now_in == State::Active.as_str() && expires_at_ms >= until_ms
+            }
+            (_, None) => false,
+        };
+        if landed { Ok(()) } else { Err(error.into()) }
     }
 
     /// Expires the drop's active holds whose deadline is at or before `due`, each
@@ -709,6 +890,7 @@ async fn reserve_in(
     drop_key: &str,
     config: &DropConfig,
     ask: Ask<'_>,
+    attempt: &str,
     now: i64,
 ) -> Result<Line, TxError> {
     let Ask {
@@ -725,9 +907,8 @@ async fn reserve_in(
         expires_at_ms: now + terms.hold_seconds * 1000,
         variant: variant.map(str::to_string),
     };
-    let attempt = format!("{:016x}", rand::random::<u64>());
     let change =
-        Change::new(drop_key, stock(config), key, &held, State::Active).by(&attempt, i64::MAX);
+        Change::new(drop_key, stock(config), key, &held, State::Active).by(attempt, i64::MAX);
     if !insert_reservation(tx, &change, "fallback", false, now).await? {
         let existing = expire_if_due(tx, drop_key, config, key, now).await?;
         let outcome = match retry_answer(tx, drop_key, existing, user, quantity, variant).await? {

@@ -100,6 +100,12 @@ pub enum LedgerError {
     /// The ledger holds a newer generation of the drop than the caller's config.
     #[error("the ledger holds generation {0} of the drop, newer than this sidecar's config")]
     StaleConfig(i64),
+    /// The fallback gate's COMMIT was not answered, and the ledger could not be
+    /// asked whether it landed: a retry of the same key finds out.
+    #[error(
+        "the ledger's commit failed without saying whether it landed, and the ledger cannot be asked ({0}): retry the same key to learn which"
+    )]
+    CommitUnknown(String),
 }
 
 /// Why a change the Redis gate made was not recorded. Each is about that change

@@ -1,0 +1,160 @@
+//! The fallback gate's COMMIT goes unanswered (the connection to the ledger breaks
+//! as it commits): the answer is still true. A reserve, confirm, refund or cart
+//! whose commit landed is answered as made; one whose commit did not is a 503 that
+//! changed nothing, and its retry goes through. Fault points are process-wide, so this file holds one
+//! test.
+
+mod common;
+
+use common::Sidecar;
+use dropgate_sidecar::faults::{self, Fault};
+use dropgate_testkit::{DropSpec, Reply};
+use serde_json::json;
+
+/// The ledger's row of `key` on drop `drop`, as (state, quantity); `None` without
+/// one (an `abandoned` claim is none).
+async fn row(sidecar: &Sidecar, drop: &str, key: &str) -> Option<(String, i64)> {
+    let ledger = common::ledger_of(sidecar).await;
+    sqlx::query_as(
+        "SELECT state, quantity FROM reservations \
+         WHERE drop_key LIKE $1 AND res_key = $2 AND state <> 'abandoned'",
+    )
+    .bind(format!("{}/{drop}/%", common::NS))
+    .bind(key)
+    .fetch_optional(ledger.pool())
+    .await
+    .expect("query")
+}
+
+/// What `GET /v1/drops/{drop}` says remains.
+async fn left(sidecar: &Sidecar, drop: &str) -> i64 {
+    let shown = sidecar
+        .http
+        .get(&format!("/v1/drops/{drop}"))
+        .await
+        .expect("answers");
+    shown.body["remaining"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("GET /v1/drops/{drop}: {}", shown.text))
+}
+
+fn two_line_cart(key: &str, user: &str) -> String {
+    json!({
+        "key": key,
+        "user": user,
+        "lines": [{"drop": "shirt", "quantity": 1}, {"drop": "cap", "quantity": 1}],
+    })
+    .to_string()
+}
+
+/// A cart's line keys go by its drops' names in order: `cap` is line 1.
+const LINES: [(&str, &str); 2] = [("cap", ":1"), ("shirt", ":2")];
+
+async fn post_cart(sidecar: &Sidecar, body: &str) -> Reply {
+    sidecar.http.post("/v1/carts", body).await.expect("answers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_fallback_commit_is_answered_as_it_turned_out() {
+    // One after the other: the fault points are the process's.
+    an_unanswered_commit_on(Sidecar::start().await).await;
+    let postgres = dropgate_testkit::PostgresServer::start().expect("PostgreSQL");
+    an_unanswered_commit_on(Sidecar::start_with_database(Some(postgres.url())).await).await;
+}
+
+async fn an_unanswered_commit_on(sidecar: Sidecar) {
+    for drop in ["sale", "shirt", "cap"] {
+        sidecar
+            .seed(drop, DropSpec::new(5).per_user_limit(2).kill_switch())
+            .await;
+    }
+
+    // A reserve whose commit landed: admitted, and a retry hears it.
+    faults::arm(Fault::LandedCommitUnanswered, 1);
+    sidecar
+        .reserve("sale", "a", "alice", 1)
+        .await
+        .assert_answer(201, "admitted");
+    assert_eq!(row(&sidecar, "sale", "a").await, Some(("active".into(), 1)));
+    sidecar
+        .reserve("sale", "a", "alice", 1)
+        .await
+        .assert_answer(200, "already_reserved");
+    assert_eq!(left(&sidecar, "sale").await, 4);
+
+    // One whose commit was lost: a 503, nothing held, and the same key is
+    // admitted afresh.
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    sidecar
+        .reserve("sale", "b", "bob", 1)
+        .await
+        .assert_answer(503, "unavailable");
+    assert_eq!(row(&sidecar, "sale", "b").await, None);
+    assert_eq!(left(&sidecar, "sale").await, 4, "the 503 changed nothing");
+    sidecar
+        .reserve("sale", "b", "bob", 1)
+        .await
+        .assert_answer(201, "admitted");
+    assert_eq!(left(&sidecar, "sale").await, 3);
+
+    // A confirm whose commit landed is confirmed; a refund whose commit was lost
+    // is a 503 that leaves the reservation confirmed, and its retry refunds it.
+    faults::arm(Fault::LandedCommitUnanswered, 1);
+    sidecar
+        .settle("sale", "a", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    assert_eq!(
+        row(&sidecar, "sale", "a").await,
+        Some(("confirmed".into(), 1))
+    );
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    sidecar
+        .settle("sale", "a", "cancel")
+        .await
+        .assert_answer(503, "unavailable");
+    assert_eq!(
+        row(&sidecar, "sale", "a").await,
+        Some(("confirmed".into(), 1))
+    );
+    assert_eq!(left(&sidecar, "sale").await, 3, "the 503 changed nothing");
+    sidecar
+        .settle("sale", "a", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    assert_eq!(left(&sidecar, "sale").await, 4);
+
+    // A cart is one transaction on the fallback: the same for all its lines.
+    faults::arm(Fault::LandedCommitUnanswered, 1);
+    post_cart(&sidecar, &two_line_cart("c1", "carol"))
+        .await
+        .assert_answer(201, "reserved");
+    for (drop, line) in LINES {
+        let state = row(&sidecar, drop, &format!("c1{line}")).await.map(|r| r.0);
+        assert_eq!(state.as_deref(), Some("active"), "{drop}");
+        assert_eq!(left(&sidecar, drop).await, 4, "{drop}");
+    }
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    post_cart(&sidecar, &two_line_cart("c2", "dave"))
+        .await
+        .assert_answer(503, "unavailable");
+    for (drop, line) in LINES {
+        assert_eq!(
+            row(&sidecar, drop, &format!("c2{line}")).await,
+            None,
+            "{drop}"
+        );
+        assert_eq!(
+            left(&sidecar, drop).await,
+            4,
+            "{drop}: the 503 changed nothing"
+        );
+    }
+    post_cart(&sidecar, &two_line_cart("c2", "dave"))
+        .await
+        .assert_answer(201, "reserved");
+    for drop in ["shirt", "cap"] {
+        assert_eq!(left(&sidecar, drop).await, 3, "{drop}");
+    }
+    sidecar.shutdown().await;
+}
