@@ -62,9 +62,13 @@ use crate::config::{FailurePolicy, Mode};
     validation = Rule::new("!has(self.startsAt) || !has(self.endsAt) || self.endsAt > self.startsAt")
         .message("endsAt must be after startsAt")
         .field_path(".endsAt"),
-    validation = Rule::new("self.throttle.acquireTimeoutMs + 2000 < self.holdSeconds * 1000")
+    // Ratcheted: an object stored before the rule may still be changed otherwise
+    // (a restock, the kill switch); the operator publishes its hold raised to the
+    // shortest that keeps the promise (`published_hold_seconds`).
+    validation = Rule::new("self.throttle.acquireTimeoutMs + 2000 < self.holdSeconds * 1000 || oldSelf.optMap(o, o.holdSeconds == self.holdSeconds && o.throttle.acquireTimeoutMs == self.throttle.acquireTimeoutMs).orValue(false)")
         .message("holdSeconds must be longer than throttle.acquireTimeoutMs plus the ledger's 2 s commit deadline (a hold outlasts its admission's pending bound)")
-        .field_path(".holdSeconds"),
+        .field_path(".holdSeconds")
+        .optional_old_self(true),
     validation = Rule::new("!has(self.maxHoldSeconds) || self.maxHoldSeconds >= self.holdSeconds")
         .message("maxHoldSeconds must be at least holdSeconds (a hold is never cut short by it)")
         .field_path(".maxHoldSeconds"),
@@ -463,6 +467,24 @@ impl InventoryDropSpec {
         self.max_hold_seconds.unwrap_or(self.hold_seconds)
     }
 
+    /// The shortest hold, in whole seconds, that outlasts an admission's pending
+    /// bound: its permit wait, then the ledger's commit deadline.
+    pub fn shortest_hold_seconds(&self) -> i64 {
+        (self.throttle.acquire_timeout_ms + crate::COMMIT_DEADLINE_MS) / 1000 + 1
+    }
+
+    /// The hold the operator publishes: holdSeconds, or the shortest hold that
+    /// keeps the promise when an object stored before that rule asks for less (the
+    /// API server refuses such a hold on anything new or changed).
+    pub fn published_hold_seconds(&self) -> i64 {
+        self.hold_seconds.max(self.shortest_hold_seconds())
+    }
+
+    /// [`Self::max_hold_seconds`], never below the published hold.
+    pub fn published_max_hold_seconds(&self) -> i64 {
+        self.max_hold_seconds().max(self.published_hold_seconds())
+    }
+
     /// The sum of the variants' quantities; `None` without variants.
     fn variants_total(&self) -> Option<i64> {
         (!self.variants.is_empty()).then(|| self.variants.iter().map(|v| v.quantity).sum())
@@ -471,6 +493,24 @@ impl InventoryDropSpec {
     /// Checks what the CRD schema checks (for manifests that never met an API server)
     /// and what it cannot: the sale window's order.
     pub fn validate(&self) -> Result<(), SpecError> {
+        self.validate_stored()?;
+        // A hold outlasts its admission's pending bound (the permit wait, then the
+        // ledger's commit deadline), so that it cannot expire, and its unit be sold
+        // again, before its admission is made durable.
+        if self.throttle.acquire_timeout_ms + crate::COMMIT_DEADLINE_MS >= self.hold_seconds * 1000
+        {
+            return Err(SpecError {
+                field: "holdSeconds",
+                problem: "must be longer than throttle.acquireTimeoutMs plus the ledger's 2 s commit deadline".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Self::validate`] for an object the API server stored, which may predate
+    /// the hold's rule (it is ratcheted there): everything but that rule, whose
+    /// promise [`Self::published_hold_seconds`] keeps.
+    pub fn validate_stored(&self) -> Result<(), SpecError> {
         let err = |field, problem: &str| {
             Err(SpecError {
                 field,
@@ -593,16 +633,6 @@ impl InventoryDropSpec {
         }
         if !(0..=60_000).contains(&self.throttle.acquire_timeout_ms) {
             return err("throttle.acquireTimeoutMs", "must be from 0 to 60000");
-        }
-        // A hold outlasts its admission's pending bound (the permit wait, then the
-        // ledger's commit deadline), so that it cannot expire, and its unit be sold
-        // again, before its admission is made durable.
-        if self.throttle.acquire_timeout_ms + crate::COMMIT_DEADLINE_MS >= self.hold_seconds * 1000
-        {
-            return err(
-                "holdSeconds",
-                "must be longer than throttle.acquireTimeoutMs plus the ledger's 2 s commit deadline",
-            );
         }
         Ok(())
     }
@@ -808,6 +838,24 @@ spec:
         for (seconds, acquire_ms) in [(1, 0), (2, 0), (3, 1000), (60, 58_000)] {
             let refused = hold(seconds, acquire_ms).expect_err("a hold within its pending bound");
             assert_eq!(refused.field, "holdSeconds");
+        }
+        // A stored object from before the rule is published with a hold that is.
+        for (seconds, acquire_ms, published) in [(1, 0, 3), (2, 50, 3), (3, 999, 3), (2, 1000, 4)] {
+            let yaml = MINIMAL.replace(
+                "limitedQuantity: 5",
+                &format!(
+                    "limitedQuantity: 5\n  holdSeconds: {seconds}\n  throttle: {{acquireTimeoutMs: {acquire_ms}}}"
+                ),
+            );
+            let spec = parse(&yaml).expect("parses").spec;
+            assert_eq!(spec.validate_stored(), Ok(()));
+            assert_eq!(
+                spec.published_hold_seconds(),
+                published,
+                "{seconds} s, {acquire_ms} ms"
+            );
+            assert_eq!(spec.published_max_hold_seconds(), published);
+            assert!(spec.published_hold_seconds() * 1000 > acquire_ms + crate::COMMIT_DEADLINE_MS);
         }
         // The API server's rule writes the deadline out: it must be this one.
         let crd = serde_json::to_string(&<InventoryDrop as kube::CustomResourceExt>::crd())

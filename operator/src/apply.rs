@@ -56,7 +56,7 @@ pub fn parse_manifest(text: &str) -> Result<InventoryDrop> {
             unknown.join(", ")
         )));
     }
-    reconcile::validate(&drop)?;
+    reconcile::validate(&drop, reconcile::Origin::Manifest)?;
     Ok(drop)
 }
 

@@ -307,7 +307,7 @@ async fn record_claim(drop: &InventoryDrop, ctx: &Context, id: &str) -> Result<(
 }
 
 async fn reconcile_redis(drop: &InventoryDrop, ctx: &Context) -> Result<Reconciled> {
-    reconcile::validate(drop)?;
+    reconcile::validate(drop, reconcile::Origin::ApiServer)?;
     let url = ctx.redis_url(drop).await?;
     let mut conn = ctx.redis(&url, drop.spec.redis.cluster).await?;
     let ha = reconcile::verify_ha(drop, &url, &mut conn, &ctx.memorystore).await;

@@ -75,8 +75,8 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         per_user_limit: spec.per_user_limit,
         starts_at_ms: ms(&spec.starts_at),
         ends_at_ms,
-        hold_seconds: spec.hold_seconds,
-        max_hold_seconds: spec.max_hold_seconds(),
+        hold_seconds: spec.published_hold_seconds(),
+        max_hold_seconds: spec.published_max_hold_seconds(),
         paused: spec.paused,
         waitlist: spec.waitlist.bound(),
         permits: u32::try_from(spec.throttle.permits).unwrap_or(1),
@@ -85,7 +85,8 @@ pub fn config(drop: &InventoryDrop, mode: Mode) -> DropConfig {
         failure_policy: spec.gate.failure_policy,
         generation: drop.metadata.generation.unwrap_or(0),
         // A hold admitted at the end may be extended to its longest.
-        expire_at_ms: ends_at_ms.map(|end| end + spec.max_hold_seconds() * 1000 + KEY_GRACE_MS),
+        expire_at_ms: ends_at_ms
+            .map(|end| end + spec.published_max_hold_seconds() * 1000 + KEY_GRACE_MS),
         seeded_at_ms: None,
         sale: sale_of(drop),
     }

@@ -50,8 +50,19 @@ pub fn keys_of(drop: &InventoryDrop) -> DropKeys {
     DropKeys::new(&namespace, &drop.name_any())
 }
 
+/// Where an object to reconcile comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// A manifest `apply` read: no API server judged it.
+    Manifest,
+    /// The API server, which judged it with the CRD's rules when it was written;
+    /// one rule is ratcheted there (an object stored before it may keep a short
+    /// hold, published raised: see `InventoryDropSpec::published_hold_seconds`).
+    ApiServer,
+}
+
 /// Checks what Kubernetes would have checked before the object reached us.
-pub fn validate(drop: &InventoryDrop) -> Result<()> {
+pub fn validate(drop: &InventoryDrop, origin: Origin) -> Result<()> {
     let name = drop.name_any();
     let namespace = drop.namespace().unwrap_or_else(|| "default".to_string());
     for (field, value) in [("metadata.name", &name), ("metadata.namespace", &namespace)] {
@@ -61,7 +72,10 @@ pub fn validate(drop: &InventoryDrop) -> Result<()> {
             )));
         }
     }
-    drop.spec.validate()?;
+    match origin {
+        Origin::Manifest => drop.spec.validate()?,
+        Origin::ApiServer => drop.spec.validate_stored()?,
+    }
     Ok(())
 }
 
@@ -96,7 +110,9 @@ pub async fn reconcile(
     claims: dropgate_api::keys::Claims,
     now: Timestamp,
 ) -> Result<Reconciled> {
-    validate(drop)?;
+    // Each caller judged the object by where it came from; this is the floor every
+    // published config stands on.
+    validate(drop, Origin::ApiServer)?;
     let keys = keys_of(drop);
     let spec = &drop.spec;
     let mode = decide::mode(

@@ -47,6 +47,21 @@ fn two_line_cart(key: &str, user: &str) -> String {
     .to_string()
 }
 
+fn rfc3339(ms: i64) -> String {
+    jiff::Timestamp::from_millisecond(ms)
+        .expect("a time")
+        .to_string()
+}
+
+async fn extend(sidecar: &Sidecar, key: &str, until_ms: i64) -> Reply {
+    let body = format!(r#"{{"expiresAt":"{}"}}"#, rfc3339(until_ms));
+    sidecar
+        .http
+        .post(&format!("/v1/drops/sale/reservations/{key}/extend"), &body)
+        .await
+        .expect("answers")
+}
+
 /// A cart's line keys go by its drops' names in order: `cap` is line 1.
 const LINES: [(&str, &str); 2] = [("cap", ":1"), ("shirt", ":2")];
 
@@ -65,7 +80,13 @@ async fn an_unanswered_fallback_commit_is_answered_as_it_turned_out() {
 async fn an_unanswered_commit_on(sidecar: Sidecar) {
     for drop in ["sale", "shirt", "cap"] {
         sidecar
-            .seed(drop, DropSpec::new(5).per_user_limit(2).kill_switch())
+            .seed(
+                drop,
+                DropSpec::new(5)
+                    .per_user_limit(2)
+                    .max_hold_seconds(3600)
+                    .kill_switch(),
+            )
             .await;
     }
 
@@ -123,6 +144,20 @@ async fn an_unanswered_commit_on(sidecar: Sidecar) {
         .await
         .assert_answer(200, "cancelled");
     assert_eq!(left(&sidecar, "sale").await, 4);
+
+    // So with extensions: one that landed is extended, one that did not is a 503
+    // that leaves the deadline where the first put it.
+    let first = jiff::Timestamp::now().as_millisecond() + 1_200_000;
+    faults::arm(Fault::LandedCommitUnanswered, 1);
+    extend(&sidecar, "b", first)
+        .await
+        .assert_answer(200, "extended");
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    extend(&sidecar, "b", first + 600_000)
+        .await
+        .assert_answer(503, "unavailable");
+    let looked = sidecar.lookup("sale", "b").await;
+    assert_eq!(looked.body["expiresAt"], rfc3339(first), "{}", looked.text);
 
     // A cart is one transaction on the fallback: the same for all its lines.
     faults::arm(Fault::LandedCommitUnanswered, 1);

@@ -464,6 +464,65 @@ async fn a_stale_config_never_writes_an_old_limit_back() {
     stale.shutdown().await;
 }
 
+/// A limit cut published while one sidecar cannot reach Redis (its peer can), then
+/// Redis gone for both: the cut-off sidecar's fallback decides on the cut its peer
+/// read and noted in the shared ledger, not on its own older copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_limit_cut_a_peer_read_binds_the_fallback_of_a_sidecar_that_missed_it() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    let (to_fresh, to_stale) = (
+        TcpProxy::start(redis.port()).await.expect("proxy"),
+        TcpProxy::start(redis.port()).await.expect("proxy"),
+    );
+    seed(&redis.url(), "sale", one_per_buyer(10)).await;
+    let fresh = Peer::start(&to_fresh.redis_url(), &postgres.url()).await;
+    let stale = Peer::start(&to_stale.redis_url(), &postgres.url()).await;
+    assert_eq!(fresh.reserve("sale", "a", "a", 1).await.status, 201);
+    assert_eq!(stale.reserve("sale", "b", "b", 1).await.status, 201);
+
+    to_stale.cut().await;
+    seed(&redis.url(), "sale", one_per_buyer(4)).await;
+    eventually("the cut to reach the fresh sidecar", async || {
+        fresh
+            .http
+            .get("/v1/drops/sale")
+            .await
+            .is_ok_and(|r| r.body["limit"] == 4)
+    })
+    .await;
+    // A few of its refreshes, none of them an admission.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    to_fresh.cut().await;
+
+    // Nobody reaches Redis: after the quiet period the stale sidecar falls back.
+    let mut answers = Vec::new();
+    for i in 0..200 {
+        let reply = stale
+            .reserve("sale", &format!("r{i}"), &format!("r{i}"), 1)
+            .await;
+        let outcome = reply.outcome().to_string();
+        answers.push(reply);
+        if outcome == "sold_out" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let counts = tally(&answers);
+    assert_eq!(counts.get("sold_out"), Some(&1), "it fell back: {counts:?}");
+    assert_eq!(admitted(&answers), 2, "4 units, 2 sold before: {counts:?}");
+    assert!(
+        answers
+            .iter()
+            .filter(|r| r.status == 201)
+            .all(|r| r.body["path"] == "fallback")
+    );
+    let ledger = ledger_view(&postgres.url(), "sale").await;
+    assert_eq!((ledger.limit, ledger.held, ledger.available), (4, 4, 0));
+    fresh.shutdown().await;
+    stale.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_drop_re_created_under_its_name_is_a_new_sale() {
     let redis = RedisServer::start().expect("redis-server");

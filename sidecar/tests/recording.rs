@@ -68,11 +68,11 @@ async fn answers_match_the_record() {
 
     // The hold lapses; a look-up notices. It answers expired, records the expiry
     // with its event, and frees the permit: the next buyer gets in at once.
-    seed(&redis.url(), "brief", spec(1)).await;
+    seed(&redis.url(), "brief", spec(3)).await;
     assert_eq!(sidecar.reserve("brief", "b", "bob", 1).await.status, 201);
     let busy = sidecar.reserve("brief", "c", "carol", 1).await;
     assert_eq!(busy.outcome(), "throttled", "one permit: {}", busy.text);
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    tokio::time::sleep(Duration::from_millis(3100)).await;
     let reply = sidecar.lookup("brief", "b").await;
     assert_eq!(reply.status, 200, "{}", reply.text);
     assert_eq!(reply.body["state"], "expired");

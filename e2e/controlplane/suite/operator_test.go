@@ -312,6 +312,61 @@ func invalidDropsRejectedAtApply(t *testing.T, e *env) {
 	e.waitField(t, ns, obj, "{.status.phase}", "Ended")
 	e.kubectlIn(t, running(ended, u+"/0"), "apply", "-f", "-")
 	e.deleteDrop(t, ns, name)
+
+	e.storedBeforeTheHoldRule(t, ns)
+}
+
+// storedBeforeTheHoldRule: a drop stored under a CRD without the hold rule (an
+// upgrade) keeps selling: the API server ratchets the rule, so other changes go
+// through while its hold stays as it was, the operator publishes the hold raised
+// to the shortest that outlasts the pending bound, and a new short hold is
+// refused.
+func (e *env) storedBeforeTheHoldRule(t *testing.T, ns string) {
+	const crd = "crd/inventorydrops.dropgate.io"
+	const rules = "/spec/versions/0/schema/openAPIV3Schema/properties/spec/x-kubernetes-validations"
+	paths := strings.Fields(e.kubectl(t, "get", crd, "-o",
+		"jsonpath={.spec.versions[0].schema.openAPIV3Schema.properties.spec.x-kubernetes-validations[*].fieldPath}"))
+	index := -1
+	for i, path := range paths {
+		if path == ".holdSeconds" {
+			index = i
+		}
+	}
+	if index < 0 {
+		t.Fatalf("the CRD has no rule on .holdSeconds (rules on %v)", paths)
+	}
+	rule := e.kubectl(t, "get", crd, "-o", fmt.Sprintf(
+		"jsonpath={.spec.versions[0].schema.openAPIV3Schema.properties.spec.x-kubernetes-validations[%d]}", index))
+	at := fmt.Sprintf("%s/%d", rules, index)
+	restore := func() {
+		patch := fmt.Sprintf(`[{"op":"add","path":%q,"value":%s}]`, at, rule)
+		if out, err := e.run("kubectl", "patch", crd, "--type=json", "-p", patch); err != nil {
+			t.Fatalf("restoring the CRD's hold rule: %v: %s", err, out)
+		}
+	}
+	e.kubectl(t, "patch", crd, "--type=json", "-p", fmt.Sprintf(`[{"op":"remove","path":%q}]`, at))
+	name := "short-hold"
+	short := func(extra string) string {
+		return dropYAML(ns, name, `{sku: OLD-1, limitedQuantity: 10, holdSeconds: 1, `+extra+`redis: {url: "`+e.redisURL+`"}}`)
+	}
+	_, err := e.runIn(short(""), "kubectl", "apply", "-f", "-")
+	restore()
+	if err != nil {
+		t.Fatalf("a short hold under the CRD without the rule: %v", err)
+	}
+	e.kubectl(t, "-n", ns, "wait", "--for=condition=Ready", "inventorydrop/"+name, "--timeout=120s")
+	config := fmt.Sprintf("dropgate:{%s/%s}:config", ns, name)
+	e.eventually(t, "the hold published raised to 3 s", func() (bool, string) {
+		got := strings.TrimSpace(e.redisCLI(t, "hget", config, "holdSeconds"))
+		return got == "3", got
+	})
+	// Another change goes through while the hold stays as stored; a new short hold
+	// does not.
+	e.kubectlIn(t, short("perUserLimit: 2, "), "apply", "-f", "-")
+	e.waitField(t, ns, "inventorydrop/"+name, "{.spec.perUserLimit}", "2")
+	refusedHold := dropYAML(ns, name, `{sku: OLD-1, limitedQuantity: 10, holdSeconds: 2, perUserLimit: 2, redis: {url: "`+e.redisURL+`"}}`)
+	e.refused(t, "a new short hold", refusedHold, "spec.holdSeconds")
+	e.deleteDrop(t, ns, name)
 }
 
 // ha_blip_keeps_mode: Memorystore answers 503 (a blip) to a fresh operator

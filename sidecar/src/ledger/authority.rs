@@ -241,13 +241,20 @@ impl Ledger {
         Ok(done.rows_affected() == 1)
     }
 
-    /// Notes that `sidecar` reached Redis for the drop at `now`.
+    /// Notes that `sidecar` reached Redis for the drop at `now`, and the config it
+    /// read there (`stock`, its limit and terms): when it is of a newer generation
+    /// than the ledger's, the ledger's stock moves to it now, not at the next
+    /// admission. So a peer that could not read that config before Redis became
+    /// unreachable to it decides on the fallback on the newest terms a sidecar
+    /// sharing the ledger read (see `effective_terms`), not on its own stale copy.
     pub async fn note_gate_seen(
         &self,
         drop_key: &str,
         sidecar: &str,
+        stock: &Stock,
         now: i64,
     ) -> Result<(), LedgerError> {
+        let mut tx = self.pool.begin().await?;
         sqlx::query(
             "INSERT INTO gate_seen (drop_key, sidecar, seen_at_ms) VALUES ($1, $2, $3) \
              ON CONFLICT (drop_key, sidecar) DO UPDATE SET seen_at_ms = excluded.seen_at_ms",
@@ -255,8 +262,10 @@ impl Ledger {
         .bind(drop_key)
         .bind(sidecar)
         .bind(now)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        ensure_stock(&mut tx, drop_key, stock).await?;
+        tx.commit().await?;
         Ok(())
     }
 

@@ -122,8 +122,29 @@ async fn commit<T>(tx: Transaction<'static, Any>, done: T) -> Result<Committed<T
     }
     match committed {
         Ok(()) => Ok(Committed::Known(done)),
-        Err(refused @ sqlx::Error::Database(_)) => Err(TxError::Sql(refused)),
+        Err(sqlx::Error::Database(db)) if rolled_back(db.code().as_deref()) => {
+            Err(TxError::Sql(sqlx::Error::Database(db)))
+        }
         Err(unanswered) => Ok(Committed::Unknown(done, unanswered)),
+    }
+}
+
+/// Whether a COMMIT that failed with this error code surely left nothing behind:
+/// PostgreSQL's serialisation, deadlock and constraint failures, a transaction
+/// already aborted, a lock not had or a statement cancelled; SQLite's busy and
+/// locked. Anything else (an I/O or internal error, a server shutting down) may
+/// have landed, and is asked about.
+fn rolled_back(code: Option<&str>) -> bool {
+    match code {
+        Some(code)
+            if code.starts_with("40") || code.starts_with("23") || code.starts_with("25") =>
+        {
+            true
+        }
+        Some("55P03" | "57014") => true,
+        // SQLITE_BUSY, SQLITE_LOCKED and their extended codes.
+        Some("5" | "6" | "261" | "262" | "517" | "518" | "773") => true,
+        _ => false,
     }
 }
 
@@ -133,28 +154,26 @@ const ASK_WHETHER_LANDED_FOR: std::time::Duration = std::time::Duration::from_se
 
 /// A fresh attempt id: the reservation rows a fallback transaction writes carry
 /// it, so that a COMMIT that was not answered can be asked about (and fenced off).
+/// How much of a hold must be left for an admission whose COMMIT was not answered
+/// to be answered 201 once the ledger says it landed.
+const HOLD_MARGIN_MS: i64 = 1_000;
+
 fn new_attempt() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
-/// What a confirm, cancel or extension that was not answered left in the ledger
-/// when it landed.
-#[derive(Clone, Copy, Debug)]
-enum Landing {
-    /// The reservation in this state.
-    In(State),
-    /// Held at least until then.
-    Until(i64),
-}
-
-/// `ask` until the ledger answers, for at most [`ASK_WHETHER_LANDED_FOR`]; past
-/// that, [`LedgerError::CommitUnknown`] naming `error`, the COMMIT's failure.
-async fn ask_until_answered<T, F, Fut>(ask: F, error: &sqlx::Error) -> Result<T, LedgerError>
+/// `ask` until the ledger answers, for at most `within`; past that,
+/// [`LedgerError::CommitUnknown`] naming `error`, the COMMIT's failure.
+async fn ask_until_answered<T, F, Fut>(
+    ask: F,
+    within: std::time::Duration,
+    error: &sqlx::Error,
+) -> Result<T, LedgerError>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<T, LedgerError>>,
 {
-    let until = std::time::Instant::now() + ASK_WHETHER_LANDED_FOR;
+    let until = std::time::Instant::now() + within;
     let mut pause = std::time::Duration::from_millis(10);
     loop {
         match ask().await {
@@ -178,8 +197,8 @@ fn stock(config: &DropConfig) -> Stock {
 
 /// Extends the active hold `row` to `until_ms` on the ledger's gate, within
 /// `terms.max_hold_seconds` from its admission: the row's deadline and its event,
-/// in the caller's transaction. A deadline at or before the current one changes
-/// nothing.
+/// in the caller's transaction, with the event's id. A deadline at or before the
+/// current one changes nothing.
 async fn extend_on_fallback(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
@@ -188,20 +207,20 @@ async fn extend_on_fallback(
     terms: Terms,
     until_ms: i64,
     now: i64,
-) -> Result<Outcome, TxError> {
+) -> Result<(Outcome, Option<String>), TxError> {
     let current = View {
         reservation: row.reservation(),
         remaining: 0,
     };
     if until_ms <= row.expires_at_ms {
-        return Ok(Outcome::Extended(current));
+        return Ok((Outcome::Extended(current), None));
     }
     // A row written before admissions kept their time: its deadline minus the hold.
     let admitted = row
         .admitted_at_ms
         .unwrap_or(row.expires_at_ms - terms.hold_seconds * 1000);
     if until_ms > admitted + terms.max_hold_seconds * 1000 {
-        return Ok(Outcome::ExtensionRefused(current));
+        return Ok((Outcome::ExtensionRefused(current), None));
     }
     let change = Change {
         extension: true,
@@ -219,7 +238,11 @@ async fn extend_on_fallback(
     }
     let mut ids = EventIds::for_events(1);
     write_event(tx, &mut ids, &change, "fallback", now).await?;
-    Ok(Outcome::Extended(view(tx, drop_key, &row.key).await?))
+    let landing = super::event_id(&change, "extended");
+    Ok((
+        Outcome::Extended(view(tx, drop_key, &row.key).await?),
+        Some(landing),
+    ))
 }
 
 /// The terms a fallback admission is decided on: the newest the ledger has seen,
@@ -264,9 +287,11 @@ impl Ledger {
         .await?;
         match decided {
             Committed::Known(outcome) => Ok(outcome),
-            Committed::Unknown(admitted @ Outcome::Admitted(_), error) => {
-                self.landed(drop_key, ask, &attempt, error).await?;
-                Ok(admitted)
+            Committed::Unknown(Outcome::Admitted(view), error) => {
+                let deadline = view.reservation.expires_at_ms;
+                self.landed(drop_key, ask, &attempt, deadline, error)
+                    .await?;
+                Ok(Outcome::Admitted(view))
             }
             // A retry's answer: nothing of the request's own was to be written.
             Committed::Unknown(_, error) => Err(error.into()),
@@ -276,14 +301,21 @@ impl Ledger {
     /// Settles the admission `attempt` of `ask`, whose COMMIT was not answered, so
     /// that the caller's answer is true: `Ok` when it landed; the commit's error
     /// when it did not, and now never can (see [`Self::admission_landed`]): nothing
-    /// changed; [`LedgerError::CommitUnknown`] when the ledger cannot be asked.
+    /// changed; [`LedgerError::CommitUnknown`] when the ledger cannot be asked
+    /// before the hold's `deadline_ms` (less a margin): a 201 is never sent for a
+    /// hold that may have lapsed meanwhile.
     async fn landed(
         &self,
         drop_key: &str,
         ask: Ask<'_>,
         attempt: &str,
+        deadline_ms: i64,
         error: sqlx::Error,
     ) -> Result<(), LedgerError> {
+        let left_ms = deadline_ms - crate::clock::now_ms() - HOLD_MARGIN_MS;
+        let within = ASK_WHETHER_LANDED_FOR.min(std::time::Duration::from_millis(
+            u64::try_from(left_ms).unwrap_or(0),
+        ));
         let asked = ask_until_answered(
             || {
                 self.admission_landed(
@@ -295,6 +327,7 @@ impl Ledger {
                     crate::clock::now_ms(),
                 )
             },
+            within,
             &error,
         )
         .await?;
@@ -405,7 +438,16 @@ impl Ledger {
                     .find(|(_, outcome)| matches!(outcome, Some(Outcome::Admitted(_))));
                 match first_admitted {
                     Some((line, _)) => {
-                        self.landed(line.drop_key, line.ask, &attempt, error)
+                        let deadline = outcomes
+                            .iter()
+                            .flatten()
+                            .filter_map(|outcome| match outcome {
+                                Outcome::Admitted(view) => Some(view.reservation.expires_at_ms),
+                                _ => None,
+                            })
+                            .min()
+                            .unwrap_or(0);
+                        self.landed(line.drop_key, line.ask, &attempt, deadline, error)
                             .await?;
                         Ok(outcomes)
                     }
@@ -468,12 +510,10 @@ impl Ledger {
             };
             if let (Settle::Extend { until_ms }, State::Active) = (settle, row.state) {
                 let terms = effective_terms(config, stored)?;
-                let outcome =
+                let extended =
                     extend_on_fallback(&mut tx, drop_key, config, &row, terms, until_ms, now)
                         .await?;
-                let landing =
-                    matches!(outcome, Outcome::Extended(_)).then_some(Landing::Until(until_ms));
-                return Ok(Decision::Done(commit(tx, (outcome, landing)).await?));
+                return Ok(Decision::Done(commit(tx, extended).await?));
             }
             let kept = match settle {
                 Settle::Confirm { quantity } => quantity,
@@ -492,9 +532,11 @@ impl Ledger {
                 (Settle::Cancel, State::Active | State::Confirmed) => Some(State::Cancelled),
                 _ => None,
             };
+            let mut landing = None;
             if let Some(target) = target {
                 let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
                     .keeping(kept);
+                landing = Some(super::event_id(&change, super::event(target)));
                 if transition(&mut tx, &change, false, now).await?.is_none() {
                     return Err(TxError::Raced);
                 }
@@ -523,14 +565,13 @@ impl Ledger {
                 // The ledger never records a pending admission.
                 (_, State::Pending) => Outcome::Recording,
             };
-            let landing = target.map(Landing::In);
             Ok(Decision::Done(commit(tx, (outcome, landing)).await?))
         })
         .await?;
         match decided {
             Committed::Known((outcome, _)) => Ok(outcome),
-            Committed::Unknown((outcome, Some(landing)), error) => {
-                self.settled(drop_key, key, landing, error).await?;
+            Committed::Unknown((outcome, Some(event)), error) => {
+                self.settled(drop_key, key, &event, error).await?;
                 Ok(outcome)
             }
             // Nothing the request asked for was to be written.
@@ -538,45 +579,44 @@ impl Ledger {
         }
     }
 
-    /// Whether the change of `key` to `landing`, whose COMMIT was not answered,
-    /// is in the ledger, so that the caller's answer is true: `Ok` when it is; the
-    /// commit's error when it is not; [`LedgerError::CommitUnknown`] when the
-    /// ledger cannot be asked. On PostgreSQL the row is read with a lock, which
-    /// waits for the unanswered transaction to end first.
+    /// Whether the change of `key` whose event is `event`, and whose COMMIT was not
+    /// answered, is in the ledger, so that the caller's answer is true: `Ok` when
+    /// it is; the commit's error when it is not; [`LedgerError::CommitUnknown`]
+    /// when the ledger cannot be asked. The event was written in the change's own
+    /// transaction, and its id is the reservation's and the change's kind: it is
+    /// there exactly when this change (or the same one by a duplicate request)
+    /// landed, whatever changed the reservation since. On PostgreSQL the row is
+    /// locked first, which waits for the unanswered transaction to end.
     async fn settled(
         &self,
         drop_key: &str,
         key: &str,
-        landing: Landing,
+        event: &str,
         error: sqlx::Error,
     ) -> Result<(), LedgerError> {
-        let sql = match self.backend {
-            Backend::Postgres => {
-                "SELECT state, expires_at_ms FROM reservations WHERE drop_key = $1 AND res_key = $2 FOR UPDATE"
-            }
-            Backend::Sqlite => {
-                "SELECT state, expires_at_ms FROM reservations WHERE drop_key = $1 AND res_key = $2"
-            }
-        };
         let read = || async {
             let mut tx = self.pool.begin().await?;
-            let row: Option<(String, i64)> = sqlx::query_as(sql)
+            if self.backend == Backend::Postgres {
+                sqlx::query(
+                    "SELECT 1 FROM reservations WHERE drop_key = $1 AND res_key = $2 FOR UPDATE",
+                )
                 .bind(drop_key)
                 .bind(key)
                 .fetch_optional(&mut *tx)
                 .await?;
-            tx.commit().await?;
-            Ok::<_, LedgerError>(row)
-        };
-        let row = ask_until_answered(read, &error).await?;
-        let landed = match (landing, row) {
-            (Landing::In(state), Some((now_in, _))) => now_in == state.as_str(),
-            (Landing::Until(until_ms), Some((now_in, expires_at_ms))) => {
-                now_in == State::Active.as_str() && expires_at_ms >= until_ms
             }
-            (_, None) => false,
+            let found = sqlx::query("SELECT 1 FROM outbox WHERE event_id = $1")
+                .bind(event)
+                .fetch_optional(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok::<_, LedgerError>(found.is_some())
         };
-        if landed { Ok(()) } else { Err(error.into()) }
+        if ask_until_answered(read, ASK_WHETHER_LANDED_FOR, &error).await? {
+            Ok(())
+        } else {
+            Err(error.into())
+        }
     }
 
     /// Expires the drop's active holds whose deadline is at or before `due`, each

@@ -150,7 +150,7 @@ pub enum RecordError {
 }
 
 /// The outbox event's type for a change to `state`.
-fn event(state: State) -> &'static str {
+pub(super) fn event(state: State) -> &'static str {
     match state {
         State::Active => "admitted",
         State::Confirmed => "confirmed",
@@ -1402,6 +1402,20 @@ struct EventRow {
     seq: Option<i64>,
 }
 
+/// The id of `change`'s event of `kind`: one per reservation and kind, so a
+/// change written twice is one event, and the id says whether a change landed.
+/// A hold may be extended more than once: each deadline is its own event.
+pub(super) fn event_id(change: &Change, kind: &str) -> String {
+    if change.extension {
+        format!(
+            "{}/{}/{kind}/{}",
+            change.drop_key, change.key, change.expires_at_ms
+        )
+    } else {
+        format!("{}/{}/{kind}", change.drop_key, change.key)
+    }
+}
+
 /// The outbox row of `change`'s event.
 fn event_row(change: &Change, path: &str, now: i64) -> Result<EventRow, sqlx::Error> {
     let kind = if change.extension {
@@ -1411,15 +1425,7 @@ fn event_row(change: &Change, path: &str, now: i64) -> Result<EventRow, sqlx::Er
     } else {
         event(change.state)
     };
-    // A hold may be extended more than once: each deadline is its own event.
-    let event_id = if change.extension {
-        format!(
-            "{}/{}/{kind}/{}",
-            change.drop_key, change.key, change.expires_at_ms
-        )
-    } else {
-        format!("{}/{}/{kind}", change.drop_key, change.key)
-    };
+    let event_id = event_id(change, kind);
     let drop = dropgate_api::keys::ledger_drop(&change.drop_key);
     let sale = dropgate_api::keys::ledger_sale(&change.drop_key);
     let mut event_body = serde_json::json!({

@@ -265,6 +265,9 @@ pub(super) async fn lines_on_fallback(
                     "the ledger holds a newer config of a drop of this cart than this sidecar read: nothing was changed; retry",
                 ));
             }
+            Err(unknown @ crate::ledger::LedgerError::CommitUnknown(_)) => {
+                return every(Failure::retry(unknown.to_string()));
+            }
             Err(error) => {
                 return every(Failure::unavailable(format!(
                     "Redis is not gating this cart's drops and the ledger failed: {error}"

@@ -585,7 +585,7 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
     let now = now_ms();
     let era = app.redis_era(drop);
     app.ledger
-        .note_gate_seen(&key, &app.sidecar_id, now)
+        .note_gate_seen(&key, &app.sidecar_id, &Stock::of(&drop.config()), now)
         .await?;
     let standing = standing(app, drop, &key).await?;
     let behind = standing.redis_behind();

@@ -564,6 +564,7 @@ where
             "the ledger holds a newer config of drop {} than this sidecar read: nothing was changed; retry",
             drop.name
         )),
+        unknown @ LedgerError::CommitUnknown(_) => Failure::retry(unknown.to_string()),
         other => failed(other),
     };
     match call().await {
