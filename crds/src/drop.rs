@@ -112,7 +112,8 @@ pub struct InventoryDropSpec {
     /// An admitted reservation not confirmed within this many seconds expires and
     /// returns its stock. Longer than throttle.acquireTimeoutMs plus the ledger's 2 s
     /// commit deadline, so that no hold expires while its admission is being made
-    /// durable (at least 3 with the default acquireTimeoutMs).
+    /// durable: the schema allows 1, the smallest valid hold is
+    /// floor((acquireTimeoutMs + 2000) / 1000) + 1 (3 with the default).
     #[serde(default = "default_hold_seconds")]
     #[schemars(range(min = 1, max = 604800))]
     pub hold_seconds: i64,

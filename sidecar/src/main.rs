@@ -5,6 +5,9 @@ use std::process::ExitCode;
 use clap::Parser;
 use dropgate_sidecar::Settings;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let settings = Settings::parse();

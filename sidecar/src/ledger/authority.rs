@@ -241,20 +241,13 @@ impl Ledger {
         Ok(done.rows_affected() == 1)
     }
 
-    /// Notes that `sidecar` reached Redis for the drop at `now`, and the config it
-    /// read there (`stock`, its limit and terms): when it is of a newer generation
-    /// than the ledger's, the ledger's stock moves to it now, not at the next
-    /// admission. So a peer that could not read that config before Redis became
-    /// unreachable to it decides on the fallback on the newest terms a sidecar
-    /// sharing the ledger read (see `effective_terms`), not on its own stale copy.
+    /// Notes that `sidecar` reached Redis for the drop at `now`.
     pub async fn note_gate_seen(
         &self,
         drop_key: &str,
         sidecar: &str,
-        stock: &Stock,
         now: i64,
     ) -> Result<(), LedgerError> {
-        let mut tx = self.pool.begin().await?;
         sqlx::query(
             "INSERT INTO gate_seen (drop_key, sidecar, seen_at_ms) VALUES ($1, $2, $3) \
              ON CONFLICT (drop_key, sidecar) DO UPDATE SET seen_at_ms = excluded.seen_at_ms",
@@ -262,8 +255,19 @@ impl Ledger {
         .bind(drop_key)
         .bind(sidecar)
         .bind(now)
-        .execute(&mut *tx)
+        .execute(&self.pool)
         .await?;
+        Ok(())
+    }
+
+    /// Notes the config a sidecar read in Redis (`stock`: its limit, generation and
+    /// terms): when it is of a newer generation than the ledger's, the ledger's
+    /// stock moves to it now, not at the next admission. So a peer sharing the
+    /// ledger that could not read that config before Redis became unreachable to it
+    /// decides on the fallback on it (see `effective_terms`), not on its own stale
+    /// copy. Only reads when the ledger has that generation already.
+    pub async fn note_config(&self, drop_key: &str, stock: &Stock) -> Result<(), LedgerError> {
+        let mut tx = self.pool.begin().await?;
         ensure_stock(&mut tx, drop_key, stock).await?;
         tx.commit().await?;
         Ok(())

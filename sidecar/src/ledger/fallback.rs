@@ -136,6 +136,8 @@ async fn commit<T>(tx: Transaction<'static, Any>, done: T) -> Result<Committed<T
 /// have landed, and is asked about.
 fn rolled_back(code: Option<&str>) -> bool {
     match code {
+        // 40003 is "statement completion unknown": it may have landed.
+        Some("40003") => false,
         Some(code)
             if code.starts_with("40") || code.starts_with("23") || code.starts_with("25") =>
         {

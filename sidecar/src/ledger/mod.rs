@@ -985,7 +985,10 @@ async fn ensure_stock(
     let fresh = current.is_none_or(|(stored, _)| generation >= stored);
     let moving = current.is_some_and(|(stored, _)| generation > stored);
     let has_variants = stock.variants.as_ref().is_some_and(|v| !v.is_empty());
-    if fresh && (has_variants || moving) {
+    // A move locks the drop's row before its variants' rows, the order in which
+    // every group commit and fallback sale takes them (on PostgreSQL the other
+    // order deadlocks with them).
+    if fresh && has_variants && !moving {
         ensure_variant_stock(tx, drop_key, stock).await?;
     }
     if let Some((stored, stored_terms)) = current {
@@ -1009,6 +1012,7 @@ async fn ensure_stock(
             .bind(generation)
             .execute(&mut **tx)
             .await?;
+            ensure_variant_stock(tx, drop_key, stock).await?;
             return Ok((generation, terms));
         }
         if generation == stored && stored_terms.is_none() && terms.is_some() {

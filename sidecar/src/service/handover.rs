@@ -585,8 +585,17 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
     let now = now_ms();
     let era = app.redis_era(drop);
     app.ledger
-        .note_gate_seen(&key, &app.sidecar_id, &Stock::of(&drop.config()), now)
+        .note_gate_seen(&key, &app.sidecar_id, now)
         .await?;
+    // Apart from the note above, so that a busy stock row never costs this
+    // sidecar its say that Redis answers.
+    if let Err(error) = app
+        .ledger
+        .note_config(&key, &Stock::of(&drop.config()))
+        .await
+    {
+        tracing::debug!(drop = %drop.name, %error, "the config read was not noted in the ledger");
+    }
     let standing = standing(app, drop, &key).await?;
     let behind = standing.redis_behind();
     let Standing {
