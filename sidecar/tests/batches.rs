@@ -1,16 +1,18 @@
 //! The batched gate scripts decide exactly as one call per request does: for random
-//! sequences of reserves, retries, duplicates, activations, confirms and cancels on
-//! one drop by several buyers, two drops with the same terms are driven side by
-//! side, one a call per request, the other with each run of reserves (and of
-//! activations) sent as one batch, and every answer and the drops' whole state in
-//! Redis must be the same.
+//! sequences of reserves, carts' lines (modes `all` and `available`), retries,
+//! duplicates, activations, confirms and cancels on one drop by several buyers, two
+//! drops with the same terms are driven side by side, one a call per request (a
+//! cart's lines a call of their own), the other with each run of reserves and carts
+//! (and of activations) sent as one batch, and every answer and the drops' whole
+//! state in Redis must be the same.
 
 mod common;
 
 use std::collections::BTreeMap;
 
 use dropgate_api::DropKeys;
-use dropgate_sidecar::gate::{self, ReserveRequest};
+use dropgate_sidecar::gate::{self, ReserveRequest, Together};
+use dropgate_sidecar::input::CartMode;
 use dropgate_sidecar::reservation::State;
 use dropgate_testkit::{DropSpec, RedisServer};
 use rand::rngs::StdRng;
@@ -24,6 +26,8 @@ const BATCHED: &str = "batched";
 #[derive(Clone, Debug)]
 enum Op {
     Reserve(ReserveRequest),
+    /// A cart's lines on the drop, decided together.
+    Cart(Vec<ReserveRequest>, CartMode),
     /// The activation of `attempt`'s admission of `key` (maybe not the marker's).
     Activate {
         key: String,
@@ -43,21 +47,39 @@ fn scenario(rng: &mut StdRng, variants: bool) -> Vec<Op> {
     let mut attempts: Vec<(String, String)> = Vec::new();
     for i in 0..rng.random_range(20..60) {
         let key = format!("k{}", rng.random_range(0..12));
-        match rng.random_range(0..10) {
-            0..6 => {
-                let attempt = format!("a{i}");
-                attempts.push((key.clone(), attempt.clone()));
-                ops.push(Op::Reserve(ReserveRequest {
-                    key,
-                    user: format!("u{}", rng.random_range(0..4)),
-                    quantity: rng.random_range(1..=3),
-                    variant: variants.then(|| ["s", "m", "x"][rng.random_range(0..3)].to_string()),
-                    attempt,
-                    pending_bound_ms: 600_000,
-                    offer: false,
-                }));
+        let mut request = |rng: &mut StdRng, key: String, user: &str, attempt: String| {
+            attempts.push((key.clone(), attempt.clone()));
+            ReserveRequest {
+                key,
+                user: user.to_string(),
+                quantity: rng.random_range(1..=3),
+                variant: variants.then(|| ["s", "m", "x"][rng.random_range(0..3)].to_string()),
+                attempt,
+                pending_bound_ms: 600_000,
+                offer: false,
             }
-            6..9 if !attempts.is_empty() => {
+        };
+        match rng.random_range(0..12) {
+            0..6 => {
+                let user = format!("u{}", rng.random_range(0..4));
+                ops.push(Op::Reserve(request(rng, key, &user, format!("a{i}"))));
+            }
+            // A cart of 1-3 lines by one buyer, its keys `c<n>:<line>` (a retry of
+            // an earlier cart when n repeats).
+            6..8 => {
+                let user = format!("u{}", rng.random_range(0..4));
+                let cart = rng.random_range(0..6);
+                let lines = (1..=rng.random_range(1..=3))
+                    .map(|n| request(rng, format!("c{cart}:{n}"), &user, format!("a{i}.{n}")))
+                    .collect();
+                let mode = if rng.random_bool(0.5) {
+                    CartMode::All
+                } else {
+                    CartMode::Available
+                };
+                ops.push(Op::Cart(lines, mode));
+            }
+            8..11 if !attempts.is_empty() => {
                 let (key, attempt) = attempts[rng.random_range(0..attempts.len())].clone();
                 ops.push(Op::Activate { key, attempt });
             }
@@ -91,7 +113,7 @@ async fn drive(
     while i < ops.len() {
         let run = ops[i..]
             .iter()
-            .take_while(|op| std::mem::discriminant(*op) == std::mem::discriminant(&ops[i]))
+            .take_while(|op| kind(op) == kind(&ops[i]))
             .count();
         let n = match rng.as_deref_mut() {
             Some(rng) if !matches!(ops[i], Op::Settle { .. }) => rng.random_range(1..=run),
@@ -100,7 +122,8 @@ async fn drive(
         let group = &ops[i..i + n];
         i += n;
         match (&group[0], rng.is_some()) {
-            (Op::Reserve(_), true) => {
+            // Reserves alone: the batch of reserves only.
+            (Op::Reserve(_), true) if group.iter().all(|op| matches!(op, Op::Reserve(_))) => {
                 let requests: Vec<ReserveRequest> = group
                     .iter()
                     .filter_map(|op| match op {
@@ -116,6 +139,35 @@ async fn drive(
                         format!("{:?}", reply.expect("each reserve of the batch runs"))
                     }),
                 );
+            }
+            (Op::Reserve(_) | Op::Cart(..), true) => {
+                let groups: Vec<(Together, Vec<ReserveRequest>)> = group
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::Reserve(request) => Some((Together::Apart, vec![request.clone()])),
+                        Op::Cart(lines, mode) => Some((Together::Cart(*mode), lines.clone())),
+                        _ => None,
+                    })
+                    .collect();
+                let replies = gate::reserve_groups(conn, &keys, LEDGER, &groups)
+                    .await
+                    .expect("a batch of reserves and carts runs");
+                for ((together, _), replies) in groups.iter().zip(replies) {
+                    let replies = replies
+                        .into_iter()
+                        .map(|reply| reply.expect("each reserve of the batch runs"));
+                    answers.push(match together {
+                        Together::Apart => replies
+                            .map(|reply| {
+                                format!("{:?}", reply.expect("a reserve is never withdrawn"))
+                            })
+                            .collect(),
+                        Together::Cart(_) => replies
+                            .map(|reply| format!("{reply:?}"))
+                            .collect::<Vec<_>>()
+                            .join("\n"),
+                    });
+                }
             }
             (Op::Activate { .. }, true) => {
                 let admissions: Vec<(String, String)> = group
@@ -142,9 +194,34 @@ async fn drive(
     answers
 }
 
-/// One step, as one call.
+/// Which steps go in one batch: reserves and carts, or activations.
+fn kind(op: &Op) -> u8 {
+    match op {
+        Op::Reserve(_) | Op::Cart(..) => 0,
+        Op::Activate { .. } => 1,
+        Op::Settle { .. } => 2,
+    }
+}
+
+/// One step, as one call (a cart's lines as one).
 async fn one(conn: &mut dropgate_redis::Connection, keys: &DropKeys, op: &Op) -> String {
     match op {
+        Op::Cart(lines, mode) => {
+            let replies = gate::reserve_groups(
+                conn,
+                keys,
+                LEDGER,
+                &[(Together::Cart(*mode), lines.clone())],
+            )
+            .await
+            .expect("a cart runs");
+            replies
+                .into_iter()
+                .flatten()
+                .map(|reply| format!("{:?}", reply.expect("each line of the cart runs")))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
         Op::Reserve(r) => format!(
             "{:?}",
             gate::reserve(

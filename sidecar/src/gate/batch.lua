@@ -6,28 +6,74 @@
 -- marker (config, remaining, held, buyers, holds, gate, seq, ledger, unresolved,
 -- variants, by buyer), then one marker per request. ARGV: each request's arguments as a
 -- single call takes them (idempotency key, ledger, then the script's own), all of
--- the same width. Answers one reply per request, in order (a failed one as '!' and
--- its error).
+-- the same width, then the batch's groups: the requests in order, as runs of a
+-- letter and a count ('o3 a2 o1 v3'). Answers one reply per request, in order (a
+-- failed one as '!' and its error).
+--
+-- 'o': each request on its own, as a call of its own would be decided. 'a' and 'v':
+-- the lines of one cart on this drop, in mode 'all' and 'available'; no request of
+-- another buyer comes between them. In mode 'all' a line that cannot be held (a
+-- refusal: sold out, the per-user limit, the window, a pause, a variant or a key
+-- that does not fit) means none of the cart's lines on this drop may be: every line
+-- of the group admitted by this call is taken back (take_back: its units, its
+-- queues and its marker, as undo does) and answered 'withdrawn'. Lines that were
+-- already held before this call (a retry of the cart) and lines another attempt
+-- still has pending stay as they are: the cart gives those back itself. Every line
+-- is decided even after one was refused, so that the answer can name each line
+-- that did not fit.
 local n = #KEYS - 11
-local width = #ARGV / n
+local width = (#ARGV - 1) / n
 local replies = {}
-for i = 1, n do
-  local keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11 + i], KEYS[6], KEYS[7],
+local function keys_of(i)
+  return {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11 + i], KEYS[6], KEYS[7],
     KEYS[8], KEYS[9], KEYS[10], KEYS[11]}
+end
+local function argv_of(i)
   local argv = {}
   for j = 1, width do
     argv[j] = ARGV[(i - 1) * width + j]
   end
-  -- A request whose step fails is answered with its error ('!' and the message),
-  -- as a call of its own would be, and the others go on: one bad request never
-  -- fails the batch (what it changed before it failed stays, as for a single call).
-  local ok, answered = pcall(one, keys, argv)
-  if ok then
-    replies[i] = answered
-  elseif type(answered) == 'table' then
-    replies[i] = '!' .. tostring(answered.err)
-  else
-    replies[i] = '!' .. tostring(answered)
+  return argv
+end
+local function outcome_of(text)
+  return string.sub(text, 1, (string.find(text, '\n', 1, true) or 0) - 1)
+end
+local holding = {admitted = true, already_reserved = true, pending = true, overdue = true,
+  settling = true}
+local i = 0
+for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
+  local admitted = {}
+  local refused = false
+  for _ = 1, tonumber(count) do
+    i = i + 1
+    -- A request whose step fails is answered with its error ('!' and the message),
+    -- as a call of its own would be, and the others go on: one bad request never
+    -- fails the batch (what it changed before it failed stays, as for a single call).
+    local ok, answered = pcall(one, keys_of(i), argv_of(i))
+    if ok then
+      replies[i] = answered
+      local word = outcome_of(answered)
+      if word == 'admitted' then
+        admitted[#admitted + 1] = i
+      elseif not holding[word] then
+        refused = true
+      end
+    elseif type(answered) == 'table' then
+      replies[i] = '!' .. tostring(answered.err)
+    else
+      replies[i] = '!' .. tostring(answered)
+    end
   end
+  if mode == 'a' and refused then
+    for _, j in ipairs(admitted) do
+      local argv = argv_of(j)
+      begin(keys_of(j), argv)
+      take_back(argv[3], tonumber(argv[4]))
+      replies[j] = reply('withdrawn')
+    end
+  end
+end
+if i ~= n then
+  return redis.error_reply('a batch whose groups name ' .. i .. ' of its ' .. n .. ' requests')
 end
 return replies

@@ -5,9 +5,10 @@
 //! call for a drop is in flight, this sidecar's next requests for it wait in a
 //! queue, and when the call returns the whole queue (up to [`MOST`]) goes in one
 //! EVALSHA of the batch script, which decides them in arrival order exactly as one
-//! call each would (batch.lua runs the same script body per request). No timer: a
-//! request that finds nothing in flight is sent at once, alone, by the single
-//! script.
+//! call each would (batch.lua runs the same script body per request). A cart's
+//! lines on the drop queue as one entry and are decided together in the same call
+//! (see [`Together`]). No timer: a request that finds nothing in flight is sent at
+//! once, alone, by the single script.
 //!
 //! The calls are made by a task of their own, so a request whose client went away
 //! never leaves its queue stalled.
@@ -23,8 +24,9 @@ use tracing::Instrument;
 use super::reply::{Call, Wire};
 use super::{
     ACTIVATE, ACTIVATES, Activation, GateScript, RESERVE, RESERVES, Reply, Request, ReserveRequest,
-    Step, run, run_batch,
+    Step, Together, line_reply, run, run_batch,
 };
+use crate::input::CartMode;
 
 /// Most requests one batch decides (its script's run holds the drop's Redis core
 /// for about this many single calls' work).
@@ -60,10 +62,30 @@ impl Batcher {
         ledger: &str,
         request: &ReserveRequest,
     ) -> RedisResult<Reply> {
-        self.reserves
-            .call(conn, ledger, request.request())
+        one(self
+            .reserves
+            .call(conn, ledger, vec![request.request()], Together::Apart))
+        .await?
+        .reply(Call::Reserve)
+    }
+
+    /// [`super::reserve_groups`] for the lines of one cart on this drop, batched
+    /// with the drop's other reserves in flight (the lines as one group).
+    pub async fn reserve_cart(
+        &self,
+        conn: &Connection,
+        ledger: &str,
+        lines: &[ReserveRequest],
+        mode: CartMode,
+    ) -> RedisResult<Vec<RedisResult<Option<Reply>>>> {
+        let requests = lines.iter().map(ReserveRequest::request).collect();
+        Ok(self
+            .reserves
+            .call(conn, ledger, requests, Together::Cart(mode))
             .await?
-            .reply(Call::Reserve)
+            .into_iter()
+            .map(line_reply)
+            .collect())
     }
 
     /// [`super::activate`], batched with this drop's other activations in flight
@@ -79,11 +101,24 @@ impl Batcher {
             key: key.to_string(),
             args: vec![attempt.to_string()],
         };
-        self.activations
-            .call(conn, ledger, request)
-            .await?
-            .activation()
+        one(self
+            .activations
+            .call(conn, ledger, vec![request], Together::Apart))
+        .await?
+        .activation()
     }
+}
+
+/// The one answer of a call made for one request.
+async fn one(
+    called: impl std::future::Future<Output = RedisResult<Vec<RedisResult<Wire>>>>,
+) -> RedisResult<Wire> {
+    called.await?.into_iter().next().unwrap_or_else(|| {
+        Err(redis::RedisError::from((
+            redis::ErrorKind::Parse,
+            "a gate call answered no reply for its request",
+        )))
+    })
 }
 
 /// One script's queue for one drop.
@@ -102,13 +137,15 @@ struct Queue {
     waiting: Vec<Job>,
 }
 
-/// A request waiting for its turn, and where its answer goes.
+/// Requests waiting for their turn (one, or a cart's lines), and where their
+/// answers go.
 struct Job {
     ledger: String,
-    request: Request,
+    requests: Vec<Request>,
+    together: Together,
     /// The caller's span: a call's client span is a child of its first request's.
     span: tracing::Span,
-    answer: oneshot::Sender<RedisResult<Wire>>,
+    answer: oneshot::Sender<RedisResult<Vec<RedisResult<Wire>>>>,
 }
 
 impl Lane {
@@ -125,11 +162,20 @@ impl Lane {
         }
     }
 
-    async fn call(&self, conn: &Connection, ledger: &str, request: Request) -> RedisResult<Wire> {
+    /// `requests` decided as `together` says, in one call with whatever else waits
+    /// for this lane: one answer per request.
+    async fn call(
+        &self,
+        conn: &Connection,
+        ledger: &str,
+        requests: Vec<Request>,
+        together: Together,
+    ) -> RedisResult<Vec<RedisResult<Wire>>> {
         let (answer, answered) = oneshot::channel();
         let job = Job {
             ledger: ledger.to_string(),
-            request,
+            requests,
+            together,
             span: tracing::Span::current(),
             answer,
         };
@@ -188,14 +234,19 @@ impl Sender {
                     stopped.armed = false;
                     return;
                 }
-                // One ledger per call (a sidecar has one, so this takes them all).
+                // One ledger per call (a sidecar has one, so this takes them all),
+                // and at most MOST requests (always the first job, whatever its size).
                 let ledger = queue.waiting[0].ledger.clone();
+                let mut requests = 0;
                 let n = queue
                     .waiting
                     .iter()
-                    .take(MOST)
-                    .take_while(|job| job.ledger == ledger)
-                    .count();
+                    .take_while(|job| {
+                        requests += job.requests.len();
+                        job.ledger == ledger && requests <= MOST
+                    })
+                    .count()
+                    .max(1);
                 queue.waiting.drain(..n).collect::<Vec<_>>()
             };
             // A request whose caller went away (its client hung up) is not sent:
@@ -214,38 +265,49 @@ impl Sender {
     async fn answer(&mut self, jobs: Vec<Job>) {
         let parent = jobs[0].span.clone();
         let ledger = jobs[0].ledger.clone();
-        if let [job] = jobs.as_slice() {
-            let args: Vec<&str> = job.request.args.iter().map(String::as_str).collect();
+        if let [job] = jobs.as_slice()
+            && let ([request], Together::Apart) = (job.requests.as_slice(), job.together)
+        {
+            let args: Vec<&str> = request.args.iter().map(String::as_str).collect();
             let answered = run(
                 self.single,
                 &mut self.conn,
                 &self.keys,
                 &ledger,
-                &job.request.key,
+                &request.key,
                 &args,
             )
             .instrument(parent)
             .await;
             if let Some(job) = jobs.into_iter().next() {
-                let _ = job.answer.send(answered);
+                let _ = job.answer.send(answered.map(|wire| vec![Ok(wire)]));
             }
             return;
         }
-        let requests: Vec<Request> = jobs.iter().map(|job| job.request.clone()).collect();
+        let requests: Vec<Request> = jobs
+            .iter()
+            .flat_map(|job| job.requests.iter().cloned())
+            .collect();
+        let groups: Vec<(Together, usize)> = jobs
+            .iter()
+            .map(|job| (job.together, job.requests.len()))
+            .collect();
         let answered = run_batch(
             self.batch,
             &mut self.conn,
             &self.keys,
             &ledger,
             &requests,
-            &[],
+            &groups,
         )
         .instrument(parent)
         .await;
         match answered {
             Ok(wires) => {
-                for (job, wire) in jobs.into_iter().zip(wires) {
-                    let _ = job.answer.send(wire);
+                let mut wires = wires.into_iter();
+                for job in jobs {
+                    let mine = wires.by_ref().take(job.requests.len()).collect();
+                    let _ = job.answer.send(Ok(mine));
                 }
             }
             // Each request hears the call's failure, as it would have alone.

@@ -16,6 +16,7 @@ use dropgate_redis::Connection;
 use redis::{RedisResult, Script};
 use tracing::Instrument;
 
+use crate::input::CartMode;
 use crate::ledger::Recorded;
 use crate::reservation::State;
 
@@ -43,26 +44,21 @@ macro_rules! gate_script {
 /// `batch.lua` runs once per request.
 macro_rules! batch_script {
     ($name:literal) => {
-        batch_script!($name, "batch", concat!("EVALSHA ", $name))
-    };
-    ($name:literal, $driver:literal, $span:expr) => {
         LazyLock::new(|| GateScript {
             script: Script::new(concat!(
                 include_str!("prelude.lua"),
                 "local function one(KEYS, ARGV)\nbegin(KEYS, ARGV)\n",
                 include_str!(concat!($name, ".lua")),
                 "\nend\n",
-                include_str!(concat!($driver, ".lua"))
+                include_str!("batch.lua")
             )),
-            span: $span,
+            span: concat!("EVALSHA ", $name),
         })
     };
 }
 
 static RESERVE: LazyLock<GateScript> = gate_script!("reserve");
 static RESERVES: LazyLock<GateScript> = batch_script!("reserve");
-/// A cart's lines on one drop, in one atomic step (see cart.lua).
-static CART: LazyLock<GateScript> = batch_script!("reserve", "cart", "EVALSHA cart");
 static CONFIRM: LazyLock<GateScript> = gate_script!("confirm");
 static CANCEL: LazyLock<GateScript> = gate_script!("cancel");
 static EXTEND: LazyLock<GateScript> = gate_script!("extend");
@@ -171,6 +167,43 @@ struct Request {
     args: Vec<String>,
 }
 
+/// How the requests of one group of a batch are decided (batch.lua's letters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Together {
+    /// Each on its own, exactly as one call each would decide it.
+    Apart,
+    /// The lines of one cart on the drop, with no other request between them; in
+    /// mode `all`, none is admitted when one is refused.
+    Cart(CartMode),
+}
+
+impl Together {
+    fn letter(self) -> char {
+        match self {
+            Together::Apart => 'o',
+            Together::Cart(CartMode::All) => 'a',
+            Together::Cart(CartMode::Available) => 'v',
+        }
+    }
+
+    /// `groups` (each a way and how many requests, in order) as batch.lua reads
+    /// them: runs of a letter and a count, neighbouring `Apart` groups as one.
+    fn runs(groups: &[(Together, usize)]) -> String {
+        let mut merged: Vec<(Together, usize)> = Vec::with_capacity(groups.len());
+        for &(together, n) in groups {
+            match merged.last_mut() {
+                Some((Together::Apart, count)) if together == Together::Apart => *count += n,
+                _ => merged.push((together, n)),
+            }
+        }
+        merged
+            .iter()
+            .map(|(together, n)| format!("{}{n}", together.letter()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
 /// Runs `script`'s batch form (see batch.lua) on the drop's keys: every request
 /// decided in order in one atomic step, one reply each (an error for a request
 /// whose step failed or whose reply cannot be read; the others stand). Every request
@@ -181,7 +214,7 @@ async fn run_batch(
     keys: &DropKeys,
     ledger: &str,
     requests: &[Request],
-    trailing: &[&str],
+    groups: &[(Together, usize)],
 ) -> RedisResult<Vec<RedisResult<Wire>>> {
     let mut invocation = script.script.key(keys.config());
     invocation
@@ -204,9 +237,7 @@ async fn run_batch(
             invocation.arg(arg);
         }
     }
-    for arg in trailing {
-        invocation.arg(*arg);
-    }
+    invocation.arg(Together::runs(groups));
     let span = client_span(script, requests.len());
     let called: RedisResult<Vec<String>> =
         invocation.invoke_async(conn).instrument(span.clone()).await;
@@ -315,38 +346,49 @@ pub async fn reserve_batch(
     requests: &[ReserveRequest],
 ) -> RedisResult<Vec<RedisResult<Reply>>> {
     let requests: Vec<Request> = requests.iter().map(ReserveRequest::request).collect();
-    Ok(run_batch(&RESERVES, conn, keys, ledger, &requests, &[])
+    let groups = [(Together::Apart, requests.len())];
+    Ok(run_batch(&RESERVES, conn, keys, ledger, &requests, &groups)
         .await?
         .into_iter()
         .map(|wire| wire?.reply(Call::Reserve))
         .collect())
 }
 
-/// The lines of one cart on one drop, reserved in one atomic step (cart.lua): each
-/// decided in the order given exactly as [`reserve`] would, and with `all`, when
-/// one of them is refused, those this call admitted are taken back and answered
-/// `None` (withdrawn). One answer per line.
-pub async fn reserve_cart(
+/// Groups of reserves (single requests and carts' lines, see [`Together`]) in one
+/// atomic step, in the order given: one answer per request, per group. A line
+/// admitted and taken back because another line of its cart was refused (mode
+/// `all`) is answered `None` (withdrawn).
+pub async fn reserve_groups(
     conn: &mut Connection,
     keys: &DropKeys,
     ledger: &str,
-    lines: &[ReserveRequest],
-    all: bool,
-) -> RedisResult<Vec<RedisResult<Option<Reply>>>> {
-    let requests: Vec<Request> = lines.iter().map(ReserveRequest::request).collect();
-    let mode = if all { "all" } else { "available" };
-    Ok(run_batch(&CART, conn, keys, ledger, &requests, &[mode])
+    groups: &[(Together, Vec<ReserveRequest>)],
+) -> RedisResult<Vec<Vec<RedisResult<Option<Reply>>>>> {
+    let requests: Vec<Request> = groups
+        .iter()
+        .flat_map(|(_, lines)| lines.iter().map(ReserveRequest::request))
+        .collect();
+    let sizes: Vec<(Together, usize)> = groups
+        .iter()
+        .map(|(together, lines)| (*together, lines.len()))
+        .collect();
+    let mut wires = run_batch(&RESERVES, conn, keys, ledger, &requests, &sizes)
         .await?
-        .into_iter()
-        .map(|wire| {
-            let wire = wire?;
-            if wire.withdrawn() {
-                Ok(None)
-            } else {
-                wire.reply(Call::Reserve).map(Some)
-            }
-        })
+        .into_iter();
+    Ok(sizes
+        .iter()
+        .map(|(_, n)| wires.by_ref().take(*n).map(line_reply).collect())
         .collect())
+}
+
+/// A reserve's reply in a group: `None` when it was withdrawn.
+fn line_reply(wire: RedisResult<Wire>) -> RedisResult<Option<Reply>> {
+    let wire = wire?;
+    if wire.withdrawn() {
+        Ok(None)
+    } else {
+        wire.reply(Call::Reserve).map(Some)
+    }
 }
 
 /// [`activate`] for several admissions (key, attempt) in one atomic step.
@@ -363,11 +405,14 @@ pub async fn activate_batch(
             args: vec![attempt.clone()],
         })
         .collect();
-    Ok(run_batch(&ACTIVATES, conn, keys, ledger, &requests, &[])
-        .await?
-        .into_iter()
-        .map(|wire| wire?.activation())
-        .collect())
+    let groups = [(Together::Apart, requests.len())];
+    Ok(
+        run_batch(&ACTIVATES, conn, keys, ledger, &requests, &groups)
+            .await?
+            .into_iter()
+            .map(|wire| wire?.activation())
+            .collect(),
+    )
 }
 
 /// Takes back an overdue pending admission that the caller's ledger (the sale's) has

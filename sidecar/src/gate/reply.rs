@@ -187,7 +187,7 @@ fn int(s: &str) -> Option<i64> {
 
 impl Wire {
     /// A script's answer: its fifteen fields, one line each (see prelude.lua).
-    /// A cart's line that cart.lua admitted and took back because another of the
+    /// A cart's line that batch.lua admitted and took back because another of the
     /// cart's lines on the drop was refused.
     pub(super) fn withdrawn(&self) -> bool {
         self.outcome == "withdrawn"

@@ -16,7 +16,7 @@ use crate::clock::now_ms;
 use crate::drops::Drop;
 use crate::faults::{self, Fault};
 use crate::gate::{self, Activation, Replay};
-use crate::input::Reserve;
+use crate::input::{CartMode, Reserve};
 use crate::ledger::{Landed, RecordError};
 use crate::reservation::{Outcome, Reservation, State, View};
 
@@ -108,7 +108,7 @@ pub(super) enum Lined {
 }
 
 /// The lines `requests` of one cart, all on `drop`, decided in one atomic step of
-/// the gate (see gate::reserve_cart), then each made durable and activated as
+/// the gate (batched with the drop's other reserves, see gate::Batcher), then each made durable and activated as
 /// [`on_gate`] does. With `all`, when one is refused, none of them is admitted.
 pub(super) async fn lines_on_gate(
     app: &App,
@@ -140,13 +140,20 @@ pub(super) async fn lines_on_gate(
         .zip(&attempts)
         .map(|(request, attempt)| admission(&config, request, attempt, false))
         .collect();
-    let mut conn = app.redis.clone();
-    let replies =
-        match gate::reserve_cart(&mut conn, &drop.keys, app.ledger.id(), &admissions, all).await {
-            Ok(replies) => replies,
-            // Each line then asks on its own, and hears Redis's failure there.
-            Err(_) => return alone(),
-        };
+    let mode = if all {
+        CartMode::All
+    } else {
+        CartMode::Available
+    };
+    let replies = match drop
+        .gate
+        .reserve_cart(&app.redis, app.ledger.id(), &admissions, mode)
+        .await
+    {
+        Ok(replies) => replies,
+        // Each line then asks on its own, and hears Redis's failure there.
+        Err(_) => return alone(),
+    };
     app.breaker(Some(drop)).answered();
     let config = &config;
     let lines = requests
