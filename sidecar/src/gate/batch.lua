@@ -52,11 +52,13 @@ for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
     local ok, answered = pcall(one, keys_of(i), argv_of(i))
     if ok then
       replies[i] = answered
-      local word = outcome_of(answered)
-      if word == 'admitted' then
-        admitted[#admitted + 1] = i
-      elseif not holding[word] then
-        refused = true
+      if mode ~= 'o' then
+        local word = outcome_of(answered)
+        if word == 'admitted' then
+          admitted[#admitted + 1] = i
+        elseif not holding[word] then
+          refused = true
+        end
       end
     elseif type(answered) == 'table' then
       replies[i] = '!' .. tostring(answered.err)
@@ -64,12 +66,19 @@ for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
       replies[i] = '!' .. tostring(answered)
     end
   end
+  -- A take-back that fails answers its line's error, as a failed step does: the
+  -- other groups' answers stand.
   if mode == 'a' and refused then
     for _, j in ipairs(admitted) do
-      local argv = argv_of(j)
-      begin(keys_of(j), argv)
-      take_back(argv[3], tonumber(argv[4]))
-      replies[j] = reply('withdrawn')
+      local ok, failed = pcall(function()
+        local argv = argv_of(j)
+        begin(keys_of(j), argv)
+        take_back(argv[3], tonumber(argv[4]))
+        replies[j] = reply('withdrawn')
+      end)
+      if not ok then
+        replies[j] = '!' .. tostring(type(failed) == 'table' and failed.err or failed)
+      end
     end
   end
 end
