@@ -110,6 +110,21 @@ fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
     )
 }
 
+/// Waits until `peer` has read `drop`'s config with `limit` (its refresh took it).
+async fn reads_limit(peer: &Peer, drop: &str, limit: i64) {
+    let path = format!("/v1/drops/{drop}");
+    eventually(
+        &format!("{drop}'s limit {limit} to reach the sidecar"),
+        async || {
+            peer.http
+                .get(&path)
+                .await
+                .is_ok_and(|r| r.body["limit"] == limit)
+        },
+    )
+    .await;
+}
+
 /// Waits (bounded) until `done` holds.
 async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
     for _ in 0..100 {
@@ -446,14 +461,7 @@ async fn a_stale_config_never_writes_an_old_limit_back() {
     assert_eq!(stale.reserve("sale", "b", "b", 1).await.status, 201);
 
     seed(&redis.url(), "sale", one_per_buyer(4)).await;
-    eventually("the cut to reach the fresh sidecar", async || {
-        fresh
-            .http
-            .get("/v1/drops/sale")
-            .await
-            .is_ok_and(|r| r.body["limit"] == 4)
-    })
-    .await;
+    reads_limit(&fresh, "sale", 4).await;
     assert_eq!(fresh.reserve("sale", "c", "c", 1).await.status, 201);
     let rush = buyers(&[&stale, &fresh], "sale", "rush", 20).await;
     assert_eq!(admitted(&rush), 1, "4 units, 3 sold: {:?}", tally(&rush));
@@ -483,14 +491,7 @@ async fn a_limit_cut_a_peer_read_binds_the_fallback_of_a_sidecar_that_missed_it(
 
     to_stale.cut().await;
     seed(&redis.url(), "sale", one_per_buyer(4)).await;
-    eventually("the cut to reach the fresh sidecar", async || {
-        fresh
-            .http
-            .get("/v1/drops/sale")
-            .await
-            .is_ok_and(|r| r.body["limit"] == 4)
-    })
-    .await;
+    reads_limit(&fresh, "sale", 4).await;
     // A few of its refreshes, none of them an admission.
     tokio::time::sleep(Duration::from_millis(400)).await;
     to_fresh.cut().await;
