@@ -78,11 +78,11 @@ async fn an_unanswered_fallback_commit_is_answered_as_it_turned_out() {
 }
 
 async fn an_unanswered_commit_on(sidecar: Sidecar) {
-    for drop in ["sale", "shirt", "cap"] {
+    for (drop, stock) in [("sale", 5), ("shirt", 5), ("cap", 5), ("pair", 20)] {
         sidecar
             .seed(
                 drop,
-                DropSpec::new(5)
+                DropSpec::new(stock)
                     .per_user_limit(2)
                     .max_hold_seconds(3600)
                     .kill_switch(),
@@ -191,5 +191,35 @@ async fn an_unanswered_commit_on(sidecar: Sidecar) {
     for drop in ["shirt", "cap"] {
         assert_eq!(left(&sidecar, drop).await, 3, "{drop}");
     }
+
+    // Partial confirms of one hold, racing, the first commit lost: the confirm
+    // that lands after it has the same kind of event, and only the quantity it
+    // kept tells whose it is. Every `confirmed` answer names what the ledger kept.
+    for round in 0..5 {
+        let key = format!("p{round}");
+        sidecar
+            .reserve("pair", &key, &format!("paul{round}"), 2)
+            .await
+            .assert_answer(201, "admitted");
+        faults::arm(Fault::LostCommitUnanswered, 1);
+        let confirms = (0..6).map(|i| confirm_keeping(&sidecar, &key, 1 + i % 2));
+        let answers = futures::future::join_all(confirms).await;
+        let (_, kept) = row(&sidecar, "pair", &key).await.expect("a row");
+        for answer in answers {
+            if answer.status == 200 && answer.body["outcome"] == "confirmed" {
+                assert_eq!(answer.body["quantity"], kept, "{}", answer.text);
+            }
+        }
+    }
     sidecar.shutdown().await;
+}
+
+/// A confirm of `key` on `pair` that keeps `quantity` of its hold.
+async fn confirm_keeping(sidecar: &Sidecar, key: &str, quantity: i64) -> Reply {
+    let body = json!({ "quantity": quantity }).to_string();
+    sidecar
+        .http
+        .post(&format!("/v1/drops/pair/reservations/{key}/confirm"), &body)
+        .await
+        .expect("answers")
 }

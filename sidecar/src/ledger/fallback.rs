@@ -209,7 +209,7 @@ async fn extend_on_fallback(
     terms: Terms,
     until_ms: i64,
     now: i64,
-) -> Result<(Outcome, Option<String>), TxError> {
+) -> Result<(Outcome, Option<Landing>), TxError> {
     let current = View {
         reservation: row.reservation(),
         remaining: 0,
@@ -240,11 +240,34 @@ async fn extend_on_fallback(
     }
     let mut ids = EventIds::for_events(1);
     write_event(tx, &mut ids, &change, "fallback", now).await?;
-    let landing = super::event_id(&change, "extended");
     Ok((
         Outcome::Extended(view(tx, drop_key, &row.key).await?),
-        Some(landing),
+        Some(Landing::of(&change, "extended")),
     ))
+}
+
+/// The event a fallback settle writes, by which its unanswered commit is looked
+/// for: its id, and the quantity the change left held.
+struct Landing {
+    event_id: String,
+    quantity: i64,
+}
+
+impl Landing {
+    fn of(change: &Change, kind: &str) -> Self {
+        Self {
+            event_id: super::event_id(change, kind),
+            quantity: change.quantity,
+        }
+    }
+
+    /// Whether the outbox event `payload` (of this landing's id) is this change's.
+    fn is_in(&self, payload: &str) -> bool {
+        serde_json::from_str::<serde_json::Value>(payload)
+            .ok()
+            .and_then(|event| event.get("quantity").and_then(serde_json::Value::as_i64))
+            == Some(self.quantity)
+    }
 }
 
 /// The terms a fallback admission is decided on: the newest the ledger has seen,
@@ -538,7 +561,7 @@ impl Ledger {
             if let Some(target) = target {
                 let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
                     .keeping(kept);
-                landing = Some(super::event_id(&change, super::event(target)));
+                landing = Some(Landing::of(&change, super::event(target)));
                 if transition(&mut tx, &change, false, now).await?.is_none() {
                     return Err(TxError::Raced);
                 }
@@ -572,8 +595,8 @@ impl Ledger {
         .await?;
         match decided {
             Committed::Known((outcome, _)) => Ok(outcome),
-            Committed::Unknown((outcome, Some(event)), error) => {
-                self.settled(drop_key, key, &event, error).await?;
+            Committed::Unknown((outcome, Some(landing)), error) => {
+                self.settled(drop_key, key, &landing, error).await?;
                 Ok(outcome)
             }
             // Nothing the request asked for was to be written.
@@ -581,19 +604,20 @@ impl Ledger {
         }
     }
 
-    /// Whether the change of `key` whose event is `event`, and whose COMMIT was not
-    /// answered, is in the ledger, so that the caller's answer is true: `Ok` when
-    /// it is; the commit's error when it is not; [`LedgerError::CommitUnknown`]
+    /// Whether the change of `key` that `landing` describes, and whose COMMIT was
+    /// not answered, is in the ledger, so that the caller's answer is true: `Ok`
+    /// when it is; the commit's error when it is not; [`LedgerError::CommitUnknown`]
     /// when the ledger cannot be asked. The event was written in the change's own
     /// transaction, and its id is the reservation's and the change's kind: it is
-    /// there exactly when this change (or the same one by a duplicate request)
-    /// landed, whatever changed the reservation since. On PostgreSQL the row is
-    /// locked first, which waits for the unanswered transaction to end.
+    /// there when this change, or another of the same kind, landed, whatever changed
+    /// the reservation since. Its quantity tells the two apart: a concurrent confirm
+    /// that kept another quantity landed instead of this one. On PostgreSQL the row
+    /// is locked first, which waits for the unanswered transaction to end.
     async fn settled(
         &self,
         drop_key: &str,
         key: &str,
-        event: &str,
+        landing: &Landing,
         error: sqlx::Error,
     ) -> Result<(), LedgerError> {
         let read = || async {
@@ -607,12 +631,13 @@ impl Ledger {
                 .fetch_optional(&mut *tx)
                 .await?;
             }
-            let found = sqlx::query("SELECT 1 FROM outbox WHERE event_id = $1")
-                .bind(event)
-                .fetch_optional(&mut *tx)
-                .await?;
+            let payload: Option<String> =
+                sqlx::query_scalar("SELECT payload FROM outbox WHERE event_id = $1")
+                    .bind(&landing.event_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
             tx.commit().await?;
-            Ok::<_, LedgerError>(found.is_some())
+            Ok::<_, LedgerError>(payload.is_some_and(|payload| landing.is_in(&payload)))
         };
         if ask_until_answered(read, ASK_WHETHER_LANDED_FOR, &error).await? {
             Ok(())

@@ -482,8 +482,11 @@ async fn after_gate(
                 None => {
                     // The ledger cannot be asked: the marker stays pending, and the
                     // key is resolved from the ledger past its bound (by a retry
-                    // or the sweeper), whichever way it went.
-                    std::mem::drop(permit);
+                    // or the sweeper), whichever way it went. Its permit stays
+                    // held as for an admission until then: the resolution lets it
+                    // go if the admission is undone.
+                    drop.throttle
+                        .hold(&request.key, permit, admitted.reservation.expires_at_ms);
                     tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
                     return Turn::Done(Err(Failure::retry(format!(
                         "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry the same key",
@@ -502,8 +505,9 @@ async fn after_gate(
                     // Which reservation holds the key cannot be read: taking this
                     // marker back could leave Redis without the unit of one the
                     // ledger holds. It stays pending and is resolved from the
-                    // ledger past its bound.
-                    std::mem::drop(permit);
+                    // ledger past its bound (which lets its permit go if undone).
+                    drop.throttle
+                        .hold(&request.key, permit, admitted.reservation.expires_at_ms);
                     return Turn::Done(Err(Failure::retry(format!(
                         "the ledger holds a reservation under this key and could not be read ({e}); it is resolved within {} ms: retry the same key",
                         pending_bound_ms(config)
@@ -898,6 +902,9 @@ pub(crate) async fn resolve_dead_admission(
         .await
         .map_err(|e| e.to_string())?;
     if claimed {
+        // Never made: the permit this sidecar kept for it (its commit's outcome
+        // was unknown) goes back.
+        drop.throttle.release(key);
         return take_back(&mut conn).await;
     }
     match app.ledger.reservation(ledger_key, key).await {
