@@ -174,3 +174,55 @@ async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledg
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// Shared PostgreSQL, one throttle permit. The ledger stops answering in the
+/// middle of k1's commit without closing anything (a frozen server, as behind a
+/// network cut without resets): k1's buyer hears a 503 within bounded time, and
+/// while nobody can say whether k1 landed its permit stays taken (k2 is
+/// throttled). Once the ledger answers again k1 is resolved as it turned out (its
+/// commit never landed: undone) and its permit goes back, so k2 is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_admission_whose_commit_outcome_is_unknown_keeps_its_permit_until_resolved() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    seed(&redis.url(), "sale", spec(5).permits(1)).await;
+    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    let w = a.reserve("sale", "w", "w", 1).await;
+    assert_eq!(w.status, 201, "{}", show(&w));
+    a.settle("sale", "w", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
+
+    let lock = stall_commits(&pool).await;
+    let http = a.http.clone();
+    let first = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    postgres.freeze().expect("freeze");
+    let first = first.await.expect("k1");
+    first.assert_answer(503, "unavailable");
+    assert!(
+        first.text.contains("without saying whether it landed"),
+        "{}",
+        show(&first)
+    );
+    a.reserve("sale", "k2", "bob", 1)
+        .await
+        .assert_answer(503, "throttled");
+
+    postgres.thaw().expect("thaw");
+    lock.rollback().await.expect("release");
+    let mut second = a.reserve("sale", "k2", "bob", 1).await;
+    for _ in 0..100 {
+        if second.status != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        second = a.reserve("sale", "k2", "bob", 1).await;
+    }
+    second.assert_answer(201, "admitted");
+    assert_ne!(ledger_state(&pool, "k1").await.as_deref(), Some("active"));
+    assert_eq!(marker_state(&redis, "sale", "k1"), None, "k1 was undone");
+    assert_eq!(redis_int(&redis, DropKeys::remaining), 3);
+    a.shutdown().await;
+}

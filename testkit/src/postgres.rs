@@ -97,8 +97,43 @@ impl PostgresServer {
     }
 }
 
+impl PostgresServer {
+    /// Stops every process of the server (`SIGSTOP`) without closing anything: it
+    /// stops answering as a server behind a network cut without resets does, and
+    /// its connections and locks stay. [`PostgresServer::thaw`] lets it go on.
+    pub fn freeze(&self) -> std::io::Result<()> {
+        self.signal_all("-STOP")
+    }
+
+    /// Lets a frozen server go on (`SIGCONT`).
+    pub fn thaw(&self) -> std::io::Result<()> {
+        self.signal_all("-CONT")
+    }
+
+    /// Sends `signal` to the postmaster and its children.
+    fn signal_all(&self, signal: &str) -> std::io::Result<()> {
+        let pid_file = self.dir.path().join("data").join("postmaster.pid");
+        let postmaster = std::fs::read_to_string(&pid_file)?
+            .lines()
+            .next()
+            .map(str::trim)
+            .unwrap_or_default()
+            .to_string();
+        let children = Command::new("pgrep").args(["-P", &postmaster]).output()?;
+        let mut pids = vec![postmaster];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .split_whitespace()
+                .map(String::from),
+        );
+        run(Command::new("kill").arg(signal).args(&pids))
+    }
+}
+
 impl Drop for PostgresServer {
     fn drop(&mut self) {
+        // A server a failed test left frozen could not stop.
+        let _ = self.thaw();
         let mut stop = pg_command(&self.bin.join("pg_ctl"), is_root());
         stop.args(["-m", "immediate", "-D"])
             .arg(self.dir.path().join("data"))
