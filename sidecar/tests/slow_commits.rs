@@ -226,3 +226,65 @@ async fn an_admission_whose_commit_outcome_is_unknown_keeps_its_permit_until_res
     assert_eq!(redis_int(&redis, DropKeys::remaining), 3);
     a.shutdown().await;
 }
+
+/// Shared PostgreSQL frozen while a confirm's commit is in flight and a cancel
+/// waits behind it: both answer 503 in bounded time, and once the ledger answers
+/// again neither turned out to have changed anything (Redis and the ledger both
+/// hold the two reservations active, and the stock did not move).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_confirm_and_a_cancel_meeting_a_frozen_ledger_change_nothing() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    seed(&redis.url(), "sale", spec(5)).await;
+    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    for key in ["c1", "c2", "c3"] {
+        a.reserve("sale", key, key, 1)
+            .await
+            .assert_answer(201, "admitted");
+    }
+    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
+    let lock = stall_commits(&pool).await;
+    let http = a.http.clone();
+    let confirm = tokio::spawn(async move {
+        http.post("/v1/drops/sale/reservations/c1/confirm", "")
+            .await
+            .expect("answers")
+    });
+    let http = a.http.clone();
+    let cancel = tokio::spawn(async move {
+        http.post("/v1/drops/sale/reservations/c2/cancel", "")
+            .await
+            .expect("answers")
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    postgres.freeze().expect("freeze");
+    confirm
+        .await
+        .expect("confirm")
+        .assert_answer(503, "unavailable");
+    cancel
+        .await
+        .expect("cancel")
+        .assert_answer(503, "unavailable");
+
+    postgres.thaw().expect("thaw");
+    lock.rollback().await.expect("release");
+    for key in ["c1", "c2"] {
+        let mut looked = a.lookup("sale", key).await;
+        for _ in 0..100 {
+            if looked.status == 200 && looked.body["state"] == "active" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            looked = a.lookup("sale", key).await;
+        }
+        assert_eq!(looked.body["state"], "active", "{key}: {}", show(&looked));
+        assert_eq!(
+            ledger_state(&pool, key).await.as_deref(),
+            Some("active"),
+            "{key}"
+        );
+    }
+    assert_eq!(redis_int(&redis, DropKeys::remaining), 2);
+    a.shutdown().await;
+}

@@ -489,8 +489,7 @@ async fn after_gate(
                         .hold(&request.key, permit, admitted.reservation.expires_at_ms);
                     tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
                     return Turn::Done(Err(Failure::retry(format!(
-                        "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved within {} ms: retry the same key",
-                        pending_bound_ms(config)
+                        "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved by the ledger's record once the ledger answers again: retry the same key"
                     ))));
                 }
             }
@@ -509,8 +508,7 @@ async fn after_gate(
                     drop.throttle
                         .hold(&request.key, permit, admitted.reservation.expires_at_ms);
                     return Turn::Done(Err(Failure::retry(format!(
-                        "the ledger holds a reservation under this key and could not be read ({e}); it is resolved within {} ms: retry the same key",
-                        pending_bound_ms(config)
+                        "the ledger holds a reservation under this key and could not be read ({e}); it is resolved by the ledger's record once the ledger answers again: retry the same key"
                     ))));
                 }
             }
