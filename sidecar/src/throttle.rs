@@ -22,14 +22,25 @@ pub struct Throttle {
     /// forgotten instead of returned when it is let go. Behind a lock that a resize
     /// and every let-go permit take, so that none slips back in between.
     debt: Arc<Mutex<usize>>,
-    /// Permits held for admitted reservations, by idempotency key, with the hold's
-    /// deadline (ms since the epoch) so that expiry elsewhere still frees them.
-    held: Mutex<HashMap<String, (Permit, i64)>>,
+    /// Permits held for admitted reservations, by idempotency key.
+    held: Mutex<HashMap<String, Held>>,
     /// Permits taken ahead for a reservation key that is about to be asked for (a
     /// cart's lines): its admission uses that permit instead of waiting for one,
     /// so a cart never finds itself without a permit halfway through its lines.
     /// By key: the attempt that took it, and the permit.
     prepaid: Mutex<HashMap<String, (String, Permit)>>,
+}
+
+/// A permit held for a reservation.
+#[derive(Debug)]
+struct Held {
+    _permit: Permit,
+    /// The hold's deadline (ms since the epoch), so that expiry elsewhere still
+    /// frees it.
+    deadline_ms: i64,
+    /// The admission attempt whose commit's outcome is unknown, while it is: its
+    /// resolution lets the permit go if the admission was never made.
+    unresolved: Option<String>,
 }
 
 /// One throttle permit. Let go, it returns to the throttle, unless a shrink is
@@ -158,15 +169,30 @@ impl Throttle {
     /// Keeps `permit` for the reservation `key` until [`Throttle::release`] or its
     /// deadline.
     pub fn hold(&self, key: &str, permit: Permit, deadline_ms: i64) {
-        self.lock_held()
-            .insert(key.to_string(), (permit, deadline_ms));
+        self.keep(key, permit, deadline_ms, None);
+    }
+
+    /// Keeps `permit` for the admission `attempt` of `key`, whose commit's outcome
+    /// is unknown: as [`Throttle::hold`], and [`Throttle::release_unresolved`] lets
+    /// it go.
+    pub fn hold_unresolved(&self, key: &str, attempt: &str, permit: Permit, deadline_ms: i64) {
+        self.keep(key, permit, deadline_ms, Some(attempt.to_string()));
+    }
+
+    fn keep(&self, key: &str, permit: Permit, deadline_ms: i64, unresolved: Option<String>) {
+        let held = Held {
+            _permit: permit,
+            deadline_ms,
+            unresolved,
+        };
+        self.lock_held().insert(key.to_string(), held);
     }
 
     /// Moves the deadline of the permit held for `key` (an extended hold) to
     /// `deadline_ms`, never back; nothing when this sidecar holds none for it.
     pub fn extend(&self, key: &str, deadline_ms: i64) {
-        if let Some((_, deadline)) = self.lock_held().get_mut(key) {
-            *deadline = (*deadline).max(deadline_ms);
+        if let Some(held) = self.lock_held().get_mut(key) {
+            held.deadline_ms = held.deadline_ms.max(deadline_ms);
         }
     }
 
@@ -175,11 +201,23 @@ impl Throttle {
         self.lock_held().remove(key);
     }
 
+    /// Gives back the permit of `key` if it is still held for the unresolved
+    /// admission `attempt` (one a later attempt of the key holds is left alone).
+    pub fn release_unresolved(&self, key: &str, attempt: &str) {
+        let mut held = self.lock_held();
+        if held
+            .get(key)
+            .is_some_and(|h| h.unresolved.as_deref() == Some(attempt))
+        {
+            held.remove(key);
+        }
+    }
+
     /// Gives back every permit whose hold's deadline is at or before `now_ms`.
     pub fn release_due(&self, now_ms: i64) -> usize {
         let mut held = self.lock_held();
         let before = held.len();
-        held.retain(|_, (_, deadline)| *deadline > now_ms);
+        held.retain(|_, held| held.deadline_ms > now_ms);
         before - held.len()
     }
 
@@ -192,7 +230,7 @@ impl Throttle {
         self.prepaid.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Permit, i64)>> {
+    fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -219,6 +257,23 @@ mod tests {
         throttle.hold("b", permit, 5_000);
         throttle.release("b");
         assert!(throttle.acquire(Duration::ZERO).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn an_unresolved_admissions_permit_goes_back_only_for_that_attempt() {
+        let throttle = Throttle::new(1);
+        let permit = throttle.acquire(Duration::ZERO).await.expect("free");
+        throttle.hold_unresolved("k", "a1", permit, i64::MAX);
+        throttle.release_unresolved("k", "other");
+        assert_eq!(throttle.in_use(), 1, "another attempt's resolution");
+        throttle.release_unresolved("k", "a1");
+        assert_eq!(throttle.in_use(), 0);
+        // A later attempt of the key holds it as an admitted reservation: a late
+        // resolution of the first leaves it alone.
+        let permit = throttle.acquire(Duration::ZERO).await.expect("freed");
+        throttle.hold("k", permit, i64::MAX);
+        throttle.release_unresolved("k", "a1");
+        assert_eq!(throttle.in_use(), 1);
     }
 
     #[tokio::test]

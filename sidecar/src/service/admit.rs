@@ -485,8 +485,12 @@ async fn after_gate(
                     // or the sweeper), whichever way it went. Its permit stays
                     // held as for an admission until then: the resolution lets it
                     // go if the admission is undone.
-                    drop.throttle
-                        .hold(&request.key, permit, admitted.reservation.expires_at_ms);
+                    drop.throttle.hold_unresolved(
+                        &request.key,
+                        &attempt,
+                        permit,
+                        admitted.reservation.expires_at_ms,
+                    );
                     tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
                     return Turn::Done(Err(Failure::retry(format!(
                         "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved by the ledger's record once the ledger answers again: retry the same key"
@@ -504,9 +508,9 @@ async fn after_gate(
                     // Which reservation holds the key cannot be read: taking this
                     // marker back could leave Redis without the unit of one the
                     // ledger holds. It stays pending and is resolved from the
-                    // ledger past its bound (which lets its permit go if undone).
-                    drop.throttle
-                        .hold(&request.key, permit, admitted.reservation.expires_at_ms);
+                    // ledger past its bound. (This attempt never landed: the
+                    // ledger refused its key; its permit goes back.)
+                    std::mem::drop(permit);
                     return Turn::Done(Err(Failure::retry(format!(
                         "the ledger holds a reservation under this key and could not be read ({e}); it is resolved by the ledger's record once the ledger answers again: retry the same key"
                     ))));
@@ -899,16 +903,20 @@ pub(crate) async fn resolve_dead_admission(
         .claim_abandoned(ledger_key, key, user, *quantity, attempt, now)
         .await
         .map_err(|e| e.to_string())?;
+    // Never made (claimed, or another reservation holds the key): the permit
+    // this sidecar kept for it while its commit's outcome was unknown goes back.
+    // (Kept on another sidecar, it goes back at the hold's deadline.)
     if claimed {
-        // Never made: the permit this sidecar kept for it (its commit's outcome
-        // was unknown) goes back.
-        drop.throttle.release(key);
+        drop.throttle.release_unresolved(key, attempt);
         return take_back(&mut conn).await;
     }
     match app.ledger.reservation(ledger_key, key).await {
         Ok(Some(row))
             if row.user == *user && row.quantity == *quantity && row.variant == *variant =>
         {
+            if !row.state.holds_units() {
+                drop.throttle.release_unresolved(key, attempt);
+            }
             match gate::replay(&mut conn, &drop.keys, ledger, &row, ledger_key).await {
                 Ok(Replay::Replayed | Replay::InLine) => Ok(()),
                 Ok(other) => Err(format!(
@@ -917,7 +925,10 @@ pub(crate) async fn resolve_dead_admission(
                 Err(e) => Err(e.to_string()),
             }
         }
-        Ok(Some(_)) => take_back(&mut conn).await,
+        Ok(Some(_)) => {
+            drop.throttle.release_unresolved(key, attempt);
+            take_back(&mut conn).await
+        }
         // A claim is refused only where the key holds a row, and rows are never
         // deleted: not reached; left for the next resolution.
         Ok(None) => Ok(()),
