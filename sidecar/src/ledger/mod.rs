@@ -780,7 +780,7 @@ const MAX_RUN: usize = 64;
 /// multi-row statement then comes in at most seven texts per table, which stay
 /// in each connection's prepared-statement cache (a text per batch size would
 /// push each other out of it in a rush, and every batch would be prepared anew).
-fn row_runs(n: usize) -> Vec<std::ops::Range<usize>> {
+pub(super) fn row_runs(n: usize) -> Vec<std::ops::Range<usize>> {
     let mut runs = Vec::new();
     let mut start = 0;
     while start < n {

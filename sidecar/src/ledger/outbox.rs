@@ -193,12 +193,19 @@ pub async fn dispatch(
         let mark = async {
             let mut tx = pool.begin().await?;
             let now = now_ms();
-            for id in &published {
-                sqlx::query("UPDATE outbox SET sent_at_ms = $1 WHERE id = $2")
-                    .bind(now)
-                    .bind(*id)
-                    .execute(&mut *tx)
-                    .await?;
+            // A statement per run of ids, not per id: each is a round trip to the
+            // ledger (with SQLite, a hand-off to its worker thread).
+            for run in super::row_runs(published.len()) {
+                let ids = (0..run.len())
+                    .map(|i| format!("${}", i + 2))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let sql = format!("UPDATE outbox SET sent_at_ms = $1 WHERE id IN ({ids})");
+                let mut mark = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now);
+                for id in &published[run] {
+                    mark = mark.bind(*id);
+                }
+                mark.execute(&mut *tx).await?;
             }
             // A drop whose publish failed rests (its claim stays, longer, under a
             // name that is nobody's: it holds this dispatcher's rounds off too) so
