@@ -55,6 +55,33 @@ async fn stall_commits(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::
     tx
 }
 
+/// Drop `sale` published in a Redis, a shared PostgreSQL ledger for its sidecars,
+/// and a pool on that ledger for the test's own looks.
+struct SharedSale {
+    redis: RedisServer,
+    postgres: PostgresServer,
+    pool: sqlx::PgPool,
+}
+
+impl SharedSale {
+    async fn start(spec: DropSpec) -> Self {
+        let redis = RedisServer::start().expect("redis-server");
+        let postgres = PostgresServer::start().expect("postgres");
+        seed(&redis.url(), "sale", spec).await;
+        let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
+        Self {
+            redis,
+            postgres,
+            pool,
+        }
+    }
+
+    /// A sidecar of the sale on its Redis and ledger.
+    async fn sidecar(&self) -> Peer {
+        Peer::start(&self.redis.url(), &self.postgres.url()).await
+    }
+}
+
 /// Shared PostgreSQL. Alice's admission k1 is pending while its commit is slow
 /// (> acquireTimeoutMs + 2 s). The sweeper finds it overdue, the ledger has no row
 /// yet: abandon. Alice's client retries k1 (same user, quantity): reserve.lua has
@@ -66,34 +93,31 @@ async fn stall_commits(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::
 /// has k1 active and "replayed": nothing ever replays it. Alice's confirm fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirmable() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", spec(2)).await;
-    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    let sale = SharedSale::start(spec(2)).await;
+    let a = sale.sidecar().await;
     let w = a.reserve("sale", "w", "w", 1).await;
     assert_eq!(w.status, 201, "{}", show(&w));
-    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
 
-    let lock = stall_commits(&pool).await;
+    let lock = stall_commits(&sale.pool).await;
     let http = a.http.clone();
     let first = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
-        marker_state(&redis, "sale", "k1").as_deref(),
+        marker_state(&sale.redis, "sale", "k1").as_deref(),
         Some("pending")
     );
     // Past acquireTimeoutMs (100) + COMMIT_DEADLINE_MS (2000) and a sweep.
     tokio::time::sleep(Duration::from_millis(2600)).await;
     eprintln!(
         "after the bound: marker {:?}",
-        marker_state(&redis, "sale", "k1")
+        marker_state(&sale.redis, "sale", "k1")
     );
     let http = a.http.clone();
     let retry = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     eprintln!(
         "retry in flight: marker {:?}",
-        marker_state(&redis, "sale", "k1")
+        marker_state(&sale.redis, "sale", "k1")
     );
     lock.rollback().await.expect("release");
 
@@ -101,12 +125,12 @@ async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirma
     let retry = retry.await.expect("retry");
     eprintln!("first: {}\nretry: {}", show(&first), show(&retry));
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let marker = marker_state(&redis, "sale", "k1");
-    let ledger = ledger_state(&pool, "k1").await;
+    let marker = marker_state(&sale.redis, "sale", "k1");
+    let ledger = ledger_state(&sale.pool, "k1").await;
     eprintln!(
         "marker {marker:?}, ledger {ledger:?}, remaining {} held {}",
-        redis_int(&redis, DropKeys::remaining),
-        redis_int(&redis, DropKeys::held)
+        redis_int(&sale.redis, DropKeys::remaining),
+        redis_int(&sale.redis, DropKeys::held)
     );
     assert!(
         first.status == 201 || retry.status == 201 || retry.status == 200,
@@ -133,22 +157,19 @@ async fn a_201_after_the_sweeper_abandoned_and_a_retry_readmitted_stays_confirma
 /// count must refuse one of them; after the replay Redis and the ledger agree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledger() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", spec(2)).await;
-    let a = Peer::start(&redis.url(), &postgres.url()).await;
-    let b = Peer::start(&redis.url(), &postgres.url()).await;
+    let sale = SharedSale::start(spec(2)).await;
+    let a = sale.sidecar().await;
+    let b = sale.sidecar().await;
     let w = a.reserve("sale", "w", "w", 1).await;
     assert_eq!(w.status, 201, "{}", show(&w));
-    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
 
-    let lock = stall_commits(&pool).await;
+    let lock = stall_commits(&sale.pool).await;
     let http = a.http.clone();
     let first = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
     tokio::time::sleep(Duration::from_millis(2900)).await;
     eprintln!(
         "after the bound: marker {:?}",
-        marker_state(&redis, "sale", "k1")
+        marker_state(&sale.redis, "sale", "k1")
     );
     let http = b.http.clone();
     let other = tokio::spawn(async move { common::reserve(&http, "sale", "k2", "bob", 1).await });
@@ -159,14 +180,14 @@ async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledg
     eprintln!("first: {}\nother: {}", show(&first), show(&other));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let sold = 1 + [&first, &other].iter().filter(|r| r.status == 201).count();
-    let remaining = redis_int(&redis, DropKeys::remaining);
-    let held = redis_int(&redis, DropKeys::held);
+    let remaining = redis_int(&sale.redis, DropKeys::remaining);
+    let held = redis_int(&sale.redis, DropKeys::held);
     eprintln!(
         "k1 marker {:?} ledger {:?}; k2 marker {:?} ledger {:?}; remaining {remaining} held {held}",
-        marker_state(&redis, "sale", "k1"),
-        ledger_state(&pool, "k1").await,
-        marker_state(&redis, "sale", "k2"),
-        ledger_state(&pool, "k2").await,
+        marker_state(&sale.redis, "sale", "k1"),
+        ledger_state(&sale.pool, "k1").await,
+        marker_state(&sale.redis, "sale", "k2"),
+        ledger_state(&sale.pool, "k2").await,
     );
     assert!(sold <= 2, "oversold: {sold} 201s for a limit of 2");
     assert_eq!(remaining + held, 2, "Redis counts");
@@ -183,22 +204,19 @@ async fn an_abandoned_admission_whose_commit_lands_never_oversells_a_shared_ledg
 /// commit never landed: undone) and its permit goes back, so k2 is admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_admission_whose_commit_outcome_is_unknown_keeps_its_permit_until_resolved() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", spec(5).permits(1)).await;
-    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    let sale = SharedSale::start(spec(5).permits(1)).await;
+    let a = sale.sidecar().await;
     let w = a.reserve("sale", "w", "w", 1).await;
     assert_eq!(w.status, 201, "{}", show(&w));
     a.settle("sale", "w", "confirm")
         .await
         .assert_answer(200, "confirmed");
-    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
 
-    let lock = stall_commits(&pool).await;
+    let lock = stall_commits(&sale.pool).await;
     let http = a.http.clone();
     let first = tokio::spawn(async move { common::reserve(&http, "sale", "k1", "alice", 1).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    postgres.freeze().expect("freeze");
+    sale.postgres.freeze().expect("freeze");
     let first = first.await.expect("k1");
     first.assert_answer(503, "unavailable");
     assert!(
@@ -210,7 +228,7 @@ async fn an_admission_whose_commit_outcome_is_unknown_keeps_its_permit_until_res
         .await
         .assert_answer(503, "throttled");
 
-    postgres.thaw().expect("thaw");
+    sale.postgres.thaw().expect("thaw");
     lock.rollback().await.expect("release");
     let mut second = a.reserve("sale", "k2", "bob", 1).await;
     for _ in 0..100 {
@@ -221,9 +239,16 @@ async fn an_admission_whose_commit_outcome_is_unknown_keeps_its_permit_until_res
         second = a.reserve("sale", "k2", "bob", 1).await;
     }
     second.assert_answer(201, "admitted");
-    assert_ne!(ledger_state(&pool, "k1").await.as_deref(), Some("active"));
-    assert_eq!(marker_state(&redis, "sale", "k1"), None, "k1 was undone");
-    assert_eq!(redis_int(&redis, DropKeys::remaining), 3);
+    assert_ne!(
+        ledger_state(&sale.pool, "k1").await.as_deref(),
+        Some("active")
+    );
+    assert_eq!(
+        marker_state(&sale.redis, "sale", "k1"),
+        None,
+        "k1 was undone"
+    );
+    assert_eq!(redis_int(&sale.redis, DropKeys::remaining), 3);
     a.shutdown().await;
 }
 
@@ -233,17 +258,14 @@ async fn an_admission_whose_commit_outcome_is_unknown_keeps_its_permit_until_res
 /// hold the two reservations active, and the stock did not move).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_confirm_and_a_cancel_meeting_a_frozen_ledger_change_nothing() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("postgres");
-    seed(&redis.url(), "sale", spec(5)).await;
-    let a = Peer::start(&redis.url(), &postgres.url()).await;
+    let sale = SharedSale::start(spec(5)).await;
+    let a = sale.sidecar().await;
     for key in ["c1", "c2", "c3"] {
         a.reserve("sale", key, key, 1)
             .await
             .assert_answer(201, "admitted");
     }
-    let pool = sqlx::PgPool::connect(&postgres.url()).await.expect("pg");
-    let lock = stall_commits(&pool).await;
+    let lock = stall_commits(&sale.pool).await;
     let http = a.http.clone();
     let confirm = tokio::spawn(async move {
         http.post("/v1/drops/sale/reservations/c1/confirm", "")
@@ -257,7 +279,7 @@ async fn a_confirm_and_a_cancel_meeting_a_frozen_ledger_change_nothing() {
             .expect("answers")
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    postgres.freeze().expect("freeze");
+    sale.postgres.freeze().expect("freeze");
     confirm
         .await
         .expect("confirm")
@@ -267,7 +289,7 @@ async fn a_confirm_and_a_cancel_meeting_a_frozen_ledger_change_nothing() {
         .expect("cancel")
         .assert_answer(503, "unavailable");
 
-    postgres.thaw().expect("thaw");
+    sale.postgres.thaw().expect("thaw");
     lock.rollback().await.expect("release");
     for key in ["c1", "c2"] {
         let mut looked = a.lookup("sale", key).await;
@@ -280,11 +302,11 @@ async fn a_confirm_and_a_cancel_meeting_a_frozen_ledger_change_nothing() {
         }
         assert_eq!(looked.body["state"], "active", "{key}: {}", show(&looked));
         assert_eq!(
-            ledger_state(&pool, key).await.as_deref(),
+            ledger_state(&sale.pool, key).await.as_deref(),
             Some("active"),
             "{key}"
         );
     }
-    assert_eq!(redis_int(&redis, DropKeys::remaining), 2);
+    assert_eq!(redis_int(&sale.redis, DropKeys::remaining), 2);
     a.shutdown().await;
 }
