@@ -207,6 +207,17 @@ def validate(version, release, namespace, path, secret_access):
         fail(f"{len(aggregated)} aggregated ClusterRoles, want 2 (edit and view)")
     kinds["ClusterRole"] = [r for r in kinds.get("ClusterRole", []) if r not in aggregated]
 
+    # The sidecars' role reads InventoryDrops (their watch), nothing else.
+    sidecar_roles = [r for r in kinds.get("ClusterRole", [])
+                     if (r["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "sidecar"]
+    for role in sidecar_roles:
+        if role.get("rules") != [{"apiGroups": ["dropgate.io"], "resources": ["inventorydrops"],
+                                  "verbs": ["get", "list", "watch"]}]:
+            fail(f"the sidecars' ClusterRole {role['metadata']['name']} grants {role.get('rules')}")
+    if len(sidecar_roles) != 1:
+        fail(f"{len(sidecar_roles)} ClusterRoles for the sidecars, want 1")
+    kinds["ClusterRole"] = [r for r in kinds.get("ClusterRole", []) if r not in sidecar_roles]
+
     if secret_access:
         access, _, listed = secret_access.partition(":")
         role = one("ClusterRole")

@@ -8,6 +8,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use crate::Error;
 use crate::breaker::Breaker;
+use crate::drop_watch::DropWatch;
 use crate::drops::Drops;
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
@@ -17,6 +18,9 @@ use crate::settings::Settings;
 #[derive(Debug)]
 pub struct App {
     pub drops: Drops,
+    /// The drops as the API server holds them (`--watch-drops`): what a fallback
+    /// admission's config is checked against while Redis cannot be asked.
+    pub drop_watch: Option<DropWatch>,
     /// One multiplexed connection for every request. It reconnects by itself, so a
     /// Redis restart needs no sidecar restart; while Redis is down, commands fail
     /// within the timeouts below instead of queueing.
@@ -68,10 +72,20 @@ impl App {
             ConnectionManager::new_lazy_with_config(client, config)?.into()
         };
         let ledger = Ledger::open(&settings.database_url).await?;
+        let drop_watch = if settings.watch_drops {
+            Some(DropWatch::start(&settings.namespace).await.map_err(|e| {
+                Error::Settings(format!(
+                    "--watch-drops: no client for the Kubernetes API server ({e}); the sidecar checks its fallback's config there (the pod needs its service account token, which the webhook mounts)"
+                ))
+            })?)
+        } else {
+            None
+        };
         let mut metrics = Metrics::new();
         metrics.register_ledger(ledger.commit_seconds());
         Ok(Self {
             drops: Drops::new(&settings.namespace),
+            drop_watch,
             redis,
             ledger,
             metrics,

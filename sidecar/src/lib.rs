@@ -36,6 +36,8 @@
 //!   carts, lock fences.
 //! - [`drops`]: the drops this sidecar serves, read from the operator's config
 //!   hashes and kept through Redis outages.
+//! - [`drop_watch`]: the drops as the API server holds them (`--watch-drops`), what a
+//!   fallback admission's config is checked against while Redis cannot be asked.
 //! - [`throttle`]: the per-drop permit semaphore that bounds unconfirmed holds.
 //! - [`replicas`]: waiting for Redis replicas to acknowledge admissions
 //!   (`--wait-replicas`).
@@ -55,6 +57,7 @@ mod answer;
 pub mod app;
 pub mod breaker;
 pub mod clock;
+pub mod drop_watch;
 pub mod drops;
 pub mod faults;
 pub mod gate;

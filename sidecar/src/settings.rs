@@ -54,6 +54,14 @@ pub struct Settings {
     #[arg(long, env = "DROPGATE_LEDGER_RETENTION", default_value = "30d",
         value_parser = dropgate_api::config::parse_retention)]
     pub ledger_retention: std::time::Duration,
+    /// Watch the namespace's InventoryDrops in the API server (as the pod's service
+    /// account, or `KUBECONFIG`), and decide no fallback admission on a config older
+    /// than the drop there: a change the operator published into Redis while this
+    /// sidecar could not reach Redis is obeyed anyway. The webhook sets it; without
+    /// it (outside Kubernetes) a fallback decides on the config last read. A sidecar
+    /// that cannot build a client for the API server does not start.
+    #[arg(long, env = "DROPGATE_WATCH_DROPS", default_value_t = false)]
+    pub watch_drops: bool,
     /// How often known drops' configs are re-read from Redis.
     #[arg(long, env = "DROPGATE_REFRESH_MS", default_value_t = 500)]
     pub refresh_ms: u64,

@@ -261,10 +261,18 @@ func (e *env) writeOperatorKubeconfig(t *testing.T) {
 	if e.saConfig != "" {
 		return
 	}
-	token := strings.TrimSpace(e.kubectl(t, "-n", operatorNS, "create", "token", operatorSA, "--duration=2h"))
+	e.saConfig = e.tokenKubeconfig(t, operatorNS, operatorSA)
+}
+
+// tokenKubeconfig writes a kubeconfig holding a token of service account ns/sa
+// (from `kubectl create token`): a process using it may do what RBAC grants that
+// account, as in a pod that mounts its token. Returns its path.
+func (e *env) tokenKubeconfig(t *testing.T, ns, sa string) string {
+	t.Helper()
+	token := strings.TrimSpace(e.kubectl(t, "-n", ns, "create", "token", sa, "--duration=2h"))
 	server := e.kubectl(t, "config", "view", "--raw", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}")
 	ca := e.kubectl(t, "config", "view", "--raw", "--minify", "-o", "jsonpath={.clusters[0].cluster.certificate-authority-data}")
-	path := filepath.Join(e.work, "operator.kubeconfig")
+	path := filepath.Join(e.work, ns+"-"+sa+".kubeconfig")
 	config := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
@@ -277,11 +285,11 @@ contexts:
 - name: e2e
   context: {cluster: e2e, user: %s}
 current-context: e2e
-`, server, ca, operatorSA, token, operatorSA)
+`, server, ca, sa, token, sa)
 	if err := os.WriteFile(path, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	e.saConfig = path
+	return path
 }
 
 // process is a program the suite started, with its output in a log file.

@@ -162,7 +162,8 @@ type storedPod struct {
 		Annotations map[string]string `json:"annotations"`
 	} `json:"metadata"`
 	Spec struct {
-		InitContainers []storedContainer `json:"initContainers"`
+		InitContainers     []storedContainer `json:"initContainers"`
+		ServiceAccountName string            `json:"serviceAccountName"`
 	} `json:"spec"`
 }
 
@@ -181,11 +182,16 @@ type storedContainer struct {
 		Value     string          `json:"value"`
 		ValueFrom json.RawMessage `json:"valueFrom"`
 	} `json:"env"`
+	VolumeMounts []struct {
+		Name string `json:"name"`
+	} `json:"volumeMounts"`
 }
 
 // runLikeKubelet starts the pod's dropgate-sidecar container as a process with the
 // environment a kubelet would give it: fieldRef and secretKeyRef resolved, the
-// emptyDir at a folder of this run, and the two ports moved to free ones (every
+// emptyDir at a folder of this run, the sidecar's service-account token volume as a
+// kubeconfig holding a token of the pod's service account (so the chart's RBAC is
+// what it may do), and the two ports moved to free ones (every
 // "pod" here shares the host's loopback). It returns once the readiness probe
 // passes.
 func (e *env) runLikeKubelet(t *testing.T, ns string, pod storedPod) *sidecar {
@@ -229,6 +235,16 @@ func (e *env) runLikeKubelet(t *testing.T, ns string, pod storedPod) *sidecar {
 		value = strings.ReplaceAll(value, "127.0.0.1:7070", fmt.Sprintf("127.0.0.1:%d", apiPort))
 		value = strings.ReplaceAll(value, "0.0.0.0:7071", fmt.Sprintf("127.0.0.1:%d", healthPort))
 		vars = append(vars, v.Name+"="+value)
+	}
+	// The token the webhook mounts for the sidecar: one of the pod's service account.
+	for _, m := range c.VolumeMounts {
+		if m.Name == "dropgate-api-access" {
+			sa := pod.Spec.ServiceAccountName
+			if sa == "" {
+				sa = "default"
+			}
+			vars = append(vars, "KUBECONFIG="+e.tokenKubeconfig(t, ns, sa))
+		}
 	}
 	p := e.start(t, "injected-sidecar", filepath.Join(e.bin, "dropgate-sidecar"), nil, append(vars, "RUST_LOG=info"))
 	t.Cleanup(p.stop)

@@ -334,6 +334,13 @@ func (e *env) startSidecar(t *testing.T, name string) *sidecar {
 // drop named drop.
 func (e *env) startSidecarFor(t *testing.T, name, ns, drop string) *sidecar {
 	t.Helper()
+	return e.startSidecarWith(t, name, ns, drop, e.redisURL, nil)
+}
+
+// startSidecarWith is startSidecarFor with the sidecar's Redis at redisURL and
+// more environment (NAME=value).
+func (e *env) startSidecarWith(t *testing.T, name, ns, drop, redisURL string, vars []string) *sidecar {
+	t.Helper()
 	ledger := e.databaseURL
 	if ledger == "" {
 		file := filepath.Join(e.work, name+"-ledger.db")
@@ -345,10 +352,10 @@ func (e *env) startSidecarFor(t *testing.T, name, ns, drop string) *sidecar {
 	port := freePort(t)
 	p := e.start(t, name, filepath.Join(e.bin, "dropgate-sidecar"), []string{
 		"--listen", fmt.Sprintf("127.0.0.1:%d", port),
-		"--redis-url", e.redisURL,
+		"--redis-url", redisURL,
 		"--namespace", ns,
 		"--database-url", ledger,
-	}, []string{"DROPGATE_HEALTH_LISTEN=127.0.0.1:" + strconv.Itoa(freePort(t)), "RUST_LOG=info"})
+	}, append([]string{"DROPGATE_HEALTH_LISTEN=127.0.0.1:" + strconv.Itoa(freePort(t)), "RUST_LOG=info"}, vars...))
 	t.Cleanup(p.stop)
 	return &sidecar{name: name, proc: p, base: fmt.Sprintf("http://127.0.0.1:%d/v1/drops/%s", port, drop)}
 }

@@ -37,6 +37,7 @@ var scenarios = []scenario{
 	{"operator_rbac_is_enough", operatorRBACIsEnough},
 	{"kubectl_apply_drop_lifecycle", kubectlApplyDropLifecycle},
 	{"sidecar_injected_by_webhook", sidecarInjectedByWebhook},
+	{"fallback_obeys_a_change_published_while_cut_off", fallbackObeysAChangePublishedWhileCutOff},
 	{"no_self_triggered_reconcile", noSelfTriggeredReconcile},
 	{"leader_failover", leaderFailover},
 	{"namespace_deletion_finishes", namespaceDeletionFinishes},

@@ -16,9 +16,11 @@ pub mod webhook;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    HTTPGetAction, ObjectFieldSelector, Pod, Probe, ResourceRequirements, SeccompProfile,
-    SecretKeySelector, SecurityContext, Volume, VolumeMount,
+    Capabilities, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
+    DownwardAPIVolumeFile, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
+    ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
+    SecretKeySelector, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount,
+    VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -48,6 +50,13 @@ pub const API_PORT: u16 = 7070;
 /// The emptyDir volume of the per-pod SQLite ledger.
 const LEDGER_VOLUME: &str = "dropgate-ledger";
 const LEDGER_DIR: &str = "/var/lib/dropgate";
+/// The sidecar's own service-account token, CA and namespace, where a client looks
+/// for them in a pod. Its own volume: the API server mounts the pod's token into the
+/// containers it has before the webhook adds this one (and into none when the pod
+/// or its service account turns the mount off), and the sidecar watches its drops
+/// there (`DROPGATE_WATCH_DROPS`).
+const API_VOLUME: &str = "dropgate-api-access";
+const API_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
 /// What the platform team configures (the operator's `DROPGATE_SIDECAR_*`
 /// environment, set by the chart).
@@ -263,6 +272,8 @@ pub enum Decision {
 pub struct Mutation {
     pub sidecar: Container,
     pub ledger_volume: Option<Volume>,
+    /// The sidecar's access to the API server (see [`API_VOLUME`]).
+    pub api_volume: Volume,
 }
 
 impl Mutation {
@@ -288,16 +299,18 @@ impl Mutation {
                 serde_json::Value::Array(vec![sidecar]),
             ));
         }
-        if let Some(volume) = &self.ledger_volume {
-            let volume = serde_json::to_value(volume).unwrap_or_default();
-            if has(&["spec", "volumes"]) {
+        let volumes: Vec<serde_json::Value> = self
+            .ledger_volume
+            .iter()
+            .chain(std::iter::once(&self.api_volume))
+            .map(|volume| serde_json::to_value(volume).unwrap_or_default())
+            .collect();
+        if has(&["spec", "volumes"]) {
+            for volume in volumes {
                 ops.push(add(&["spec", "volumes", "-"], volume));
-            } else {
-                ops.push(add(
-                    &["spec", "volumes"],
-                    serde_json::Value::Array(vec![volume]),
-                ));
             }
+        } else {
+            ops.push(add(&["spec", "volumes"], serde_json::Value::Array(volumes)));
         }
         let version = serde_json::Value::String(env!("CARGO_PKG_VERSION").into());
         if has(&["metadata", "annotations"]) {
@@ -411,7 +424,56 @@ pub fn inject(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Decisio
             }),
             ..Volume::default()
         }),
+        api_volume: api_volume(),
     })))
+}
+
+/// A projected volume of what an in-cluster client reads: a token of the pod's
+/// service account (renewed by the kubelet), the cluster's CA and the namespace.
+fn api_volume() -> Volume {
+    let projection = VolumeProjection::default;
+    Volume {
+        name: API_VOLUME.into(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(vec![
+                VolumeProjection {
+                    service_account_token: Some(ServiceAccountTokenProjection {
+                        path: "token".into(),
+                        expiration_seconds: Some(3607),
+                        audience: None,
+                    }),
+                    ..projection()
+                },
+                VolumeProjection {
+                    config_map: Some(ConfigMapProjection {
+                        name: "kube-root-ca.crt".into(),
+                        items: Some(vec![KeyToPath {
+                            key: "ca.crt".into(),
+                            path: "ca.crt".into(),
+                            mode: None,
+                        }]),
+                        optional: None,
+                    }),
+                    ..projection()
+                },
+                VolumeProjection {
+                    downward_api: Some(DownwardAPIProjection {
+                        items: Some(vec![DownwardAPIVolumeFile {
+                            path: "namespace".into(),
+                            field_ref: Some(ObjectFieldSelector {
+                                api_version: Some("v1".into()),
+                                field_path: "metadata.namespace".into(),
+                            }),
+                            ..DownwardAPIVolumeFile::default()
+                        }]),
+                    }),
+                    ..projection()
+                },
+            ]),
+            default_mode: Some(0o644),
+        }),
+        ..Volume::default()
+    }
 }
 
 /// The settings after the pod's annotations.
@@ -607,6 +669,7 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
                 database,
                 value("DROPGATE_LISTEN", format!("127.0.0.1:{}", tuning.port)),
                 value("DROPGATE_HEALTH_LISTEN", format!("0.0.0.0:{HEALTH_PORT}")),
+                value("DROPGATE_WATCH_DROPS", "true".into()),
             ]
             .into_iter()
             .chain(
@@ -670,13 +733,24 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
             }),
             ..SecurityContext::default()
         }),
-        volume_mounts: tuning.database_secret.is_none().then(|| {
-            vec![VolumeMount {
-                name: LEDGER_VOLUME.into(),
-                mount_path: LEDGER_DIR.into(),
-                ..VolumeMount::default()
-            }]
-        }),
+        volume_mounts: Some(
+            tuning
+                .database_secret
+                .is_none()
+                .then(|| VolumeMount {
+                    name: LEDGER_VOLUME.into(),
+                    mount_path: LEDGER_DIR.into(),
+                    ..VolumeMount::default()
+                })
+                .into_iter()
+                .chain(std::iter::once(VolumeMount {
+                    name: API_VOLUME.into(),
+                    mount_path: API_DIR.into(),
+                    read_only: Some(true),
+                    ..VolumeMount::default()
+                }))
+                .collect(),
+        ),
         ..Container::default()
     }
 }
@@ -928,8 +1002,26 @@ mod tests {
         let volumes =
             serde_json::to_value(&pod.spec.as_ref().expect("spec").volumes).expect("json");
         assert_eq!(
-            volumes,
-            json!([{"name": "dropgate-ledger", "emptyDir": {"sizeLimit": "1Gi"}}])
+            volumes[0],
+            json!({"name": "dropgate-ledger", "emptyDir": {"sizeLimit": "1Gi"}})
+        );
+        assert_eq!(
+            volumes[1],
+            json!({"name": "dropgate-api-access", "projected": {"defaultMode": 420, "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}
+            ]}}),
+            "the sidecar's own token: the API server mounted the pod's before the sidecar was added"
+        );
+        assert_eq!(env(&sidecar, "DROPGATE_WATCH_DROPS")["value"], "true");
+        let mounts = serde_json::to_value(&sidecar.volume_mounts).expect("json");
+        assert_eq!(
+            mounts,
+            json!([
+                {"name": "dropgate-ledger", "mountPath": "/var/lib/dropgate"},
+                {"name": "dropgate-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": true}
+            ])
         );
         assert_eq!(
             pod.metadata
@@ -1160,11 +1252,26 @@ mod tests {
             env(&sidecar, "DROPGATE_DATABASE_URL")["valueFrom"]["secretKeyRef"]["name"],
             "shop-ledger"
         );
-        assert!(
-            pod.spec.as_ref().expect("spec").volumes.is_none(),
+        let volumes: Vec<&str> = pod
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.volumes.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|volume| volume.name.as_str())
+            .collect();
+        assert_eq!(
+            volumes,
+            ["dropgate-api-access"],
             "no SQLite volume with PostgreSQL"
         );
-        assert!(sidecar.volume_mounts.is_none());
+        let mounts: Vec<&str> = sidecar
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|mount| mount.name.as_str())
+            .collect();
+        assert_eq!(mounts, ["dropgate-api-access"]);
     }
 
     #[test]
@@ -1240,6 +1347,7 @@ mod tests {
             ops,
             [
                 ("add", "/spec/initContainers/0"),
+                ("add", "/spec/volumes/-"),
                 ("add", "/spec/volumes/-"),
                 ("add", "/metadata/annotations/dropgate.io~1injected")
             ]

@@ -210,9 +210,9 @@ pub(super) async fn lines_on_fallback(
             Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
                 return None;
             }
-            Published::Now(fresh) => *fresh,
-            Published::Missing => return None,
-            Published::Unreachable => config,
+            Published::Now(fresh) | Published::Unreachable(fresh) => *fresh,
+            // Each line is then decided on its own, and this drop's answers why.
+            Published::Missing | Published::Stale(_) => return None,
         };
         drops.push((drop, reason, config));
     }
@@ -736,24 +736,23 @@ async fn from_ledger_record(
 pub(super) async fn on_fallback(
     app: &App,
     drop: &Drop,
-    config: &DropConfig,
     request: &Reserve,
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
-    let fresh = match published_now(app, drop).await {
-        Published::Now(fresh) => Some(*fresh),
+    let config = match published_now(app, drop).await {
+        Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
+            return None;
+        }
+        Published::Now(config) | Published::Unreachable(config) => *config,
         Published::Missing => {
             return Some(Err(Failure::retry(format!(
                 "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
                 drop.name
             ))));
         }
-        Published::Unreachable => None,
+        Published::Stale(why) => return Some(Err(Failure::retry(why))),
     };
-    if reason == Reason::Mode && fresh.as_ref().is_some_and(|c| c.mode == Mode::Gate) {
-        return None;
-    }
-    let config = &fresh.unwrap_or_else(|| config.clone());
+    let config = &config;
     let now = now_ms();
     let ledger_key = drop.ledger_key();
     // A retry first, as on the gate: it hears what its key holds, whatever the

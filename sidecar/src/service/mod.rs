@@ -499,9 +499,7 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
             Turn::Reroute(Choice::Fallback(reason)) => {
                 // `None`: the drop turned out to be back on the gate.
                 let done = match call {
-                    Call::Reserve(request) => {
-                        admit::on_fallback(app, drop, &config, request, reason).await
-                    }
+                    Call::Reserve(request) => admit::on_fallback(app, drop, request, reason).await,
                     Call::Settle(key, settle) => {
                         settle::on_fallback(app, drop, &config, key, settle, reason).await
                     }
@@ -589,8 +587,13 @@ pub(crate) enum Published {
     /// publishes it again, or the drop was deleted or re-created): nothing may be
     /// decided on an older copy.
     Missing,
-    /// Redis cannot be asked: the last config read stands, and the ledger's newest.
-    Unreachable,
+    /// Redis cannot be asked: the config last read stands (this one, checked against
+    /// the API server's drop when the sidecar watches it), and the ledger's newest.
+    Unreachable(Box<DropConfig>),
+    /// Redis cannot be asked, and the API server holds a newer spec of the drop than
+    /// the config last read, or none, or its watch is not caught up (see
+    /// [`crate::drop_watch`]): nothing may be decided on that config. Why, for the 503.
+    Stale(String),
 }
 
 /// How long a fallback admission waits for Redis to say what the config is now.
@@ -609,13 +612,33 @@ const CONFIG_PROBE_EVERY_MS: i64 = 250;
 /// read before. A config read is adopted as the drop's copy when it is of the same
 /// sale and not older; the breaker is left alone (a read that answers says nothing
 /// of whether the gate's writes would), and an empty or failed read changes nothing.
+/// When Redis cannot be asked, the config last read stands only if the API server's
+/// drop (`--watch-drops`) is of no newer generation.
 async fn published_now(app: &App, drop: &Drop) -> Published {
+    if let Some(published) = asked_redis(app, drop).await {
+        return published;
+    }
+    // The copy read last (a refresh may have moved it since the caller read it).
+    let kept = drop.config();
+    match app
+        .drop_watch
+        .as_ref()
+        .map(|watch| watch.check(&drop.name, &kept))
+    {
+        Some(crate::drop_watch::Verdict::Stale(why)) => Published::Stale(why),
+        Some(crate::drop_watch::Verdict::Current) | None => Published::Unreachable(Box::new(kept)),
+    }
+}
+
+/// What Redis answers of the drop's config now (see [`published_now`]); `None`: it
+/// cannot be asked.
+async fn asked_redis(app: &App, drop: &Drop) -> Option<Published> {
     use std::sync::atomic::Ordering;
     let now = crate::clock::now_ms();
     if app.breaker(Some(drop)).tripped().is_some()
         && now - drop.config_unreachable_at.load(Ordering::Acquire) < CONFIG_PROBE_EVERY_MS
     {
-        return Published::Unreachable;
+        return None;
     }
     let kept = drop.config();
     let mut conn = app.redis.clone();
@@ -625,26 +648,26 @@ async fn published_now(app: &App, drop: &Drop) -> Published {
     )
     .await
     {
-        Ok(Ok(Some(config))) if config.sale != kept.sale => Published::Missing,
+        Ok(Ok(Some(config))) if config.sale != kept.sale => Some(Published::Missing),
         Ok(Ok(Some(config))) if config.generation < kept.generation => {
-            Published::Now(Box::new(kept))
+            Some(Published::Now(Box::new(kept)))
         }
         Ok(Ok(Some(config))) => {
             // The copy follows (a kill switch turned off sends the next attempt back
             // to the gate); the breaker does not (see above).
             drop.adopt(&config);
-            Published::Now(Box::new(config))
+            Some(Published::Now(Box::new(config)))
         }
-        Ok(Ok(None)) => Published::Missing,
+        Ok(Ok(None)) => Some(Published::Missing),
         // A refused or broken connection fails at once: the next admission asks
         // again (a Redis back from a restart answers it with the change published
         // again). Only a Redis that does not answer within the bound is left alone
         // for a while, so that it does not cost every admission the bound.
-        Ok(Err(_)) => Published::Unreachable,
+        Ok(Err(_)) => None,
         Err(_) => {
             drop.config_unreachable_at
                 .store(crate::clock::now_ms(), Ordering::Release);
-            Published::Unreachable
+            None
         }
     }
 }

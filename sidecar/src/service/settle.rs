@@ -232,7 +232,11 @@ pub(super) async fn on_fallback(
                     drop.name
                 ))));
             }
-            super::Published::Unreachable => config,
+            super::Published::Stale(why) => return Some(Err(Failure::retry(why))),
+            super::Published::Unreachable(kept) => {
+                fresh = *kept;
+                &fresh
+            }
         },
         _ => config,
     };

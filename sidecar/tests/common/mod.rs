@@ -62,6 +62,7 @@ impl Peer {
             redis_url: redis_url.into(),
             namespace: NS.into(),
             database_url: database_url.into(),
+            watch_drops: false,
             refresh_ms: 100,
             sweep_ms: 100,
             wait_replicas: 0,

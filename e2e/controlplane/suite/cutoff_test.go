@@ -1,0 +1,147 @@
+package suite
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// fallback_obeys_a_change_published_while_cut_off: a sidecar that cannot reach
+// Redis (its connection runs through a proxy the test cuts; the operator's does
+// not) sells on the fallback on the config of the drop's current generation. A
+// limit cut applied while it is cut off is published by the operator into Redis,
+// where this sidecar cannot read it: the sidecar learns of the new generation from
+// its watch of the API server (as the chart's RBAC lets any service account) and
+// refuses to decide on the config it read before, 503 and nothing changed. Back on
+// Redis, it obeys the cut: sold out at the new limit, never past it.
+func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
+	if e.databaseURL == "" {
+		t.Skip("needs the suite's PostgreSQL ledger (a per-pod ledger's sidecar does not fall back alone)")
+	}
+	e.startOperator(t)
+	ns, drop := "e2e-cut-off", "cut-sale"
+	e.ensureNamespace(t, ns)
+	t.Cleanup(func() { _, _ = e.run("kubectl", "delete", "namespace", ns, "--wait=false", "--ignore-not-found") })
+	e.kubectlIn(t, dropYAML(ns, drop, `{sku: CUT-1, limitedQuantity: 10, redis: {url: "`+e.redisURL+`"}}`), "apply", "-f", "-")
+	e.waitField(t, ns, "inventorydrop/"+drop, "{.status.mode}", "gate")
+
+	proxy := startProxy(t, strings.TrimPrefix(strings.TrimSuffix(e.redisURL, "/"), "redis://"))
+	s := e.startSidecarWith(t, "cut-off-sidecar", ns, drop, "redis://"+proxy.addr,
+		[]string{"DROPGATE_WATCH_DROPS=true", "KUBECONFIG=" + e.tokenKubeconfig(t, ns, "default")})
+	s.says(t, e, "remaining", "10")
+	s.reserve(t, "order-1", "alice", 201, "gate")
+	s.reserve(t, "order-2", "bob", 201, "gate")
+
+	// Cut off from Redis, the sidecar sells on the fallback: the drop in the API
+	// server is of the generation it read.
+	proxy.cut()
+	e.eventually(t, "a fallback sale while cut off from Redis", func() (bool, string) {
+		a, err := call("POST", s.base+"/reservations", map[string]any{"key": "order-3", "user": "carol", "quantity": 1})
+		if err != nil {
+			return false, err.Error()
+		}
+		if a.status != 201 && a.status != 503 {
+			t.Fatalf("while cut off: %s", a)
+		}
+		return a.status == 201 && a.header.Get("Dropgate-Path") == "fallback", a.String()
+	})
+
+	// The limit cut to 3 (3 sold): the operator publishes it into Redis, which this
+	// sidecar cannot read.
+	e.kubectl(t, "-n", ns, "patch", "inventorydrop/"+drop, "--type=merge", "-p", `{"spec":{"limitedQuantity":3}}`)
+	generation := e.jsonpath(t, ns, "inventorydrop/"+drop, "{.metadata.generation}")
+	e.waitField(t, ns, "inventorydrop/"+drop, "{.status.observedGeneration}", generation)
+	if limit := strings.TrimSpace(e.redisCLI(t, "HGET", fmt.Sprintf("dropgate:{%s/%s}:config", ns, drop), "limit")); limit != "3" {
+		t.Fatalf("the operator published limit %q into Redis, want 3", limit)
+	}
+	refused := s.reserve(t, "order-4", "dave", 503, "fallback")
+	if !strings.Contains(refused.field("message"), "generation "+generation) {
+		t.Fatalf("the refusal should name the generation it has not read: %s", refused)
+	}
+
+	// Back on Redis: it reads the cut and sells nothing past it (on whichever gate
+	// decides the drop now: the fallback's until its sales are back in Redis).
+	proxy.restore()
+	s.says(t, e, "limit", "3")
+	e.eventually(t, "dave refused at the new limit", func() (bool, string) {
+		a, err := call("POST", s.base+"/reservations", map[string]any{"key": "order-4", "user": "dave", "quantity": 1})
+		if err != nil {
+			return false, err.Error()
+		}
+		if a.status != 409 && a.status != 503 {
+			t.Fatalf("after the cut to 3 with 3 sold: %s", a)
+		}
+		return a.status == 409 && a.field("outcome") == "sold_out", a.String()
+	})
+	s.says(t, e, "remaining", "0")
+}
+
+// tcpProxy forwards connections to a target until cut (listener closed and every
+// open connection reset), and again after restore, on the same port.
+type tcpProxy struct {
+	addr, target string
+	mu           sync.Mutex
+	listener     net.Listener
+	conns        []net.Conn
+}
+
+func startProxy(t *testing.T, target string) *tcpProxy {
+	t.Helper()
+	p := &tcpProxy{addr: fmt.Sprintf("127.0.0.1:%d", freePort(t)), target: target}
+	p.restore()
+	t.Cleanup(p.cut)
+	return p
+}
+
+func (p *tcpProxy) restore() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.listener != nil {
+		return
+	}
+	l, err := net.Listen("tcp", p.addr)
+	if err != nil {
+		panic(fmt.Sprintf("proxy: listen on %s again: %v", p.addr, err))
+	}
+	p.listener = l
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			upstream, err := net.Dial("tcp", p.target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			p.mu.Lock()
+			if p.listener != l {
+				p.mu.Unlock()
+				c.Close()
+				upstream.Close()
+				return
+			}
+			p.conns = append(p.conns, c, upstream)
+			p.mu.Unlock()
+			go func() { _, _ = io.Copy(upstream, c); upstream.Close() }()
+			go func() { _, _ = io.Copy(c, upstream); c.Close() }()
+		}
+	}()
+}
+
+func (p *tcpProxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.listener != nil {
+		p.listener.Close()
+		p.listener = nil
+	}
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.conns = nil
+}
