@@ -83,6 +83,9 @@ impl App {
         };
         let mut metrics = Metrics::new();
         metrics.register_ledger(ledger.commit_seconds());
+        if let Some(watch) = &drop_watch {
+            metrics.register_drop_watch(watch.caught_up_gauge());
+        }
         Ok(Self {
             drops: Drops::new(&settings.namespace),
             drop_watch,

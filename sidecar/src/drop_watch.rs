@@ -7,28 +7,36 @@
 //! otherwise decide its fallback admissions on the config it read before the
 //! change. So it watches its namespace's InventoryDrops (metadata only: the uid that
 //! names the sale, and the spec's `metadata.generation`, which the published config
-//! carries), and a fallback admission is refused while the watch is not caught up
-//! or says the spec moved past the config held (see
-//! `service::published_now`). Every error restarts the watch with a full list, and
-//! nothing is trusted until that list is complete: a watch that resumed where it
-//! broke off cannot tell when it has caught up.
+//! carries), and a fallback admission (a reserve, a cart, an extension; confirms and
+//! cancels decide nothing about stock) is refused while the watch is not caught up or
+//! says the drop moved past the config held (see `service::published_now`). Every
+//! error restarts the watch with a full list, and nothing is trusted until that list
+//! is complete: a watch that resumed where it broke off cannot tell when it has
+//! caught up.
+//!
+//! What is left: the watch hears a change about when the operator does (both watch
+//! the API server), and the operator publishes it only after its reconcile; a watch
+//! lagging that long without breaking lets the config read before decide meanwhile.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dropgate_api::{DropConfig, InventoryDrop};
 use futures::StreamExt;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::watcher::{self, Event};
+use prometheus_client::metrics::gauge::Gauge;
 
 /// Metadata only: what the check needs, and nothing of the spec travels.
 type DropMeta = PartialObjectMeta<InventoryDrop>;
 
 /// What the API server holds of one drop.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Seen {
+struct Listed {
+    /// The sale's identity: under the operator a drop's `sale` is its uid.
     uid: String,
     generation: i64,
 }
@@ -37,28 +45,44 @@ struct Seen {
 struct State {
     /// A complete list arrived and no error came since.
     caught_up: bool,
-    drops: HashMap<String, Seen>,
+    drops: HashMap<String, Listed>,
 }
 
 /// This sidecar's watch of its namespace's InventoryDrops.
 #[derive(Debug, Clone)]
 pub struct DropWatch {
     state: Arc<RwLock<State>>,
+    /// `caught_up` for /metrics (`dropgate_sidecar_drop_watch_caught_up`): a watch
+    /// that is forbidden shows nothing else until Redis fails.
+    gauge: Gauge<i64, AtomicI64>,
+    api: Api<DropMeta>,
+    /// Each drop as a read of the API server last found it, and when that read
+    /// began. Locked across a read, so that admissions that need one share it.
+    reads: Arc<tokio::sync::Mutex<HashMap<String, Read>>>,
 }
+
+/// A read of one drop in the API server: when it began, and what it found.
+type Read = (Instant, Option<Listed>);
 
 /// Whether a config held may decide a fallback admission.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Verdict {
-    /// The API server holds the drop at the config's generation (or an older one:
-    /// the config came from a newer object than the watch has seen yet).
+    /// The API server holds the drop of the config's sale at the config's
+    /// generation (or an older one: the config came from a newer object than the
+    /// watch has seen yet).
     Current,
-    /// It does not: nothing may be decided on the config held. The reason, for the
-    /// 503.
+    /// It holds a newer one, or none, or the watch is not caught up: nothing may be
+    /// decided on the config held. The reason, for the 503.
     Stale(String),
 }
 
 /// The longest wait between two attempts to restart a broken watch.
 const RETRY_MAX: Duration = Duration::from_secs(10);
+/// How old a read of the API server may be for a decision to rest on it (besides
+/// the watch, which breaks late when its connection goes silent).
+const READ_FRESH: Duration = Duration::from_secs(1);
+/// How long a decision waits for such a read.
+const READ_BOUND: Duration = Duration::from_secs(1);
 
 impl DropWatch {
     /// Connects as the pod's service account (or `KUBECONFIG`) and starts watching
@@ -69,9 +93,17 @@ impl DropWatch {
         let api: Api<DropMeta> = Api::namespaced(client, namespace);
         let watch = Self {
             state: Arc::default(),
+            gauge: Gauge::default(),
+            api: api.clone(),
+            reads: Arc::default(),
         };
         tokio::spawn(watch.clone().run(api));
         Ok(watch)
+    }
+
+    /// The gauge of [`State::caught_up`], to register with the metrics.
+    pub fn caught_up_gauge(&self) -> Gauge<i64, AtomicI64> {
+        self.gauge.clone()
     }
 
     async fn run(self, api: Api<DropMeta>) {
@@ -79,28 +111,32 @@ impl DropWatch {
         loop {
             let mut events =
                 std::pin::pin!(watcher::watcher(api.clone(), watcher::Config::default()));
-            let mut listing: Option<HashMap<String, Seen>> = None;
+            let mut listing: Option<HashMap<String, Listed>> = None;
             while let Some(event) = events.next().await {
                 let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
                 match event {
                     Ok(Event::Init) => {
                         // A new list: what was seen may have moved on unseen.
                         state.caught_up = false;
+                        self.gauge.set(0);
                         listing = Some(HashMap::new());
                     }
                     Ok(Event::InitApply(object)) => {
-                        if let (Some(listing), Some((name, seen))) = (&mut listing, seen(&object)) {
-                            listing.insert(name, seen);
+                        if let (Some(listing), Some((name, listed))) =
+                            (&mut listing, entry(&object))
+                        {
+                            listing.insert(name, listed);
                         }
                     }
                     Ok(Event::InitDone) => {
                         state.drops = listing.take().unwrap_or_default();
                         state.caught_up = true;
+                        self.gauge.set(1);
                         retry = Duration::from_millis(250);
                     }
                     Ok(Event::Apply(object)) => {
-                        if let Some((name, seen)) = seen(&object) {
-                            state.drops.insert(name, seen);
+                        if let Some((name, listed)) = entry(&object) {
+                            state.drops.insert(name, listed);
                         }
                     }
                     Ok(Event::Delete(object)) => {
@@ -110,7 +146,10 @@ impl DropWatch {
                     }
                     Err(error) => {
                         state.caught_up = false;
-                        tracing::warn!(%error, "the watch of InventoryDrops broke: no fallback admission is decided until it has listed them again");
+                        self.gauge.set(0);
+                        tracing::warn!(%error, "the watch of InventoryDrops failed (forbidden: see sidecar.dropReaders): no fallback admission is decided until it has listed them again");
+                        // kube's watcher would resume where it broke off, without a
+                        // list that says when it has caught up: start a new one.
                         break;
                     }
                 }
@@ -119,46 +158,82 @@ impl DropWatch {
                 .write()
                 .unwrap_or_else(|e| e.into_inner())
                 .caught_up = false;
+            self.gauge.set(0);
             tokio::time::sleep(retry).await;
             retry = (retry * 2).min(RETRY_MAX);
         }
     }
 
-    /// Whether `config`, held for drop `name`, may decide a fallback admission now.
-    pub fn check(&self, name: &str, config: &DropConfig) -> Verdict {
-        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
-        if !state.caught_up {
-            return Verdict::Stale(format!(
-                "Redis cannot be asked for drop {name}'s config, and this sidecar's watch of the API server is not caught up (see its log): nothing is decided on the config it last read; retry"
-            ));
+    /// Whether `config`, held for drop `name`, may decide a fallback admission now:
+    /// the watch must be caught up and agree, and so must a read of the API server
+    /// begun less than [`READ_FRESH`] ago (made now when there is none: a watch whose
+    /// connection went silent breaks only minutes later).
+    pub async fn check(&self, name: &str, config: &DropConfig) -> Verdict {
+        let watched = watched(
+            &self.state.read().unwrap_or_else(|e| e.into_inner()),
+            name,
+            config,
+        );
+        if let Verdict::Stale(why) = watched {
+            return Verdict::Stale(why);
         }
-        verdict(name, state.drops.get(name), config)
+        let mut reads = self.reads.lock().await;
+        let fresh = |read: &&Read| read.0.elapsed() < READ_FRESH;
+        if let Some(read) = reads.get(name).filter(fresh) {
+            return verdict(name, read.1.as_ref(), config);
+        }
+        let began = Instant::now();
+        match tokio::time::timeout(READ_BOUND, self.api.get_opt(name)).await {
+            Ok(Ok(found)) => {
+                let listed = found.as_ref().and_then(entry).map(|(_, listed)| listed);
+                let decided = verdict(name, listed.as_ref(), config);
+                reads.insert(name.to_string(), (began, listed));
+                decided
+            }
+            Ok(Err(error)) => Verdict::Stale(format!(
+                "the API server could not be asked for drop {name} ({error}), so this sidecar cannot tell whether the config it holds is current: nothing is decided on it; retry"
+            )),
+            Err(_) => Verdict::Stale(format!(
+                "the API server did not answer for drop {name} within {} ms, so this sidecar cannot tell whether the config it holds is current: nothing is decided on it; retry",
+                READ_BOUND.as_millis()
+            )),
+        }
     }
 }
 
-/// The drop's name and what is seen of it, when it has both a uid and a generation.
-fn seen(object: &DropMeta) -> Option<(String, Seen)> {
+/// What the watch says of `config`, held for drop `name`.
+fn watched(state: &State, name: &str, config: &DropConfig) -> Verdict {
+    if !state.caught_up {
+        return Verdict::Stale(format!(
+            "this sidecar's watch of the API server is not caught up (see its log), so it cannot tell whether drop {name}'s config it holds is current: nothing is decided on it; retry"
+        ));
+    }
+    verdict(name, state.drops.get(name), config)
+}
+
+/// The drop's name and what is listed of it, when it has both a uid and a generation.
+fn entry(object: &DropMeta) -> Option<(String, Listed)> {
     let meta = &object.metadata;
     Some((
         meta.name.clone()?,
-        Seen {
+        Listed {
             uid: meta.uid.clone()?,
             generation: meta.generation?,
         },
     ))
 }
 
-fn verdict(name: &str, seen: Option<&Seen>, config: &DropConfig) -> Verdict {
-    match seen {
+fn verdict(name: &str, listed: Option<&Listed>, config: &DropConfig) -> Verdict {
+    match listed {
         None => Verdict::Stale(format!(
-            "drop {name} is not in the API server (deleted): nothing is decided on the config this sidecar last read; retry"
+            "drop {name} is not in the API server as this sidecar sees it (deleted, or not seen yet): nothing is decided on the config it holds; retry"
         )),
-        Some(seen) if seen.uid != config.sale => Verdict::Stale(format!(
-            "drop {name} was re-created in the API server since this sidecar read its config, and Redis cannot be asked for the new one: nothing is decided on the old sale's; retry"
+        Some(listed) if listed.uid != config.sale => Verdict::Stale(format!(
+            "drop {name} was re-created in the API server since the config this sidecar holds was published: nothing is decided on the old sale's; retry"
         )),
-        Some(seen) if seen.generation > config.generation => Verdict::Stale(format!(
-            "drop {name} changed (generation {} in the API server, {} read from Redis) and Redis cannot be asked for the change: nothing is decided on the config this sidecar last read; retry",
-            seen.generation, config.generation
+        Some(listed) if listed.generation > config.generation => Verdict::Stale(format!(
+            "drop {name} changed (generation {} in the API server; the config this sidecar read in Redis is of generation {}): nothing is decided on it until the change is read; retry",
+            listed.generation, config.generation
         )),
         Some(_) => Verdict::Current,
     }
@@ -191,8 +266,8 @@ mod tests {
         }
     }
 
-    fn seen(uid: &str, generation: i64) -> Seen {
-        Seen {
+    fn listed(uid: &str, generation: i64) -> Listed {
+        Listed {
             uid: uid.into(),
             generation,
         }
@@ -203,12 +278,12 @@ mod tests {
     #[test]
     fn the_config_of_the_generation_the_api_server_holds_decides() {
         assert_eq!(
-            verdict("d", Some(&seen(SALE, 3)), &config(SALE, 3)),
+            verdict("d", Some(&listed(SALE, 3)), &config(SALE, 3)),
             Verdict::Current
         );
         // The config came from a newer object than the watch has seen yet.
         assert_eq!(
-            verdict("d", Some(&seen(SALE, 3)), &config(SALE, 4)),
+            verdict("d", Some(&listed(SALE, 3)), &config(SALE, 4)),
             Verdict::Current
         );
     }
@@ -220,23 +295,24 @@ mod tests {
             Verdict::Current => panic!("decided on a stale config ({words})"),
         };
         stale(
-            verdict("d", Some(&seen(SALE, 4)), &config(SALE, 3)),
+            verdict("d", Some(&listed(SALE, 4)), &config(SALE, 3)),
             "generation 4",
         );
         stale(verdict("d", None, &config(SALE, 3)), "deleted");
         stale(
-            verdict("d", Some(&seen("another-sale", 3)), &config(SALE, 3)),
+            verdict("d", Some(&listed("another-sale", 3)), &config(SALE, 3)),
             "re-created",
         );
     }
 
     #[test]
     fn nothing_is_current_before_the_first_complete_list() {
-        let watch = DropWatch {
-            state: Arc::default(),
-        };
+        let mut state = State::default();
+        state.drops.insert("d".into(), listed(SALE, 3));
         assert!(
-            matches!(watch.check("d", &config(SALE, 3)), Verdict::Stale(why) if why.contains("not caught up"))
+            matches!(watched(&state, "d", &config(SALE, 3)), Verdict::Stale(why) if why.contains("not caught up"))
         );
+        state.caught_up = true;
+        assert_eq!(watched(&state, "d", &config(SALE, 3)), Verdict::Current);
     }
 }

@@ -156,6 +156,16 @@ impl Metrics {
         }
     }
 
+    /// Registers the gauge of the API server watch (`--watch-drops`): 1 while it is
+    /// caught up, 0 while it is not (then no fallback admission is decided).
+    pub fn register_drop_watch(&mut self, caught_up: Gauge<i64, std::sync::atomic::AtomicI64>) {
+        self.registry.register(
+            "drop_watch_caught_up",
+            "1 while the sidecar's watch of its namespace's InventoryDrops is caught up, 0 while it is not: its fallback then decides no admission",
+            caught_up,
+        );
+    }
+
     /// Registers the ledger's group-commit durations.
     pub fn register_ledger(&mut self, commit_seconds: Histogram) {
         self.registry.register(

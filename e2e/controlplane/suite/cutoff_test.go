@@ -28,6 +28,12 @@ func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 	e.kubectlIn(t, dropYAML(ns, drop, `{sku: CUT-1, limitedQuantity: 10, redis: {url: "`+e.redisURL+`"}}`), "apply", "-f", "-")
 	e.waitField(t, ns, "inventorydrop/"+drop, "{.status.mode}", "gate")
 
+	// The chart's default sidecar.dropReaders lets the namespace's service accounts
+	// watch drops (else the sidecar would never fall back, and this would wait).
+	if can := strings.TrimSpace(e.kubectl(t, "auth", "can-i", "watch", "inventorydrops.dropgate.io", "-n", ns,
+		"--as=system:serviceaccount:"+ns+":default")); can != "yes" {
+		t.Fatalf("the chart does not let %s's service accounts watch InventoryDrops: %q", ns, can)
+	}
 	proxy := startProxy(t, strings.TrimPrefix(strings.TrimSuffix(e.redisURL, "/"), "redis://"))
 	s := e.startSidecarWith(t, "cut-off-sidecar", ns, drop, "redis://"+proxy.addr,
 		[]string{"DROPGATE_WATCH_DROPS=true", "KUBECONFIG=" + e.tokenKubeconfig(t, ns, "default")})
@@ -57,6 +63,8 @@ func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 	if limit := strings.TrimSpace(e.redisCLI(t, "HGET", fmt.Sprintf("dropgate:{%s/%s}:config", ns, drop), "limit")); limit != "3" {
 		t.Fatalf("the operator published limit %q into Redis, want 3", limit)
 	}
+	// The watch heard the change about when the operator did, and the operator has
+	// published it and written its status since: the sidecar knows.
 	refused := s.reserve(t, "order-4", "dave", 503, "fallback")
 	if !strings.Contains(refused.field("message"), "generation "+generation) {
 		t.Fatalf("the refusal should name the generation it has not read: %s", refused)

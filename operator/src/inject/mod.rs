@@ -429,7 +429,10 @@ pub fn inject(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Decisio
 }
 
 /// A projected volume of what an in-cluster client reads: a token of the pod's
-/// service account (renewed by the kubelet), the cluster's CA and the namespace.
+/// service account, the cluster's CA and the namespace, as the API server's own
+/// `kube-api-access` volume has them. The token lives an hour (the kubelet renews it
+/// before then and the client reads the file again); not 3607 s, the value the API
+/// server stretches to a year for clients that cannot reload a token.
 fn api_volume() -> Volume {
     let projection = VolumeProjection::default;
     Volume {
@@ -439,7 +442,7 @@ fn api_volume() -> Volume {
                 VolumeProjection {
                     service_account_token: Some(ServiceAccountTokenProjection {
                         path: "token".into(),
-                        expiration_seconds: Some(3607),
+                        expiration_seconds: Some(3600),
                         audience: None,
                     }),
                     ..projection()
@@ -1008,7 +1011,7 @@ mod tests {
         assert_eq!(
             volumes[1],
             json!({"name": "dropgate-api-access", "projected": {"defaultMode": 420, "sources": [
-                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
                 {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
                 {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}
             ]}}),

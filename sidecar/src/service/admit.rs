@@ -210,9 +210,18 @@ pub(super) async fn lines_on_fallback(
             Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
                 return None;
             }
-            Published::Now(fresh) | Published::Unreachable(fresh) => *fresh,
+            Published::Now(fresh) | Published::Kept(fresh) => *fresh,
             // Each line is then decided on its own, and this drop's answers why.
-            Published::Missing | Published::Stale(_) => return None,
+            Published::Missing => return None,
+            // Nothing is held yet: the whole cart is refused, its key kept.
+            Published::Stale(why) => {
+                return Some(
+                    lines
+                        .iter()
+                        .map(|_| Lined::Done(Err(Failure::retry(why.clone()).on_fallback())))
+                        .collect(),
+                );
+            }
         };
         drops.push((drop, reason, config));
     }
@@ -228,7 +237,13 @@ pub(super) async fn lines_on_fallback(
         let wait = Duration::from_millis(config.acquire_timeout_ms);
         permits.push(drop.throttle.acquire_for(&request.key, wait).await?);
     }
-    let ledger_keys: Vec<String> = lines.iter().map(|(drop, _)| drop.ledger_key()).collect();
+    // The ledger rows of the sale of each config decided on.
+    let ledger_keys: Vec<String> = lines
+        .iter()
+        .map(|(drop, _)| {
+            config_of(drop).map_or_else(|| drop.ledger_key(), |c| drop.ledger_key_of(&c.sale))
+        })
+        .collect();
     let asks: Vec<crate::ledger::fallback::CartAsk<'_>> = lines
         .iter()
         .zip(&ledger_keys)
@@ -739,22 +754,25 @@ pub(super) async fn on_fallback(
     request: &Reserve,
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
-    let config = match published_now(app, drop).await {
+    // `stale`: the config may not decide an admission, but a retry still hears
+    // what its key holds (that decides nothing).
+    let (config, stale) = match published_now(app, drop).await {
         Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
             return None;
         }
-        Published::Now(config) | Published::Unreachable(config) => *config,
+        Published::Now(config) | Published::Kept(config) => (*config, None),
         Published::Missing => {
             return Some(Err(Failure::retry(format!(
                 "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
                 drop.name
             ))));
         }
-        Published::Stale(why) => return Some(Err(Failure::retry(why))),
+        Published::Stale(why) => (drop.config(), Some(why)),
     };
     let config = &config;
     let now = now_ms();
-    let ledger_key = drop.ledger_key();
+    // The ledger rows of the sale of the config decided on.
+    let ledger_key = drop.ledger_key_of(&config.sale);
     // A retry first, as on the gate: it hears what its key holds, whatever the
     // window, the permits or the stock say now.
     let retried = on_ledger(app, drop, reason, || {
@@ -772,6 +790,9 @@ pub(super) async fn on_fallback(
         Ok(Some(None)) => {}
         Ok(None) => return None,
         Err(failure) => return Some(Err(failure)),
+    }
+    if let Some(why) = stale {
+        return Some(Err(Failure::retry(why)));
     }
     // The permit comes first here: a ledger admission cannot be taken back as if it
     // never happened once its event may have been published, so one that finds no

@@ -588,8 +588,9 @@ pub(crate) enum Published {
     /// decided on an older copy.
     Missing,
     /// Redis cannot be asked: the config last read stands (this one, checked against
-    /// the API server's drop when the sidecar watches it), and the ledger's newest.
-    Unreachable(Box<DropConfig>),
+    /// the API server's drop when the sidecar watches it); the ledger's transaction
+    /// then applies any newer terms a peer sharing it noted there.
+    Kept(Box<DropConfig>),
     /// Redis cannot be asked, and the API server holds a newer spec of the drop than
     /// the config last read, or none, or its watch is not caught up (see
     /// [`crate::drop_watch`]): nothing may be decided on that config. Why, for the 503.
@@ -612,27 +613,32 @@ const CONFIG_PROBE_EVERY_MS: i64 = 250;
 /// read before. A config read is adopted as the drop's copy when it is of the same
 /// sale and not older; the breaker is left alone (a read that answers says nothing
 /// of whether the gate's writes would), and an empty or failed read changes nothing.
-/// When Redis cannot be asked, the config last read stands only if the API server's
-/// drop (`--watch-drops`) is of no newer generation.
+/// When Redis cannot be asked, the config last read stands. Either way, a sidecar
+/// that watches the API server (`--watch-drops`) decides only on a config of the
+/// drop's sale (uid) at its current generation there (see [`crate::drop_watch`]):
+/// a Redis that answers may be a replica that missed the change, and one that
+/// cannot be asked may hold a change this sidecar never read.
 async fn published_now(app: &App, drop: &Drop) -> Published {
-    if let Some(published) = asked_redis(app, drop).await {
+    let published = match ask_redis(app, drop).await {
+        Some(Published::Now(config)) => Published::Now(config),
+        Some(other) => return other,
+        // The copy read last (a refresh may have moved it since the caller read it).
+        None => Published::Kept(Box::new(drop.config())),
+    };
+    let (Published::Now(config) | Published::Kept(config)) = &published else {
         return published;
-    }
-    // The copy read last (a refresh may have moved it since the caller read it).
-    let kept = drop.config();
-    match app
-        .drop_watch
-        .as_ref()
-        .map(|watch| watch.check(&drop.name, &kept))
+    };
+    if let Some(watch) = &app.drop_watch
+        && let crate::drop_watch::Verdict::Stale(why) = watch.check(&drop.name, config).await
     {
-        Some(crate::drop_watch::Verdict::Stale(why)) => Published::Stale(why),
-        Some(crate::drop_watch::Verdict::Current) | None => Published::Unreachable(Box::new(kept)),
+        return Published::Stale(why);
     }
+    published
 }
 
 /// What Redis answers of the drop's config now (see [`published_now`]); `None`: it
 /// cannot be asked.
-async fn asked_redis(app: &App, drop: &Drop) -> Option<Published> {
+async fn ask_redis(app: &App, drop: &Drop) -> Option<Published> {
     use std::sync::atomic::Ordering;
     let now = crate::clock::now_ms();
     if app.breaker(Some(drop)).tripped().is_some()

@@ -233,7 +233,7 @@ pub(super) async fn on_fallback(
                 ))));
             }
             super::Published::Stale(why) => return Some(Err(Failure::retry(why))),
-            super::Published::Unreachable(kept) => {
+            super::Published::Kept(kept) => {
                 fresh = *kept;
                 &fresh
             }
