@@ -207,7 +207,7 @@ fn default_hold_seconds() -> i64 {
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!(has(self.url) && has(self.secretRef))").message("set either url or secretRef, not both"))]
-#[x_kube(validation = Rule::new("!has(self.url) || !self.url.matches('^rediss?://[^/@?#]*:[^/@?#]*@')").message("spec.redis.url holds a password, which whoever may read the drop would see (the injected sidecars' service accounts may): put the URL in a Secret and name it in spec.redis.secretRef"))]
+#[x_kube(validation = Rule::new("!has(self.url) || !self.url.matches('^rediss?://[^/?#]*:[^/?#]*@')").message("spec.redis.url holds a password, which whoever may read the drop would see (the injected sidecars' service accounts may): put the URL in a Secret and name it in spec.redis.secretRef"))]
 pub struct RedisSpec {
     /// `redis://` or `rediss://` (TLS) URL, without a password (the API server
     /// refuses one: whoever may read the drop would see it; put such a URL in a

@@ -122,6 +122,22 @@ async fn a_labelled_pod_is_answered_with_a_patch_that_adds_the_sidecar() {
     let again = response_to(&review(injected.clone(), "shop", false)).await;
     assert_eq!(again["allowed"], true);
     assert!(again.get("patch").is_none(), "{again}");
+    assert!(again.get("warnings").is_none(), "{again}");
+}
+
+#[tokio::test]
+async fn a_pod_injected_by_an_older_dropgate_is_let_through_with_a_warning() {
+    let mut pod = shop_pod(json!({"dropgate.io/inject": "true"}), json!({}));
+    pod["spec"]["initContainers"] = json!([{"name": "dropgate-sidecar", "image": "dropgate:0.0.9",
+        "env": [{"name": "DROPGATE_NAMESPACE", "value": "shop"}]}]);
+    let response = response_to(&review(pod, "shop", false)).await;
+    assert_eq!(response["allowed"], true);
+    assert!(response.get("patch").is_none(), "{response}");
+    let warning = response["warnings"][0].as_str().unwrap_or_default();
+    assert!(
+        warning.contains("does not watch its drops") && warning.contains("inject -f"),
+        "{response}"
+    );
 }
 
 #[tokio::test]

@@ -56,13 +56,19 @@ pub struct DropWatch {
     /// that is forbidden shows nothing else until Redis fails.
     gauge: Gauge<i64, AtomicI64>,
     api: Api<DropMeta>,
-    /// Each drop as a read of the API server last found it, and when that read
-    /// began. Locked across a read, so that admissions that need one share it.
-    reads: Arc<tokio::sync::Mutex<HashMap<String, Read>>>,
+    /// Each drop's last read of the API server. A drop's lock is held across its
+    /// read, so that the admissions that need one share it; other drops wait for
+    /// nothing.
+    reads: Arc<std::sync::Mutex<HashMap<String, ReadSlot>>>,
 }
 
-/// A read of one drop in the API server: when it began, and what it found.
-type Read = (Instant, Option<Listed>);
+/// One drop's last read, locked across the next one.
+type ReadSlot = Arc<tokio::sync::Mutex<Option<Read>>>;
+
+/// A read of one drop in the API server: when it began, and what it found (the
+/// drop, or none), or why it failed (kept as long as an answer, so that a silent
+/// API server costs each admission one wait at most, not one per admission before).
+type Read = (Instant, Result<Option<Listed>, String>);
 
 /// Whether a config held may decide a fallback admission.
 #[derive(Debug, PartialEq, Eq)]
@@ -177,25 +183,35 @@ impl DropWatch {
         if let Verdict::Stale(why) = watched {
             return Verdict::Stale(why);
         }
-        let mut reads = self.reads.lock().await;
-        let fresh = |read: &&Read| read.0.elapsed() < READ_FRESH;
-        if let Some(read) = reads.get(name).filter(fresh) {
-            return verdict(name, read.1.as_ref(), config);
-        }
-        let began = Instant::now();
-        match tokio::time::timeout(READ_BOUND, self.api.get_opt(name)).await {
-            Ok(Ok(found)) => {
-                let listed = found.as_ref().and_then(entry).map(|(_, listed)| listed);
-                let decided = verdict(name, listed.as_ref(), config);
-                reads.insert(name.to_string(), (began, listed));
-                decided
+        let slot = self
+            .reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name.to_string())
+            .or_default()
+            .clone();
+        let mut last = slot.lock().await;
+        let read = match &*last {
+            Some(read) if read.0.elapsed() < READ_FRESH => read,
+            _ => {
+                let began = Instant::now();
+                let found = match tokio::time::timeout(READ_BOUND, self.api.get_opt(name)).await {
+                    Ok(Ok(found)) => Ok(found.as_ref().and_then(entry).map(|(_, listed)| listed)),
+                    Ok(Err(error)) => Err(format!(
+                        "the API server could not be asked for drop {name} ({error})"
+                    )),
+                    Err(_) => Err(format!(
+                        "the API server did not answer for drop {name} within {} ms",
+                        READ_BOUND.as_millis()
+                    )),
+                };
+                &*last.insert((began, found))
             }
-            Ok(Err(error)) => Verdict::Stale(format!(
-                "the API server could not be asked for drop {name} ({error}), so this sidecar cannot tell whether the config it holds is current: nothing is decided on it; retry"
-            )),
-            Err(_) => Verdict::Stale(format!(
-                "the API server did not answer for drop {name} within {} ms, so this sidecar cannot tell whether the config it holds is current: nothing is decided on it; retry",
-                READ_BOUND.as_millis()
+        };
+        match &read.1 {
+            Ok(listed) => verdict(name, listed.as_ref(), config),
+            Err(why) => Verdict::Stale(format!(
+                "{why}, so this sidecar cannot tell whether the config it holds is current: nothing is decided on it; retry"
             )),
         }
     }

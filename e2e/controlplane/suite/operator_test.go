@@ -261,6 +261,7 @@ func invalidDropsRejectedAtApply(t *testing.T, e *env) {
 		{"http-url", `{sku: X, limitedQuantity: 10, redis: {url: "http://127.0.0.1:6379"}}`, "spec.redis.url"},
 		// Whoever may read drops (the sidecars' service accounts) would read it.
 		{"a-password-in-the-url", `{sku: X, limitedQuantity: 10, redis: {url: "redis://default:hunter2@127.0.0.1:6379"}}`, "spec.redis"},
+		{"a-password-after-an-at-sign", `{sku: X, limitedQuantity: 10, redis: {url: "redis://a@b:hunter2@127.0.0.1:6379"}}`, "spec.redis"},
 		{"no-stock", `{sku: X, redis: {url: "` + u + `"}}`, "spec.limitedQuantity"},
 		{"sizes-not-adding-up", `{sku: X, limitedQuantity: 10, variants: [{name: US-9, quantity: 4}, {name: US-10, quantity: 5}], redis: {url: "` + u + `"}}`, "spec.limitedQuantity"},
 		{"a-size-twice", `{sku: X, variants: [{name: US-9, quantity: 4}, {name: US-9, quantity: 5}], redis: {url: "` + u + `"}}`, "spec.variants[1]"},

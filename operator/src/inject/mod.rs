@@ -56,6 +56,8 @@ const LEDGER_DIR: &str = "/var/lib/dropgate";
 /// or its service account turns the mount off), and the sidecar watches its drops
 /// there (`DROPGATE_WATCH_DROPS`).
 const API_VOLUME: &str = "dropgate-api-access";
+/// The sidecar's `--watch-drops`.
+const WATCH_DROPS: &str = "DROPGATE_WATCH_DROPS";
 const API_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
 /// What the platform team configures (the operator's `DROPGATE_SIDECAR_*`
@@ -333,6 +335,9 @@ impl Mutation {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Skip {
     AlreadyInjected,
+    /// The pod has a dropgate-sidecar injected before sidecars watched their drops
+    /// (an old `inject -f` manifest): left as it is, with a warning.
+    InjectedWithoutWatch,
     OptedOut,
     ProtectedNamespace,
 }
@@ -341,6 +346,9 @@ impl Skip {
     pub fn as_str(self) -> &'static str {
         match self {
             Skip::AlreadyInjected => "the pod already has dropgate-sidecar",
+            Skip::InjectedWithoutWatch => {
+                "this pod's dropgate-sidecar was injected by an older dropgate: it does not watch its drops, so its fallback may sell on a config changed while it cannot reach Redis; inject the manifest again (dropgate-operator inject -f)"
+            }
             Skip::OptedOut => "the pod is labelled dropgate.io/inject: \"false\"",
             Skip::ProtectedNamespace => {
                 "kube-system and the operator's namespace are never injected"
@@ -398,14 +406,23 @@ pub fn inject(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Decisio
         return Ok(Decision::Skip(Skip::OptedOut));
     }
     let spec = pod.spec.clone().unwrap_or_default();
-    let has_sidecar = spec
+    let present = spec
         .init_containers
         .iter()
         .flatten()
         .chain(spec.containers.iter())
-        .any(|c| c.name == CONTAINER);
-    if has_sidecar {
-        return Ok(Decision::Skip(Skip::AlreadyInjected));
+        .find(|c| c.name == CONTAINER);
+    if let Some(present) = present {
+        let watches = present
+            .env
+            .iter()
+            .flatten()
+            .any(|e| e.name == WATCH_DROPS && e.value.as_deref() == Some("true"));
+        return Ok(Decision::Skip(if watches {
+            Skip::AlreadyInjected
+        } else {
+            Skip::InjectedWithoutWatch
+        }));
     }
     if spec.host_network == Some(true) {
         return Err(Refusal::HostNetwork);
@@ -672,7 +689,7 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
                 database,
                 value("DROPGATE_LISTEN", format!("127.0.0.1:{}", tuning.port)),
                 value("DROPGATE_HEALTH_LISTEN", format!("0.0.0.0:{HEALTH_PORT}")),
-                value("DROPGATE_WATCH_DROPS", "true".into()),
+                value(WATCH_DROPS, "true".into()),
             ]
             .into_iter()
             .chain(
@@ -1135,6 +1152,19 @@ mod tests {
         let once = injected(&labelled, "shop");
         let table = [
             (once, "shop", Skip::AlreadyInjected),
+            (
+                // An old `inject -f` manifest's sidecar.
+                serde_json::from_value(json!({
+                    "metadata": {"name": "shop-1"},
+                    "spec": {
+                        "initContainers": [{"name": CONTAINER, "image": "dropgate:0.0.9"}],
+                        "containers": [{"name": "app", "image": "shop:1"}]
+                    }
+                }))
+                .expect("pod"),
+                "shop",
+                Skip::InjectedWithoutWatch,
+            ),
             (
                 pod(json!({"dropgate.io/inject": "false"}), json!({})),
                 "shop",

@@ -26,7 +26,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use super::{Decision, Settings, inject};
+use super::{Decision, Settings, Skip, inject};
 
 /// The largest AdmissionReview read: a pod is a few KB; the API server's own limit
 /// for a request is 3 MiB.
@@ -84,7 +84,13 @@ pub fn review(
             .unwrap_or_else(|e| AdmissionResponse::invalid(e.to_string())),
         Ok(Decision::Skip(why)) => {
             tracing::debug!(pod = ?pod.metadata.name, namespace, why = why.as_str(), "not injected");
-            response
+            if why == Skip::InjectedWithoutWatch {
+                let mut response = response;
+                response.warnings = Some(vec![why.as_str().to_string()]);
+                response
+            } else {
+                response
+            }
         }
         Err(refusal) => response.deny(refusal.to_string()),
     };

@@ -237,6 +237,17 @@ pub(super) async fn lines_on_fallback(
         let wait = Duration::from_millis(config.acquire_timeout_ms);
         permits.push(drop.throttle.acquire_for(&request.key, wait).await?);
     }
+    // The waits may have been long enough for a drop to change.
+    for (drop, _, config) in &drops {
+        if let Err(why) = still_current(app, drop, config).await {
+            return Some(
+                lines
+                    .iter()
+                    .map(|_| Lined::Done(Err(Failure::retry(why.clone()).on_fallback())))
+                    .collect(),
+            );
+        }
+    }
     // The ledger rows of the sale of each config decided on.
     let ledger_keys: Vec<String> = lines
         .iter()
@@ -754,20 +765,20 @@ pub(super) async fn on_fallback(
     request: &Reserve,
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
-    // `stale`: the config may not decide an admission, but a retry still hears
-    // what its key holds (that decides nothing).
-    let (config, stale) = match published_now(app, drop).await {
+    let config = match published_now(app, drop).await {
         Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
             return None;
         }
-        Published::Now(config) | Published::Kept(config) => (*config, None),
+        Published::Now(config) | Published::Kept(config) => *config,
         Published::Missing => {
             return Some(Err(Failure::retry(format!(
                 "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
                 drop.name
             ))));
         }
-        Published::Stale(why) => (drop.config(), Some(why)),
+        // Not even a retry's look-up: on a ledger that is not the drop's authority
+        // yet it would hand the drop over, on this config.
+        Published::Stale(why) => return Some(Err(Failure::retry(why))),
     };
     let config = &config;
     let now = now_ms();
@@ -791,9 +802,7 @@ pub(super) async fn on_fallback(
         Ok(None) => return None,
         Err(failure) => return Some(Err(failure)),
     }
-    if let Some(why) = stale {
-        return Some(Err(Failure::retry(why)));
-    }
+
     // The permit comes first here: a ledger admission cannot be taken back as if it
     // never happened once its event may have been published, so one that finds no
     // permit never starts. (The window, the per-user limit and the stock are
@@ -802,6 +811,10 @@ pub(super) async fn on_fallback(
     let Some(permit) = drop.throttle.acquire_for(&request.key, wait).await else {
         return Some(Err(Failure::throttled(config, Throttled::NoPermit)));
     };
+    // The wait may have been long enough for the drop to change.
+    if let Err(why) = still_current(app, drop, config).await {
+        return Some(Err(Failure::retry(why)));
+    }
     let outcome = match on_ledger(app, drop, reason, || {
         app.ledger
             .fallback_reserve(&ledger_key, config, request.ask(), now)
@@ -817,6 +830,19 @@ pub(super) async fn on_fallback(
             .hold(&request.key, permit, view.reservation.expires_at_ms);
     }
     Some(Ok(outcome))
+}
+
+/// Whether `config`, which a fallback admission checked before waiting for its
+/// throttle permit, is still the drop's current one in the API server (when the
+/// sidecar watches it): `Err` with why not.
+async fn still_current(app: &App, drop: &Drop, config: &DropConfig) -> Result<(), String> {
+    match &app.drop_watch {
+        Some(watch) => match watch.check(&drop.name, config).await {
+            crate::drop_watch::Verdict::Current => Ok(()),
+            crate::drop_watch::Verdict::Stale(why) => Err(why),
+        },
+        None => Ok(()),
+    }
 }
 
 /// How long a request asks the ledger whether its commit landed.
