@@ -44,16 +44,10 @@ func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 	// Cut off from Redis, the sidecar sells on the fallback: the drop in the API
 	// server is of the generation it read.
 	proxy.cut()
-	e.eventually(t, "a fallback sale while cut off from Redis", func() (bool, string) {
-		a, err := call("POST", s.base+"/reservations", map[string]any{"key": "order-3", "user": "carol", "quantity": 1})
-		if err != nil {
-			return false, err.Error()
-		}
-		if a.status != 201 && a.status != 503 {
-			t.Fatalf("while cut off: %s", a)
-		}
-		return a.status == 201 && a.header.Get("Dropgate-Path") == "fallback", a.String()
-	})
+	a := s.reserveUntil(t, e, "order-3", "carol", 201)
+	if a.header.Get("Dropgate-Path") != "fallback" {
+		t.Fatalf("sold while cut off from Redis, but not on the fallback: %s", a)
+	}
 
 	// The limit cut to 3 (3 sold): the operator publishes it into Redis, which this
 	// sidecar cannot read.
@@ -74,17 +68,30 @@ func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 	// decides the drop now: the fallback's until its sales are back in Redis).
 	proxy.restore()
 	s.says(t, e, "limit", "3")
-	e.eventually(t, "dave refused at the new limit", func() (bool, string) {
-		a, err := call("POST", s.base+"/reservations", map[string]any{"key": "order-4", "user": "dave", "quantity": 1})
+	if a := s.reserveUntil(t, e, "order-4", "dave", 409); a.field("outcome") != "sold_out" {
+		t.Fatalf("after the cut to 3 with 3 sold: %s", a)
+	}
+	s.says(t, e, "remaining", "0")
+}
+
+// reserveUntil repeats a reserve of key (the same key: a 503 changed nothing)
+// while it answers 503, until it answers want, on either path; any other answer
+// fails the test.
+func (s *sidecar) reserveUntil(t *testing.T, e *env, key, user string, want int) answer {
+	t.Helper()
+	var got answer
+	e.eventually(t, fmt.Sprintf("%s: reserve %s answered %d", s.name, key, want), func() (bool, string) {
+		a, err := call("POST", s.base+"/reservations", map[string]any{"key": key, "user": user, "quantity": 1})
 		if err != nil {
 			return false, err.Error()
 		}
-		if a.status != 409 && a.status != 503 {
-			t.Fatalf("after the cut to 3 with 3 sold: %s", a)
+		if a.status != want && a.status != 503 {
+			t.Fatalf("%s: reserve %s: want %d (or 503 until then), got %s", s.name, key, want, a)
 		}
-		return a.status == 409 && a.field("outcome") == "sold_out", a.String()
+		got = a
+		return a.status == want, a.String()
 	})
-	s.says(t, e, "remaining", "0")
+	return got
 }
 
 // tcpProxy forwards connections to a target until cut (listener closed and every
