@@ -73,8 +73,80 @@ async fn post_cart(sidecar: &Sidecar, body: &str) -> Reply {
 async fn an_unanswered_fallback_commit_is_answered_as_it_turned_out() {
     // One after the other: the fault points are the process's.
     an_unanswered_commit_on(Sidecar::start().await).await;
+    an_expiry_whose_commit_is_unanswered_on(None).await;
     let postgres = dropgate_testkit::PostgresServer::start().expect("PostgreSQL");
     an_unanswered_commit_on(Sidecar::start_with_database(Some(postgres.url())).await).await;
+    an_expiry_whose_commit_is_unanswered_on(Some(postgres.url())).await;
+}
+
+/// A confirm (or a retry) that meets an overdue hold expires it in its own
+/// transaction: when that COMMIT goes unanswered, the answer is the expiry's if it
+/// landed, and a 503 that changed nothing if it did not. The sweeper is off, so
+/// that the requests meet the holds overdue.
+async fn an_expiry_whose_commit_is_unanswered_on(database_url: Option<String>) {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let database_url = database_url
+        .unwrap_or_else(|| format!("sqlite://{}", dir.path().join("ledger.db").display()));
+    let peer = common::Peer::start_custom(&redis.url(), &database_url, |settings| {
+        settings.sweep_ms = 3_600_000;
+    })
+    .await;
+    common::seed(
+        &redis.url(),
+        "brief",
+        DropSpec::new(5).hold_seconds(3).kill_switch(),
+    )
+    .await;
+    let reserve =
+        |key: &'static str, user: &'static str| common::reserve(&peer.http, "brief", key, user, 1);
+    let confirm = |key: &str| {
+        let path = format!("/v1/drops/brief/reservations/{key}/confirm");
+        let http = peer.http.clone();
+        async move { http.post(&path, "").await.expect("answers") }
+    };
+    let ledger = dropgate_sidecar::ledger::Ledger::open(&database_url)
+        .await
+        .expect("the ledger");
+    let state = |key: &'static str| {
+        sqlx::query_scalar::<_, String>(
+            "SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2",
+        )
+        .bind(format!("{}/brief/%", common::NS))
+        .bind(key)
+        .fetch_optional(ledger.pool())
+    };
+    for (key, user) in [("x1", "xena"), ("x2", "xavier"), ("x3", "ximena")] {
+        reserve(key, user).await.assert_answer(201, "admitted");
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(3_300)).await;
+
+    // The expiry landed: the confirm hears `expired`, not a 503.
+    faults::arm(Fault::LandedCommitUnanswered, 1);
+    confirm("x1").await.assert_answer(409, "expired");
+    assert_eq!(
+        state("x1").await.expect("query").as_deref(),
+        Some("expired")
+    );
+    // It did not: a 503, and the hold is as it was until a retry expires it.
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    confirm("x2").await.assert_answer(503, "unavailable");
+    assert_eq!(
+        state("x2").await.expect("query").as_deref(),
+        Some("active"),
+        "the 503 changed nothing"
+    );
+    confirm("x2").await.assert_answer(409, "expired");
+    // A retry of the reserve whose look-up expired the hold: told of it as it is.
+    faults::arm(Fault::LandedCommitUnanswered, 1);
+    let retried = reserve("x3", "ximena").await;
+    retried.assert_answer(200, "already_reserved");
+    assert_eq!(retried.body["state"], "expired", "{}", retried.text);
+    assert_eq!(
+        state("x3").await.expect("query").as_deref(),
+        Some("expired")
+    );
+    peer.shutdown().await;
 }
 
 async fn an_unanswered_commit_on(sidecar: Sidecar) {

@@ -499,19 +499,34 @@ impl Ledger {
             quantity,
             variant,
         } = ask;
-        retry(|| async {
+        let decided = retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
             ensure_stock(&mut tx, drop_key, &stock(config)).await?;
-            let existing = expire_if_due(&mut tx, drop_key, config, key, now).await?;
+            let expiring = expire_if_due(&mut tx, drop_key, config, key, now).await?;
             let outcome =
-                retry_answer(&mut tx, drop_key, existing, user, quantity, variant).await?;
-            tx.commit().await?;
-            Ok(Decision::Done(outcome))
+                retry_answer(&mut tx, drop_key, expiring.row, user, quantity, variant).await?;
+            match expiring.landing {
+                // The look-up changed nothing of the key's.
+                None => {
+                    tx.commit().await?;
+                    Ok(Decision::Done(Committed::Known((outcome, None))))
+                }
+                Some(landing) => Ok(Decision::Done(commit(tx, (outcome, Some(landing))).await?)),
+            }
         })
-        .await
+        .await?;
+        match decided {
+            Committed::Known((outcome, _)) => Ok(outcome),
+            // The look-up expired the hold: its answer stands if that landed.
+            Committed::Unknown((outcome, Some(landing)), error) => {
+                self.settled(drop_key, key, &landing, error).await?;
+                Ok(outcome)
+            }
+            Committed::Unknown((_, None), error) => Err(error.into()),
+        }
     }
 
     /// confirm, cancel or look-up on the fallback path.
@@ -530,7 +545,8 @@ impl Ledger {
             }
             let stored = ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             // A hold past its deadline expires first, whatever was asked.
-            let Some(row) = expire_if_due(&mut tx, drop_key, config, key, now).await? else {
+            let expiring = expire_if_due(&mut tx, drop_key, config, key, now).await?;
+            let Some(row) = expiring.row else {
                 return Ok(Decision::Done(commit(tx, (Outcome::NotFound, None)).await?));
             };
             if let (Settle::Extend { until_ms }, State::Active) = (settle, row.state) {
@@ -557,7 +573,8 @@ impl Ledger {
                 (Settle::Cancel, State::Active | State::Confirmed) => Some(State::Cancelled),
                 _ => None,
             };
-            let mut landing = None;
+            // An expiry written above is what this request changed, if anything.
+            let mut landing = expiring.landing;
             if let Some(target) = target {
                 let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
                     .keeping(kept);
@@ -697,7 +714,9 @@ impl Ledger {
     ) -> Result<bool, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let before = read(&mut tx, drop_key, key).await?;
-        let after = expire_if_due(&mut tx, drop_key, config, key, due).await?;
+        let after = expire_if_due(&mut tx, drop_key, config, key, due)
+            .await?
+            .row;
         tx.commit().await?;
         Ok(before.is_some_and(|b| b.state == State::Active)
             && after.is_some_and(|a| a.state == State::Expired))
@@ -977,7 +996,7 @@ async fn reserve_in(
     let change =
         Change::new(drop_key, stock(config), key, &held, State::Active).by(attempt, i64::MAX);
     if !insert_reservation(tx, &change, "fallback", false, now).await? {
-        let existing = expire_if_due(tx, drop_key, config, key, now).await?;
+        let existing = expire_if_due(tx, drop_key, config, key, now).await?.row;
         let outcome = match retry_answer(tx, drop_key, existing, user, quantity, variant).await? {
             Some(outcome) => outcome,
             None => Outcome::KeyReused,
@@ -1266,12 +1285,15 @@ async fn expire_if_due(
     config: &DropConfig,
     key: &str,
     now: i64,
-) -> Result<Option<Recorded>, sqlx::Error> {
+) -> Result<Expiring, sqlx::Error> {
     let Some(row) = read(tx, drop_key, key).await? else {
-        return Ok(None);
+        return Ok(Expiring::default());
     };
     if row.state != State::Active || row.expires_at_ms > now {
-        return Ok(Some(row));
+        return Ok(Expiring {
+            row: Some(row),
+            landing: None,
+        });
     }
     let change = Change::new(
         drop_key,
@@ -1280,12 +1302,26 @@ async fn expire_if_due(
         &row.reservation(),
         State::Expired,
     );
+    let mut landing = None;
     if transition(tx, &change, false, now).await?.is_some() {
         adjust_holdings(tx, &change, change.quantity).await?;
         let mut ids = EventIds::for_events(1);
         write_event(tx, &mut ids, &change, "fallback", now).await?;
+        landing = Some(Landing::of(&change, super::event(State::Expired)));
     }
-    read(tx, drop_key, key).await
+    Ok(Expiring {
+        row: read(tx, drop_key, key).await?,
+        landing,
+    })
+}
+
+/// A reservation's row after [`expire_if_due`], and the expiry it wrote, if it
+/// did: a request whose COMMIT then goes unanswered looks for that expiry, so that
+/// its answer is true whichever way the COMMIT went.
+#[derive(Default)]
+struct Expiring {
+    row: Option<Recorded>,
+    landing: Option<Landing>,
 }
 
 /// What an answer about a reservation shows as left: its variant's stock, or the
