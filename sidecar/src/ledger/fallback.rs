@@ -518,15 +518,8 @@ impl Ledger {
             }
         })
         .await?;
-        match decided {
-            Committed::Known((outcome, _)) => Ok(outcome),
-            // The look-up expired the hold: its answer stands if that landed.
-            Committed::Unknown((outcome, Some(landing)), error) => {
-                self.settled(drop_key, key, &landing, error).await?;
-                Ok(outcome)
-            }
-            Committed::Unknown((_, None), error) => Err(error.into()),
-        }
+        // The look-up expired the hold: its answer stands if that landed.
+        self.as_it_landed(drop_key, key, decided).await
     }
 
     /// confirm, cancel or look-up on the fallback path.
@@ -610,13 +603,25 @@ impl Ledger {
             Ok(Decision::Done(commit(tx, (outcome, landing)).await?))
         })
         .await?;
+        self.as_it_landed(drop_key, key, decided).await
+    }
+
+    /// The answer of a settle or retry of `key`, which wrote the change `landing`
+    /// describes (if any): when its COMMIT went unanswered, the answer stands only if
+    /// that change is in the ledger (see [`Self::settled`]); one that was to write
+    /// nothing fails with the commit's error.
+    async fn as_it_landed<T>(
+        &self,
+        drop_key: &str,
+        key: &str,
+        decided: Committed<(T, Option<Landing>)>,
+    ) -> Result<T, LedgerError> {
         match decided {
-            Committed::Known((outcome, _)) => Ok(outcome),
-            Committed::Unknown((outcome, Some(landing)), error) => {
+            Committed::Known((answer, _)) => Ok(answer),
+            Committed::Unknown((answer, Some(landing)), error) => {
                 self.settled(drop_key, key, &landing, error).await?;
-                Ok(outcome)
+                Ok(answer)
             }
-            // Nothing the request asked for was to be written.
             Committed::Unknown((_, None), error) => Err(error.into()),
         }
     }
