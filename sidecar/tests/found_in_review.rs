@@ -1,6 +1,7 @@
 //! Interleavings a hostile review of "one authority at a time" found: each failed
 //! before its fix (per-pod ledgers, a marker past its TTL, a pod new to a sale, a
-//! drop re-created under a stale sidecar) and holds now.
+//! drop re-created under a stale sidecar, an expiry waiting on an extension's lock)
+//! and holds now.
 
 mod common;
 
@@ -257,4 +258,84 @@ async fn a_retry_after_the_marker_ttl_gets_the_ledgers_answer() {
         "oversold: alice confirmed (201 + 200) and bob admitted, limit 1"
     );
     sidecar.shutdown().await;
+}
+
+/// PostgreSQL ledger, fallback path: a request that met a hold overdue decided to
+/// expire it on its read, then waited for the row lock of another pod's extension
+/// of that hold, and expired it anyway once that committed (its UPDATE checked the
+/// state, not the deadline): the buyer heard `extended`, then `expired` at
+/// checkout. The expiry now checks the deadline again on the row it waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expiry_never_lands_on_a_hold_extended_meanwhile() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let postgres = PostgresServer::start().expect("PostgreSQL starts");
+    // The sweeper off: the confirm is what meets the hold overdue.
+    let peer = Peer::start_custom(&redis.url(), &postgres.url(), |settings| {
+        settings.sweep_ms = 3_600_000;
+    })
+    .await;
+    seed(
+        &redis.url(),
+        "held",
+        DropSpec::new(5)
+            .hold_seconds(3)
+            .max_hold_seconds(3600)
+            .kill_switch(),
+    )
+    .await;
+    peer.reserve("held", "h1", "hana", 1)
+        .await
+        .assert_answer(201, "admitted");
+    tokio::time::sleep(Duration::from_millis(3_300)).await;
+
+    // Another pod extends the hold; its transaction holds the row until it commits.
+    let ledger = dropgate_sidecar::ledger::Ledger::open(&postgres.url())
+        .await
+        .expect("the ledger");
+    let mut extension = ledger.pool().begin().await.expect("BEGIN");
+    sqlx::query(
+        "UPDATE reservations SET expires_at_ms = expires_at_ms + 600000 \
+         WHERE drop_key LIKE $1 AND res_key = $2 AND state = 'active'",
+    )
+    .bind(format!("{NS}/held/%"))
+    .bind("h1")
+    .execute(&mut *extension)
+    .await
+    .expect("the extension's UPDATE");
+
+    // The confirm reads the hold as it was (overdue) and waits for that lock.
+    let http = peer.http.clone();
+    let confirm = tokio::spawn(async move {
+        http.post("/v1/drops/held/reservations/h1/confirm", "")
+            .await
+            .expect("answers")
+    });
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>(waiting)
+        .fetch_one(ledger.pool())
+        .await
+        .expect("pg_stat_activity")
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the confirm never waited for the extension's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    extension.commit().await.expect("COMMIT");
+
+    let confirmed = confirm.await.expect("the confirm's task");
+    confirmed.assert_answer(200, "confirmed");
+    let state: Option<String> = sqlx::query_scalar(
+        "SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2",
+    )
+    .bind(format!("{NS}/held/%"))
+    .bind("h1")
+    .fetch_optional(ledger.pool())
+    .await
+    .expect("query");
+    assert_eq!(state.as_deref(), Some("confirmed"), "{}", show(&confirmed));
+    peer.shutdown().await;
 }

@@ -4,9 +4,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // fallback_obeys_a_change_published_while_cut_off: a sidecar that cannot reach
@@ -159,4 +162,78 @@ func (p *tcpProxy) cut() {
 		c.Close()
 	}
 	p.conns = nil
+}
+
+// fallback_waits_for_a_watch_it_may_not_run: a sidecar whose identity may not
+// watch drops (a user RBAC grants nothing, impersonated from the suite's admin
+// kubeconfig, checked with `kubectl auth can-i`) sells on the gate as any other,
+// but once cut off from Redis it cannot tell whether the config it holds is
+// current: its reserves answer 503 "retry", however often they are repeated, and
+// change nothing. Back on Redis it sells again, and the drop counts only the
+// gate's sales.
+func fallbackWaitsForAWatchItMayNotRun(t *testing.T, e *env) {
+	if e.databaseURL == "" {
+		t.Skip("needs the suite's PostgreSQL ledger (a per-pod ledger's sidecar does not fall back alone)")
+	}
+	e.startOperator(t)
+	ns, drop, nobody := "e2e-no-watch", "unwatched-sale", "dropgate-e2e-nobody"
+	e.ensureNamespace(t, ns)
+	t.Cleanup(func() { _, _ = e.run("kubectl", "delete", "namespace", ns, "--wait=false", "--ignore-not-found") })
+	e.kubectlIn(t, dropYAML(ns, drop, `{sku: NOWATCH-1, limitedQuantity: 10, redis: {url: "`+e.redisURL+`"}}`), "apply", "-f", "-")
+	e.waitField(t, ns, "inventorydrop/"+drop, "{.status.mode}", "gate")
+	if can, _ := e.run("kubectl", "auth", "can-i", "watch", "inventorydrops.dropgate.io", "-n", ns, "--as="+nobody); strings.TrimSpace(can) != "no" {
+		t.Fatalf("%s should not be let watch InventoryDrops: %q", nobody, can)
+	}
+
+	proxy := startProxy(t, strings.TrimPrefix(strings.TrimSuffix(e.redisURL, "/"), "redis://"))
+	s := e.startSidecarWith(t, "unwatched-sidecar", ns, drop, "redis://"+proxy.addr,
+		[]string{"DROPGATE_WATCH_DROPS=true", "KUBECONFIG=" + e.impersonatingKubeconfig(t, nobody)})
+	s.says(t, e, "remaining", "10")
+	s.reserve(t, "order-1", "alice", 201, "gate")
+
+	// Cut off: every try of the same reserve, for longer than a read of the API
+	// server stands for, answers 503 "retry the same key" (first while the sidecar
+	// makes sure Redis is away, then on the fallback, naming the watch).
+	proxy.cut()
+	for try := 0; try < 8; try++ {
+		a, err := call("POST", s.base+"/reservations", map[string]any{"key": "order-2", "user": "bob", "quantity": 1})
+		if err != nil {
+			t.Fatalf("reserve while cut off: %v", err)
+		}
+		if a.status != 503 || a.field("keySpent") == "true" {
+			t.Fatalf("a sidecar that may not watch drops must not decide on the fallback: %s", a)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	if a := s.reserve(t, "order-2", "bob", 503, "fallback"); !strings.Contains(a.field("message"), "watch") {
+		t.Fatalf("the refusal should say the watch is why: %s", a)
+	}
+
+	// Back on Redis: the refused reserve is decided afresh on the gate, and the drop
+	// counts the two gate sales, nothing from the refusals.
+	proxy.restore()
+	s.reserveUntil(t, e, "order-2", "bob", 201)
+	s.says(t, e, "remaining", "8")
+}
+
+// impersonatingKubeconfig writes a kubeconfig with the suite's admin credentials
+// that acts as user (the API server checks what RBAC grants user, not the admin).
+// Returns its path.
+func (e *env) impersonatingKubeconfig(t *testing.T, user string) string {
+	t.Helper()
+	admin, err := os.ReadFile(e.kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The control plane writes one user, its credentials under "  user:".
+	const credentials = "\n  user:\n"
+	if strings.Count(string(admin), credentials) != 1 {
+		t.Fatalf("%s: want one user's credentials to add `as` to:\n%s", e.kubeconfig, admin)
+	}
+	config := strings.Replace(string(admin), credentials, credentials+"    as: "+user+"\n", 1)
+	path := filepath.Join(e.work, user+".kubeconfig")
+	if err := os.WriteFile(path, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }

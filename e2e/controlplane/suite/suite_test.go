@@ -38,6 +38,7 @@ var scenarios = []scenario{
 	{"kubectl_apply_drop_lifecycle", kubectlApplyDropLifecycle},
 	{"sidecar_injected_by_webhook", sidecarInjectedByWebhook},
 	{"fallback_obeys_a_change_published_while_cut_off", fallbackObeysAChangePublishedWhileCutOff},
+	{"fallback_waits_for_a_watch_it_may_not_run", fallbackWaitsForAWatchItMayNotRun},
 	{"no_self_triggered_reconcile", noSelfTriggeredReconcile},
 	{"leader_failover", leaderFailover},
 	{"namespace_deletion_finishes", namespaceDeletionFinishes},

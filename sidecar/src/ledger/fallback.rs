@@ -572,7 +572,10 @@ impl Ledger {
                 let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
                     .keeping(kept);
                 landing = Some(Landing::of(&change, super::event(target)));
-                if transition(&mut tx, &change, false, now).await?.is_none() {
+                if transition(&mut tx, &change, false, now, None)
+                    .await?
+                    .is_none()
+                {
                     return Err(TxError::Raced);
                 }
                 if target == State::Cancelled {
@@ -645,6 +648,15 @@ impl Ledger {
         let read = || async {
             let mut tx = self.pool.begin().await?;
             if self.backend == Backend::Postgres {
+                // The unanswered COMMIT's session may hold the row for as long as
+                // its server takes to notice it gone (hours, on a half-open
+                // connection): a wait past the asking window fails, like any ask.
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SET LOCAL lock_timeout = {}",
+                    ASK_WHETHER_LANDED_FOR.as_millis()
+                )))
+                .execute(&mut *tx)
+                .await?;
                 sqlx::query(
                     "SELECT 1 FROM reservations WHERE drop_key = $1 AND res_key = $2 FOR UPDATE",
                 )
@@ -718,13 +730,14 @@ impl Ledger {
         due: i64,
     ) -> Result<bool, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let before = read(&mut tx, drop_key, key).await?;
-        let after = expire_if_due(&mut tx, drop_key, config, key, due)
+        // What this call wrote, not what it found: a request may have expired the
+        // hold a moment before.
+        let expired = expire_if_due(&mut tx, drop_key, config, key, due)
             .await?
-            .row;
+            .landing
+            .is_some();
         tx.commit().await?;
-        Ok(before.is_some_and(|b| b.state == State::Active)
-            && after.is_some_and(|a| a.state == State::Expired))
+        Ok(expired)
     }
 
     /// Changes Redis has not seen yet: made on the fallback path, or recorded for an
@@ -1308,7 +1321,10 @@ async fn expire_if_due(
         State::Expired,
     );
     let mut landing = None;
-    if transition(tx, &change, false, now).await?.is_some() {
+    if transition(tx, &change, false, now, Some(now))
+        .await?
+        .is_some()
+    {
         adjust_holdings(tx, &change, change.quantity).await?;
         let mut ids = EventIds::for_events(1);
         write_event(tx, &mut ids, &change, "fallback", now).await?;

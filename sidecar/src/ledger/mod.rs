@@ -869,7 +869,7 @@ async fn apply_gate_change(
             })
         });
     }
-    if let Some(held) = transition(tx, change, true, now).await? {
+    if let Some(held) = transition(tx, change, true, now, None).await? {
         // A partial confirm gives back what it does not keep; a cancel or expiry
         // what the ledger's row held (not what the gate's marker said: a Redis put
         // back from an older copy may hold a partial confirm's units whole).
@@ -1243,12 +1243,16 @@ async fn insert_reservation(
 /// change's attempt was fenced off (judged dead); true when moved. Only forward, so
 /// a late or repeated change moves nothing. A partial confirm keeps the change's
 /// quantity of a row that holds it plus what the change releases. Returns the
-/// row's quantity after the move, `None` when nothing moved.
+/// row's quantity after the move, `None` when nothing moved. With `due_at`, only
+/// a row whose deadline is at or before it moves: an expiry decided on a read
+/// must not land on a hold another pod extended meanwhile (PostgreSQL checks the
+/// condition again on the row it waited for).
 async fn transition(
     tx: &mut Transaction<'static, Any>,
     change: &Change,
     replayed: bool,
     now: i64,
+    due_at: Option<i64>,
 ) -> Result<Option<i64>, sqlx::Error> {
     let sql = match change.state {
         State::Active | State::Pending => return Ok(None),
@@ -1257,14 +1261,14 @@ async fn transition(
              quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
-             AND ($9 = 0 OR quantity = $10) RETURNING quantity"
+             AND ($9 = 0 OR quantity = $10) AND ($11 = 0 OR expires_at_ms <= $12) RETURNING quantity"
         }
         State::Cancelled => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
              quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed') \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
-             AND ($9 = 0 OR quantity = $10) RETURNING quantity"
+             AND ($9 = 0 OR quantity = $10) AND ($11 = 0 OR expires_at_ms <= $12) RETURNING quantity"
         }
     };
     let query = sqlx::query(sql)
@@ -1277,7 +1281,9 @@ async fn transition(
         .bind(change.attempt.as_deref())
         .bind(change.released)
         .bind(change.released)
-        .bind(change.quantity + change.released);
+        .bind(change.quantity + change.released)
+        .bind(i64::from(due_at.is_some()))
+        .bind(due_at.unwrap_or(0));
     match query.fetch_optional(&mut **tx).await? {
         Some(row) => Ok(Some(row.try_get(0)?)),
         None => Ok(None),
