@@ -14,9 +14,10 @@
 //! is complete: a watch that resumed where it broke off cannot tell when it has
 //! caught up.
 //!
-//! What is left: the watch hears a change about when the operator does (both watch
-//! the API server), and the operator publishes it only after its reconcile; a watch
-//! lagging that long without breaking lets the config read before decide meanwhile.
+//! Besides the watch (which breaks late when its connection goes silent), each
+//! fallback admission waits for a read of the drop from the API server begun after
+//! the admission began: a change the API server took before a buyer asked is seen,
+//! whatever the watch's lag and whenever the operator publishes it.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicI64;
@@ -84,9 +85,9 @@ pub enum Verdict {
 
 /// The longest wait between two attempts to restart a broken watch.
 const RETRY_MAX: Duration = Duration::from_secs(10);
-/// How old a read of the API server may be for a decision to rest on it (besides
-/// the watch, which breaks late when its connection goes silent).
-const READ_FRESH: Duration = Duration::from_secs(1);
+/// How long a failed read of the API server stands for the reads after it (each
+/// admission meanwhile is refused at once instead of waiting [`READ_BOUND`]).
+const FAILED_READ_STANDS: Duration = Duration::from_secs(1);
 /// How long a decision waits for such a read.
 const READ_BOUND: Duration = Duration::from_secs(1);
 
@@ -140,6 +141,8 @@ impl DropWatch {
                         self.gauge.set(1);
                         retry = Duration::from_millis(250);
                     }
+                    Ok(Event::Apply(_) | Event::Delete(_))
+                        if crate::faults::check(crate::faults::Fault::WatchLags).is_err() => {}
                     Ok(Event::Apply(object)) => {
                         if let Some((name, listed)) = entry(&object) {
                             state.drops.insert(name, listed);
@@ -172,9 +175,12 @@ impl DropWatch {
 
     /// Whether `config`, held for drop `name`, may decide a fallback admission now:
     /// the watch must be caught up and agree, and so must a read of the API server
-    /// begun less than [`READ_FRESH`] ago (made now when there is none: a watch whose
-    /// connection went silent breaks only minutes later).
+    /// begun after this check was (a watch whose connection went silent breaks only
+    /// minutes later, and one that lags would let a change the API server took
+    /// before this admission began go unseen). Checks waiting for a drop's read
+    /// share the next one; a read that failed stands for [`FAILED_READ_STANDS`].
     pub async fn check(&self, name: &str, config: &DropConfig) -> Verdict {
+        let asked = Instant::now();
         let watched = watched(
             &self.state.read().unwrap_or_else(|e| e.into_inner()),
             name,
@@ -192,7 +198,8 @@ impl DropWatch {
             .clone();
         let mut last = slot.lock().await;
         let read = match &*last {
-            Some(read) if read.0.elapsed() < READ_FRESH => read,
+            Some(read @ (began, Ok(_))) if *began >= asked => read,
+            Some(read @ (began, Err(_))) if began.elapsed() < FAILED_READ_STANDS => read,
             _ => {
                 let began = Instant::now();
                 let found = match tokio::time::timeout(READ_BOUND, self.api.get_opt(name)).await {

@@ -33,6 +33,9 @@ pub enum Fault {
     /// A fallback transaction's COMMIT is lost on its way: nothing lands, and no
     /// answer says so.
     LostCommitUnanswered,
+    /// The watch of InventoryDrops lags: a change or deletion it receives is not
+    /// taken in (as if it had not arrived yet), while the watch stays caught up.
+    WatchLags,
 }
 
 impl Fault {
@@ -49,10 +52,11 @@ impl Fault {
             Fault::DieMidJoin => "die-mid-join",
             Fault::LandedCommitUnanswered => "landed-commit-unanswered",
             Fault::LostCommitUnanswered => "lost-commit-unanswered",
+            Fault::WatchLags => "watch-lags",
         }
     }
 
-    const ALL: [Fault; 10] = [
+    const ALL: [Fault; 11] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -63,6 +67,7 @@ impl Fault {
         Fault::DieMidJoin,
         Fault::LandedCommitUnanswered,
         Fault::LostCommitUnanswered,
+        Fault::WatchLags,
     ];
 }
 

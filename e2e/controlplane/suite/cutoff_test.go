@@ -17,9 +17,11 @@ import (
 // not) sells on the fallback on the config of the drop's current generation. A
 // limit cut applied while it is cut off is published by the operator into Redis,
 // where this sidecar cannot read it: the sidecar learns of the new generation from
-// its watch of the API server (as the chart's RBAC lets any service account) and
-// refuses to decide on the config it read before, 503 and nothing changed. Back on
-// Redis, it obeys the cut: sold out at the new limit, never past it.
+// the API server (as the chart's RBAC lets any service account), even with its
+// watch lagging, because each fallback admission reads the drop there after it
+// began; it refuses to decide on the config it read before, 503 and nothing
+// changed, from the first reserve after the cut on. Back on Redis, it obeys the
+// cut: sold out at the new limit, never past it.
 func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 	if e.databaseURL == "" {
 		t.Skip("needs the suite's PostgreSQL ledger (a per-pod ledger's sidecar does not fall back alone)")
@@ -39,7 +41,9 @@ func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 	}
 	proxy := startProxy(t, strings.TrimPrefix(strings.TrimSuffix(e.redisURL, "/"), "redis://"))
 	s := e.startSidecarWith(t, "cut-off-sidecar", ns, drop, "redis://"+proxy.addr,
-		[]string{"DROPGATE_WATCH_DROPS=true", "KUBECONFIG=" + e.tokenKubeconfig(t, ns, "default")})
+		// Its watch lags: it takes in no change (fault point watch-lags), so only its
+		// reads of the API server can tell it of one.
+		[]string{"DROPGATE_WATCH_DROPS=true", "KUBECONFIG=" + e.tokenKubeconfig(t, ns, "default"), "DROPGATE_FAULTS=watch-lags"})
 	s.says(t, e, "remaining", "10")
 	s.reserve(t, "order-1", "alice", 201, "gate")
 	s.reserve(t, "order-2", "bob", 201, "gate")
@@ -52,16 +56,20 @@ func fallbackObeysAChangePublishedWhileCutOff(t *testing.T, e *env) {
 		t.Fatalf("sold while cut off from Redis, but not on the fallback: %s", a)
 	}
 
-	// The limit cut to 3 (3 sold): the operator publishes it into Redis, which this
-	// sidecar cannot read.
-	e.kubectl(t, "-n", ns, "patch", "inventorydrop/"+drop, "--type=merge", "-p", `{"spec":{"limitedQuantity":3}}`)
-	generation := e.jsonpath(t, ns, "inventorydrop/"+drop, "{.metadata.generation}")
+	// The limit cut to 3 (3 sold). A reserve sent as soon as the API server took it
+	// is refused: its check reads the drop from the API server after it began,
+	// whether or not the watch or the operator has caught up.
+	generation := strings.TrimSpace(e.kubectl(t, "-n", ns, "patch", "inventorydrop/"+drop, "--type=merge",
+		"-p", `{"spec":{"limitedQuantity":3}}`, "-o", "jsonpath={.metadata.generation}"))
+	if refused := s.reserve(t, "order-4", "dave", 503, "fallback"); !strings.Contains(refused.field("message"), "generation "+generation) {
+		t.Fatalf("a reserve right after the cut should be refused naming generation %s: %s", generation, refused)
+	}
+	// The operator publishes it into Redis, which this sidecar cannot read.
 	e.waitField(t, ns, "inventorydrop/"+drop, "{.status.observedGeneration}", generation)
 	if limit := strings.TrimSpace(e.redisCLI(t, "HGET", fmt.Sprintf("dropgate:{%s/%s}:config", ns, drop), "limit")); limit != "3" {
 		t.Fatalf("the operator published limit %q into Redis, want 3", limit)
 	}
-	// The watch heard the change about when the operator did, and the operator has
-	// published it and written its status since: the sidecar knows.
+	// Published and in the drop's status since: still refused.
 	refused := s.reserve(t, "order-4", "dave", 503, "fallback")
 	if !strings.Contains(refused.field("message"), "generation "+generation) {
 		t.Fatalf("the refusal should name the generation it has not read: %s", refused)
