@@ -597,3 +597,74 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
     replica.resume().expect("SIGCONT");
     sidecar.shutdown().await;
 }
+
+/// A pause published and read by the sidecar, then lost by Redis (a failover to a
+/// replica that missed it: the config and stock as they were before): the gate
+/// decides on the config Redis kept, which the ledger's count does not catch (it
+/// knows units, not pauses). The sidecar has read the newer generation, so it
+/// takes such an admission back: 503, nothing changed, until the operator
+/// publishes the pause again. Before, it sold during the pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
+    let (redis, _ledger, sidecar, _dir) = one_sidecar(one_per_buyer(10)).await;
+    sidecar
+        .reserve("sale", "a", "a", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = redis.connection().expect("connect");
+    let config_then: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(keys.config())
+        .query(&mut conn)
+        .expect("HGETALL");
+    let generation = |conn: &mut redis::Connection| -> i64 {
+        redis::cmd("HGET")
+            .arg(keys.config())
+            .arg("generation")
+            .query::<Option<i64>>(conn)
+            .expect("HGET")
+            .unwrap_or(0)
+    };
+    let before = generation(&mut conn);
+
+    seed(&redis.url(), "sale", one_per_buyer(10).paused()).await;
+    assert!(
+        generation(&mut conn) > before,
+        "the pause is a newer generation"
+    );
+    eventually("the pause to reach the sidecar", async || {
+        sidecar
+            .http
+            .get("/v1/drops/sale")
+            .await
+            .is_ok_and(|r| r.body["paused"] == true)
+    })
+    .await;
+
+    // Redis loses the pause: its config as it was.
+    let _: () = redis::cmd("DEL")
+        .arg(keys.config())
+        .query(&mut conn)
+        .expect("DEL");
+    let _: () = redis::cmd("HSET")
+        .arg(keys.config())
+        .arg(&config_then)
+        .query(&mut conn)
+        .expect("HSET");
+    assert_eq!(generation(&mut conn), before);
+    let counts = redis_counts(&redis, "sale");
+
+    let refused = sidecar.reserve("sale", "b", "b", 1).await;
+    refused.assert_answer(503, "unavailable");
+    assert!(
+        refused.text.contains("older config"),
+        "the refusal says why: {}",
+        refused.text
+    );
+    assert_eq!(
+        redis_counts(&redis, "sale"),
+        counts,
+        "the 503 changed nothing"
+    );
+    sidecar.shutdown().await;
+}
