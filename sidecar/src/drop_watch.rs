@@ -66,10 +66,16 @@ pub struct DropWatch {
 /// One drop's last read, locked across the next one.
 type ReadSlot = Arc<tokio::sync::Mutex<Option<Read>>>;
 
-/// A read of one drop in the API server: when it began, and what it found (the
-/// drop, or none), or why it failed (kept as long as an answer, so that a silent
-/// API server costs each admission one wait at most, not one per admission before).
-type Read = (Instant, Result<Option<Listed>, String>);
+/// A read of one drop in the API server.
+#[derive(Debug)]
+struct Read {
+    began: Instant,
+    ended: Instant,
+    /// The drop, or none; or why the read failed (kept as an answer for
+    /// [`FAILED_READ_STANDS`] after it ended, so that a silent API server costs
+    /// each admission one wait at most, not one per admission queued before it).
+    found: Result<Option<Listed>, String>,
+}
 
 /// Whether a config held may decide a fallback admission.
 #[derive(Debug, PartialEq, Eq)]
@@ -90,6 +96,8 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 const FAILED_READ_STANDS: Duration = Duration::from_secs(1);
 /// How long a decision waits for such a read.
 const READ_BOUND: Duration = Duration::from_secs(1);
+/// The least time between the starts of two reads of one drop.
+const READ_SPACING: Duration = Duration::from_millis(100);
 
 impl DropWatch {
     /// Connects as the pod's service account (or `KUBECONFIG`) and starts watching
@@ -178,7 +186,8 @@ impl DropWatch {
     /// begun after this check was (a watch whose connection went silent breaks only
     /// minutes later, and one that lags would let a change the API server took
     /// before this admission began go unseen). Checks waiting for a drop's read
-    /// share the next one; a read that failed stands for [`FAILED_READ_STANDS`].
+    /// share the next one, which starts [`READ_SPACING`] after the last at the
+    /// soonest; a read that failed stands for [`FAILED_READ_STANDS`] after it ended.
     pub async fn check(&self, name: &str, config: &DropConfig) -> Verdict {
         let asked = Instant::now();
         let watched = watched(
@@ -198,9 +207,16 @@ impl DropWatch {
             .clone();
         let mut last = slot.lock().await;
         let read = match &*last {
-            Some(read @ (began, Ok(_))) if *began >= asked => read,
-            Some(read @ (began, Err(_))) if began.elapsed() < FAILED_READ_STANDS => read,
+            Some(read) if read.began >= asked => read,
+            Some(read) if read.found.is_err() && read.ended.elapsed() < FAILED_READ_STANDS => read,
             _ => {
+                // Reads of one drop are spaced: the admissions that arrive
+                // meanwhile wait for the next one together, so a busy fallback
+                // asks the API server a few times a second per drop, not once per
+                // round trip.
+                if let Some(read) = &*last {
+                    tokio::time::sleep_until((read.began + READ_SPACING).into()).await;
+                }
                 let began = Instant::now();
                 let found = match tokio::time::timeout(READ_BOUND, self.api.get_opt(name)).await {
                     Ok(Ok(found)) => Ok(found.as_ref().and_then(entry).map(|(_, listed)| listed)),
@@ -212,10 +228,14 @@ impl DropWatch {
                         READ_BOUND.as_millis()
                     )),
                 };
-                &*last.insert((began, found))
+                &*last.insert(Read {
+                    began,
+                    ended: Instant::now(),
+                    found,
+                })
             }
         };
-        match &read.1 {
+        match &read.found {
             Ok(listed) => verdict(name, listed.as_ref(), config),
             Err(why) => Verdict::Stale(format!(
                 "{why}, so this sidecar cannot tell whether the config it holds is current: nothing is decided on it; retry"

@@ -833,6 +833,8 @@ pub(super) async fn on_fallback(
     if let Err(why) = still_current(app, drop, config).await {
         return Some(Err(Failure::retry(why)));
     }
+    // The sale window is judged when the ledger decides, not when the request came.
+    let now = now_ms();
     let outcome = match on_ledger(app, drop, reason, || {
         app.ledger
             .fallback_reserve(&ledger_key, config, request.ask(), now)
