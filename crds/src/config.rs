@@ -102,7 +102,9 @@ pub struct DropConfig {
     pub acquire_timeout_ms: u64,
     pub mode: Mode,
     pub failure_policy: FailurePolicy,
-    /// `metadata.generation` of the InventoryDrop this was published from.
+    /// `metadata.generation` of the InventoryDrop this was published from; outside
+    /// Kubernetes (`apply -f`), the seed's time in ms (at or above
+    /// [`STAMPED_GENERATIONS`]).
     pub generation: i64,
     /// When the drop's keys expire (ms since the epoch): past `endsAt`, so that
     /// late confirms and refunds still find their reservations.
@@ -129,7 +131,19 @@ pub enum ConfigError {
     Invalid { field: &'static str, value: String },
 }
 
+/// Generations at or above this are `apply -f`'s seed times (ms since the epoch,
+/// from Redis's clock: seed.lua's `STAMPED`), below it the API server's.
+pub const STAMPED_GENERATIONS: i64 = 1_000_000_000_000;
+
 impl DropConfig {
+    /// Whether the API server numbered this config's generation, so that the
+    /// operator publishes a newer one again at its next reconcile should Redis lose
+    /// it (outside Kubernetes nothing does, and a new seed's time may even be lower
+    /// on another host's clock).
+    pub fn published_by_operator(&self) -> bool {
+        self.generation > 0 && self.generation < STAMPED_GENERATIONS
+    }
+
     /// The hash's fields, in the order they are written.
     pub fn to_fields(&self) -> Vec<(&'static str, String)> {
         let opt = |v: Option<i64>| v.map(|v| v.to_string()).unwrap_or_default();
@@ -351,6 +365,20 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect()
+    }
+
+    #[test]
+    fn only_the_api_servers_generations_are_published_by_the_operator() {
+        let at = |generation| DropConfig {
+            generation,
+            ..sample()
+        };
+        assert!(at(3).published_by_operator());
+        assert!(!at(0).published_by_operator(), "apply -f before its stamp");
+        assert!(
+            !at(1_764_000_000_000).published_by_operator(),
+            "an apply -f seed time"
+        );
     }
 
     #[test]

@@ -190,6 +190,16 @@ impl Drops {
                     let before = existing.config().sale;
                     if config.sale != before {
                         self.note_over(existing.ledger_key_of(&before));
+                    } else if config.generation < existing.config().generation
+                        && existing.config().published_by_operator()
+                    {
+                        // Redis lost a change this sidecar read (a failover to a
+                        // replica that missed it): the copy keeps the newer config,
+                        // and the gate's admissions on the older one are taken back,
+                        // until the operator publishes the change again. (Outside
+                        // Kubernetes nothing would: the copy follows Redis.)
+                        tracing::warn!(drop = %name, redis = config.generation, read = existing.config().generation, "Redis holds an older config of the drop than this sidecar read there");
+                        return Ok(Some(existing.clone()));
                     }
                     existing.update(config);
                     return Ok(Some(existing.clone()));

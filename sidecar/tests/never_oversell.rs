@@ -606,7 +606,19 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
 /// publishes the pause again. Before, it sold during the pause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
-    let (redis, _ledger, sidecar, _dir) = one_sidecar(one_per_buyer(10)).await;
+    // Generations numbered as the API server numbers them: the operator publishes
+    // a lost one again at its next reconcile.
+    let at_generation = |spec: DropSpec, generation: i64| {
+        common::manifest("sale", spec).replacen(
+            "metadata: {",
+            &format!("metadata: {{generation: {generation}, "),
+            1,
+        )
+    };
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    common::apply(&redis.url(), &at_generation(one_per_buyer(10), 1)).await;
+    let sidecar = Peer::start(&redis.url(), &sqlite_url(&dir, "ledger.db")).await;
     sidecar
         .reserve("sale", "a", "a", 1)
         .await
@@ -627,11 +639,8 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     };
     let before = generation(&mut conn);
 
-    seed(&redis.url(), "sale", one_per_buyer(10).paused()).await;
-    assert!(
-        generation(&mut conn) > before,
-        "the pause is a newer generation"
-    );
+    common::apply(&redis.url(), &at_generation(one_per_buyer(10).paused(), 2)).await;
+    assert_eq!((before, generation(&mut conn)), (1, 2));
     eventually("the pause to reach the sidecar", async || {
         sidecar
             .http
@@ -661,6 +670,18 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
         "the refusal says why: {}",
         refused.text
     );
+    assert_eq!(
+        redis_counts(&redis, "sale"),
+        counts,
+        "the 503 changed nothing"
+    );
+    // Its refreshes (every 100 ms here) read the older config since: it keeps the
+    // newer one, and still decides nothing on the older.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    sidecar
+        .reserve("sale", "b", "b", 1)
+        .await
+        .assert_answer(503, "unavailable");
     assert_eq!(
         redis_counts(&redis, "sale"),
         counts,
