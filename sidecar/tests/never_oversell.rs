@@ -602,8 +602,9 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
 /// replica that missed it: the config and stock as they were before): the gate
 /// decides on the config Redis kept, which the ledger's count does not catch (it
 /// knows units, not pauses). The sidecar has read the newer generation, so it
-/// takes such an admission back: 503, nothing changed, until the operator
-/// publishes the pause again. Before, it sold during the pause.
+/// takes such an admission back, and an extension the lost change refused: 503,
+/// nothing changed, until the operator publishes the change again. Before, it sold
+/// during the pause and extended past the cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     // Generations numbered as the API server numbers them: the operator publishes
@@ -617,12 +618,12 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     };
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
-    common::apply(&redis.url(), &at_generation(one_per_buyer(10), 1)).await;
+    let extendable = || one_per_buyer(10).hold_seconds(60).max_hold_seconds(3600);
+    common::apply(&redis.url(), &at_generation(extendable(), 1)).await;
     let sidecar = Peer::start(&redis.url(), &sqlite_url(&dir, "ledger.db")).await;
-    sidecar
-        .reserve("sale", "a", "a", 1)
-        .await
-        .assert_answer(201, "admitted");
+    let held = sidecar.reserve("sale", "a", "a", 1).await;
+    held.assert_answer(201, "admitted");
+    let deadline = held.body["expiresAt"].clone();
     let keys = DropKeys::new(NS, "sale");
     let mut conn = redis.connection().expect("connect");
     let config_then: Vec<(String, String)> = redis::cmd("HGETALL")
@@ -639,7 +640,9 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     };
     let before = generation(&mut conn);
 
-    common::apply(&redis.url(), &at_generation(one_per_buyer(10).paused(), 2)).await;
+    // The pause also cuts how far a hold may be extended (to its first hold).
+    let paused = extendable().max_hold_seconds(60).paused();
+    common::apply(&redis.url(), &at_generation(paused, 2)).await;
     assert_eq!((before, generation(&mut conn)), (1, 2));
     eventually("the pause to reach the sidecar", async || {
         sidecar
@@ -675,6 +678,24 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
         counts,
         "the 503 changed nothing"
     );
+    // Nor an extension that the lost cut of maxHoldSeconds refuses and the older
+    // config allows.
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600);
+    let extended = sidecar
+        .http
+        .post(
+            "/v1/drops/sale/reservations/a/extend",
+            &format!(r#"{{"expiresAt":"{until}"}}"#),
+        )
+        .await
+        .expect("answers");
+    extended.assert_answer(503, "unavailable");
+    let shown = sidecar
+        .http
+        .get("/v1/drops/sale/reservations/a")
+        .await
+        .expect("answers");
+    assert_eq!(shown.body["expiresAt"], deadline, "the 503 changed nothing");
     // Its refreshes (every 100 ms here) read the older config since: it keeps the
     // newer one, and still decides nothing on the older.
     tokio::time::sleep(Duration::from_millis(1_000)).await;

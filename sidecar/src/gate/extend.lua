@@ -24,7 +24,10 @@ local asked, current = tonumber(ARGV[5]), tonumber(m[2])
 if asked <= current then
   return answer('extended')
 end
-local c = redis.call('HMGET', K.config, 'holdSeconds', 'maxHoldSeconds')
+local c = redis.call('HMGET', K.config, 'holdSeconds', 'maxHoldSeconds', 'generation')
+-- The config's generation in the reply: a sidecar that read a newer one there (a
+-- failover lost it) aborts the preparation rather than extend on this one.
+GENERATION = c[3] or ''
 local hold = tonumber(c[1]) or 0
 local max_hold = tonumber(c[2] or '') or hold
 -- A marker written before admissions kept their time: its deadline minus the hold.

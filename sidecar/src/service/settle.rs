@@ -423,6 +423,20 @@ async fn change_on_gate(
             tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
         }
     };
+    // An extension Redis judged on an older config of the sale than this sidecar
+    // read there (a failover lost the change, a lower maxHoldSeconds perhaps): a
+    // stale view never decides, so it is undone until the operator publishes the
+    // change again (as an admission is, see admit::after_gate).
+    if let Settling::Extend { .. } = settling
+        && config.published_by_operator()
+        && let Some(generation) = step.generation.filter(|g| *g < config.generation)
+    {
+        undo(&mut conn).await;
+        return Turn::Done(Err(Failure::retry(format!(
+            "Redis holds an older config of drop {} (generation {generation}) than this sidecar read there (generation {}): it lost that change, and the operator publishes it again; nothing was changed: retry",
+            drop.name, config.generation
+        ))));
+    }
     // What the reservation reads as once the change took effect.
     let settled = with_state(view, to, change.quantity, change.expires_at_ms);
     match app.ledger.record(change).await {
