@@ -690,6 +690,17 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
         .await
         .expect("answers");
     extended.assert_answer(503, "unavailable");
+    assert!(
+        extended.text.contains("older config"),
+        "the refusal says why: {}",
+        extended.text
+    );
+    let settling: Option<String> = redis::cmd("HGET")
+        .arg(keys.reservation("a"))
+        .arg("settling")
+        .query(&mut conn)
+        .expect("HGET");
+    assert_eq!(settling, None, "the prepared extension was undone");
     let shown = sidecar
         .http
         .get("/v1/drops/sale/reservations/a")

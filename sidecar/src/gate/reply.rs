@@ -293,7 +293,10 @@ impl Wire {
             sale: (!self.sale.is_empty()).then(|| self.sale.clone()),
             limit: int(&self.limit),
             generation: int(&self.generation),
-            variants: int(&self.generation)
+            // With the limit, as the reserve script reads them (an extension's reply
+            // carries the generation alone: an empty list there would read as "no
+            // variants" and retire the ledger's).
+            variants: int(&self.limit)
                 .map(|_| dropgate_api::config::parse_variants(&self.variants).unwrap_or_default()),
         })
     }

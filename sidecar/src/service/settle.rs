@@ -429,6 +429,7 @@ async fn change_on_gate(
     // change again (as an admission is, see admit::after_gate).
     if let Settling::Extend { .. } = settling
         && config.published_by_operator()
+        && step.sale.as_deref() == Some(config.sale.as_str())
         && let Some(generation) = step.generation.filter(|g| *g < config.generation)
     {
         undo(&mut conn).await;
