@@ -71,7 +71,8 @@ async fn thousands_of_slow_clients_leave_the_sidecar_bounded_and_answering() {
             .await
             .expect("sidecar");
     let api = HttpClient::new(sidecar.base.clone());
-    let probe = HttpClient::new(format!("http://{health}"));
+    // A new connection per probe, as the kubelet's (keep-alive off).
+    let probe = HttpClient::without_keep_alive(format!("http://{health}"));
     // Warm up: the drop known, a reservation made, the ledger open.
     let first = api
         .post(
@@ -127,14 +128,17 @@ async fn thousands_of_slow_clients_leave_the_sidecar_bounded_and_answering() {
         assert_eq!(reply.status, 201, "{}", reply.text);
         sold += 1;
         // As the kubelet probes: a failure counts only after its failureThreshold
-        // (3 by default) in a row. A full probe port may close a new connection it
-        // cannot tell from the flood's; it must never turn the probe away three
-        // times running.
+        // (3 by default) in a row, the probes its periodSeconds apart (1 s at the
+        // least). A full probe port may close a new connection it cannot tell from
+        // the flood's; it must never turn the probe away three times running.
         let mut failures = Vec::new();
         let healthz = loop {
             match probe.get("/healthz").await {
                 Ok(answer) => break answer,
-                Err(error) if failures.len() < 2 => failures.push(error),
+                Err(error) if failures.len() < 2 => {
+                    failures.push(error);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
                 Err(error) => {
                     panic!("the probe port failed three probes in a row: {failures:?}, {error}")
                 }

@@ -61,6 +61,23 @@ impl HttpClient {
         }
     }
 
+    /// A client that opens a connection for each request and closes it after, as
+    /// the kubelet's HTTP probes do (they disable keep-alive): a full probe port may
+    /// close an idle kept-alive connection, which a pooling client would then send
+    /// its next probe into.
+    pub fn without_keep_alive(base: impl Into<String>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
+            .build(connector);
+        Self {
+            client,
+            base: base.into(),
+            checked: true,
+        }
+    }
+
     /// A client that does not check answers against the document: for load runs,
     /// whose measure would include the check.
     pub fn unchecked(base: impl Into<String>) -> Self {
