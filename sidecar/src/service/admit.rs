@@ -414,24 +414,11 @@ async fn after_gate(
             return Turn::Done(Err(moved_on(drop)));
         }
         Outcome::Admitted(_)
-            if config.published_by_operator()
-                && reply
-                    .step
-                    .generation
-                    .is_some_and(|generation| generation < config.generation) =>
+            if let Some(failure) = super::redis_lost_a_change(drop, config, &reply.step) =>
         {
-            // Redis decided on an older config of this sale than this sidecar has
-            // read there: it lost the change (a failover to a replica that missed
-            // it), which the operator publishes again at its next reconcile. A
-            // stale view never decides: taken back, and the buyer retries. (Should
-            // the undo fail, the marker goes back with its pending bound.)
+            // (Should the undo fail, the marker goes back with its pending bound.)
             let _ = undo(app, drop, &request.key, &attempt).await;
-            return Turn::Done(Err(Failure::retry(format!(
-                "Redis holds an older config of drop {} (generation {}) than this sidecar read there (generation {}): it lost that change, and the operator publishes it again; nothing was reserved: retry the same key",
-                drop.name,
-                reply.step.generation.unwrap_or_default(),
-                config.generation
-            ))));
+            return Turn::Done(Err(failure));
         }
         // Pending until activated below.
         Outcome::Admitted(view) => view,

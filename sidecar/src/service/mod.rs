@@ -430,6 +430,23 @@ fn redis_down(drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Fa
     })
 }
 
+/// A gate reply judged on an older config of this sidecar's sale than the one it
+/// read there: Redis lost that change (a failover to a replica that missed it),
+/// which the operator publishes again at its next reconcile. A stale view never
+/// decides: the caller undoes what the reply prepared and answers this failure.
+/// Only for generations the API server numbers: outside Kubernetes nothing
+/// publishes a lost change again, and the sidecar's copy follows Redis's.
+fn redis_lost_a_change(drop: &Drop, config: &DropConfig, step: &gate::Step) -> Option<Failure> {
+    if !config.published_by_operator() || step.sale.as_deref() != Some(config.sale.as_str()) {
+        return None;
+    }
+    let generation = step.generation.filter(|g| *g < config.generation)?;
+    Some(Failure::retry(format!(
+        "Redis holds an older config of drop {} (generation {generation}) than this sidecar read there (generation {}): it lost that change, and the operator publishes it again; nothing was changed: retry the same request",
+        drop.name, config.generation
+    )))
+}
+
 /// The failure for a drop the operator closed (HA missing under policy Closed).
 fn closed(drop: &Drop) -> Failure {
     Failure::unavailable(format!(

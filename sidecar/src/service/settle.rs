@@ -424,19 +424,12 @@ async fn change_on_gate(
         }
     };
     // An extension Redis judged on an older config of the sale than this sidecar
-    // read there (a failover lost the change, a lower maxHoldSeconds perhaps): a
-    // stale view never decides, so it is undone until the operator publishes the
-    // change again (as an admission is, see admit::after_gate).
+    // read there (a lower maxHoldSeconds perhaps) is undone, as an admission is.
     if let Settling::Extend { .. } = settling
-        && config.published_by_operator()
-        && step.sale.as_deref() == Some(config.sale.as_str())
-        && let Some(generation) = step.generation.filter(|g| *g < config.generation)
+        && let Some(failure) = super::redis_lost_a_change(drop, config, &step)
     {
         undo(&mut conn).await;
-        return Turn::Done(Err(Failure::retry(format!(
-            "Redis holds an older config of drop {} (generation {generation}) than this sidecar read there (generation {}): it lost that change, and the operator publishes it again; nothing was changed: retry",
-            drop.name, config.generation
-        ))));
+        return Turn::Done(Err(failure));
     }
     // What the reservation reads as once the change took effect.
     let settled = with_state(view, to, change.quantity, change.expires_at_ms);
