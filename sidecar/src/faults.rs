@@ -27,6 +27,9 @@ pub enum Fault {
     /// The process dies after a waitlist join was placed in Redis, before the
     /// ledger wrote it.
     DieMidJoin,
+    /// The process dies after the ledger recorded a confirm or cancel, before it
+    /// was finished in Redis (Redis still counts a cancelled hold's units).
+    DieBeforeFinish,
     /// A fallback transaction commits, and the COMMIT's answer is lost (as when the
     /// connection breaks just after the server committed).
     LandedCommitUnanswered,
@@ -50,13 +53,14 @@ impl Fault {
             Fault::ErrorAfterRedisCancel => "error-after-redis-cancel",
             Fault::DieMidCart => "die-mid-cart",
             Fault::DieMidJoin => "die-mid-join",
+            Fault::DieBeforeFinish => "die-before-finish",
             Fault::LandedCommitUnanswered => "landed-commit-unanswered",
             Fault::LostCommitUnanswered => "lost-commit-unanswered",
             Fault::WatchLags => "watch-lags",
         }
     }
 
-    const ALL: [Fault; 11] = [
+    const ALL: [Fault; 12] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -65,6 +69,7 @@ impl Fault {
         Fault::ErrorAfterRedisCancel,
         Fault::DieMidCart,
         Fault::DieMidJoin,
+        Fault::DieBeforeFinish,
         Fault::LandedCommitUnanswered,
         Fault::LostCommitUnanswered,
         Fault::WatchLags,

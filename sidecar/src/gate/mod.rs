@@ -453,6 +453,9 @@ pub enum Unresolved {
     Settle {
         attempt: String,
         to: State,
+        /// Redis's number for the change (its `settleSeq`): the ledger's row
+        /// carries it once the change is recorded.
+        seq: i64,
         /// When it is overdue (its `settleBy`).
         due_ms: i64,
     },
@@ -461,6 +464,8 @@ pub enum Unresolved {
     Extend {
         attempt: String,
         until_ms: i64,
+        /// As for [`Unresolved::Settle`].
+        seq: i64,
         /// When it is overdue (its `settleBy`).
         due_ms: i64,
     },
@@ -473,7 +478,7 @@ pub async fn unresolved(
     key: &str,
 ) -> RedisResult<Option<Unresolved>> {
     // state, user, quantity, attempt, overdueAt, variant; settling, settleAttempt,
-    // settleBy; sale; settleExpiresAt
+    // settleBy; sale; settleExpiresAt, settleSeq
     type Fields = (
         Option<String>,
         Option<String>,
@@ -485,6 +490,7 @@ pub async fn unresolved(
         Option<String>,
         Option<i64>,
         Option<String>,
+        Option<i64>,
         Option<i64>,
     );
     let (
@@ -499,6 +505,7 @@ pub async fn unresolved(
         settle_by,
         sale,
         settle_expires_at,
+        settle_seq,
     ): Fields = redis::cmd("HMGET")
         .arg(keys.reservation(key))
         .arg("state")
@@ -512,6 +519,7 @@ pub async fn unresolved(
         .arg("settleBy")
         .arg("sale")
         .arg("settleExpiresAt")
+        .arg("settleSeq")
         .query_async(conn)
         .await?;
     Ok(
@@ -535,6 +543,7 @@ pub async fn unresolved(
             (_, _, _, Some("extended"), Some(attempt)) => Some(Unresolved::Extend {
                 attempt,
                 until_ms: settle_expires_at.unwrap_or(0),
+                seq: settle_seq.unwrap_or(0),
                 due_ms: settle_by.unwrap_or(0),
             }),
             (_, _, _, Some(to), Some(attempt)) => State::parse(to)
@@ -542,6 +551,7 @@ pub async fn unresolved(
                 .map(|to| Unresolved::Settle {
                     attempt,
                     to,
+                    seq: settle_seq.unwrap_or(0),
                     due_ms: settle_by.unwrap_or(0),
                 }),
             _ => None,

@@ -350,12 +350,22 @@ async fn asked(
     let mut conn = app.redis.clone();
     let mut backoff = Backoff::new();
     let mut tried_resolving = false;
+    let mut helped = false;
     loop {
         let reply = match drop.gate.reserve(&conn, app.ledger.id(), admission).await {
             Ok(reply) => reply,
             Err(e) => return Err(Turn::Reroute(redis_failed(app, drop, config, &e))),
         };
         app.breaker(Some(drop)).answered();
+        // A duplicate of a reservation whose confirm or cancel the ledger has
+        // recorded: finished in Redis first, then answered as it now stands.
+        if matches!(reply.outcome, Outcome::Unsettled(_))
+            && !helped
+            && super::settle::finish_if_recorded(app, drop, &request.key).await == Ok(true)
+        {
+            helped = true;
+            continue;
+        }
         if reply.outcome == Outcome::Overdue && Instant::now() < settle_by {
             // An earlier attempt of this buyer's key that its sidecar never
             // finished: resolved from the ledger, then this one is decided afresh

@@ -283,12 +283,20 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
     let mut conn = app.redis.clone();
     let settle_by = Instant::now() + unresolved_bound(config);
     let mut backoff = Backoff::new();
+    let mut helped = false;
     let reply = loop {
         let reply = match gate::lookup(&mut conn, &drop.keys, app.ledger.id(), key).await {
             Ok(reply) => reply,
             Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
         };
         app.breaker(Some(drop)).answered();
+        if matches!(reply.outcome, Outcome::Unsettled(_))
+            && !helped
+            && finish_if_recorded(app, drop, key).await == Ok(true)
+        {
+            helped = true;
+            continue;
+        }
         // An admission of the key not answered yet: its answer is the look-up's,
         // unless the ledger already has it (it is made; only its activation is left).
         if reply.outcome != Outcome::Pending {
@@ -488,6 +496,10 @@ async fn change_on_gate(
         }
     }
     // Durable from here on: whatever Redis does next, the answer is the change.
+    if crate::faults::check(crate::faults::Fault::DieBeforeFinish).is_err() {
+        tracing::error!(drop = %drop.name, key, what, "injected fault: the process dies before finishing a recorded change");
+        std::process::abort();
+    }
     let done = match gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await {
         Ok(Finished::Done(view)) => view,
         Ok(Finished::Gone) => settled,
@@ -682,6 +694,57 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
         }
         other => row.state == other.state(),
     })
+}
+
+/// A confirm, cancel or extension of `key` prepared in Redis (by any sidecar's
+/// attempt), met by another call: once the ledger has recorded it, it is finished
+/// here, as its own attempt would a moment later (the later finish then changes
+/// nothing). Else a duplicate would answer `cancelled` while the drop still counts
+/// the units held. `Ok(true)`: nothing is prepared any more (finished here or by
+/// its attempt, or undone): the gate is asked again. `Ok(false)`: the ledger has
+/// not recorded that change (yet); until it does, the reservation is as it was.
+pub(super) async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Result<bool, String> {
+    let mut conn = app.redis.clone();
+    let (attempt, seq, settling) = match gate::unresolved(&mut conn, &drop.keys, key)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        Some(gate::Unresolved::Settle {
+            attempt, to, seq, ..
+        }) => {
+            let settling = match to {
+                State::Cancelled => Settling::Cancel,
+                _ => Settling::Confirm { quantity: None },
+            };
+            (attempt, seq, settling)
+        }
+        Some(gate::Unresolved::Extend {
+            attempt,
+            until_ms,
+            seq,
+            ..
+        }) => (attempt, seq, Settling::Extend { until_ms }),
+        Some(gate::Unresolved::Admission(_)) | None => return Ok(true),
+    };
+    let row = app
+        .ledger
+        .reservation(&drop.ledger_key(), key)
+        .await
+        .map_err(|e| e.to_string())?;
+    // The row carries Redis's number for the last change it recorded: this one's,
+    // or the change is not (yet) in the ledger.
+    let recorded = row.as_ref().filter(|row| seq != 0 && row.seq == seq);
+    if !landed(settling, recorded) {
+        return Ok(false);
+    }
+    gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !matches!(settling, Settling::Extend { .. }) {
+        drop.throttle.release(key);
+        app.units_back.notify_one();
+    }
+    Ok(true)
 }
 
 /// How long a request asks the ledger whether its commit landed.
