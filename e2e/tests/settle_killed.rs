@@ -1,11 +1,12 @@
-//! A sidecar process that dies (as under `kill -9`) after the shared PostgreSQL
-//! ledger recorded a cancel, before the cancel was finished in Redis. The cancel
-//! happened: the ledger has it. Whoever hears of it next through another sidecar (a
-//! duplicate reserve of the key, a look-up) must find the drop's count already
-//! giving the units back: an answer `cancelled` while Redis still counts the units
-//! held would turn the next buyer away for stock the sale has (found by the
-//! linearizability-checked histories: a `GET` of the drop, after a look-up said
-//! `cancelled`, counted the units held).
+//! A cancel the shared PostgreSQL ledger recorded but Redis did not finish at once:
+//! its sidecar process died (as under `kill -9`) in between, or Redis failed under
+//! the finish. The cancel happened: the ledger has it. Whoever hears of it (its own
+//! answer, a duplicate reserve of the key or a look-up through another sidecar) must
+//! find the drop's count already giving the units back: an answer `cancelled` while
+//! Redis still counts the units held would turn the next buyer away for stock the
+//! sale has (found by the linearizability-checked histories: a `GET` of the drop,
+//! after a look-up said `cancelled`, counted the units held; and after a cancel
+//! answered while Redis was cut off from its sidecar).
 
 use dropgate_e2e::processes::{SidecarProcess, apply};
 use dropgate_testkit::{DropSpec, HttpClient, PostgresServer, RedisServer, Reply};
@@ -142,6 +143,44 @@ async fn a_cancel_heard_through_another_sidecar_has_given_its_units_back() {
         "the drop's count after a look-up heard `cancelled`",
     );
     http.post("/v1/drops/shoe/reservations", &reserve_body("dee-1", "dee"))
+        .await
+        .expect("answers")
+        .assert_answer(201, "admitted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_whose_finish_failed_is_answered_once_redis_has_it() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    publish(dir.path(), &redis);
+    // Redis fails the first three attempts to finish a recorded change.
+    let flaky = SidecarProcess::start_with_env(
+        &redis.url(),
+        "shop",
+        &postgres.url(),
+        &[],
+        &[("DROPGATE_FAULTS", "finish-fails=3")],
+    )
+    .await
+    .expect("a sidecar starts");
+    let http = HttpClient::new(flaky.base.clone());
+    http.post("/v1/drops/shoe/reservations", &reserve_body("ann-1", "ann"))
+        .await
+        .expect("answers")
+        .assert_answer(201, "admitted");
+    let cancelled = http
+        .post("/v1/drops/shoe/reservations/ann-1/cancel", "")
+        .await
+        .expect("answers");
+    cancelled.assert_answer(200, "cancelled");
+    assert_remaining(&cancelled, LIMIT, "the cancel's own answer");
+    assert_remaining(
+        &shown_remaining(&http).await,
+        LIMIT,
+        "the drop's count once the cancel was answered",
+    );
+    http.post("/v1/drops/shoe/reservations", &reserve_body("bob-1", "bob"))
         .await
         .expect("answers")
         .assert_answer(201, "admitted");

@@ -30,6 +30,9 @@ pub enum Fault {
     /// The process dies after the ledger recorded a confirm or cancel, before it
     /// was finished in Redis (Redis still counts a cancelled hold's units).
     DieBeforeFinish,
+    /// Finishing a recorded confirm or cancel in Redis fails (as when Redis is cut
+    /// off for a moment right after the ledger recorded it).
+    FinishFails,
     /// A fallback transaction commits, and the COMMIT's answer is lost (as when the
     /// connection breaks just after the server committed).
     LandedCommitUnanswered,
@@ -54,13 +57,14 @@ impl Fault {
             Fault::DieMidCart => "die-mid-cart",
             Fault::DieMidJoin => "die-mid-join",
             Fault::DieBeforeFinish => "die-before-finish",
+            Fault::FinishFails => "finish-fails",
             Fault::LandedCommitUnanswered => "landed-commit-unanswered",
             Fault::LostCommitUnanswered => "lost-commit-unanswered",
             Fault::WatchLags => "watch-lags",
         }
     }
 
-    const ALL: [Fault; 12] = [
+    const ALL: [Fault; 13] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -70,6 +74,7 @@ impl Fault {
         Fault::DieMidCart,
         Fault::DieMidJoin,
         Fault::DieBeforeFinish,
+        Fault::FinishFails,
         Fault::LandedCommitUnanswered,
         Fault::LostCommitUnanswered,
         Fault::WatchLags,

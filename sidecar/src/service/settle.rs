@@ -500,12 +500,11 @@ async fn change_on_gate(
         tracing::error!(drop = %drop.name, key, what, "injected fault: the process dies before finishing a recorded change");
         std::process::abort();
     }
-    let done = match gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await {
+    let done = match finish_by(app, drop, &mut conn, key, &attempt, deadline).await {
         Ok(Finished::Done(view)) => view,
         Ok(Finished::Gone) => settled,
         Err(error) => {
             // The resolver or the refresh's replay makes Redis follow the ledger.
-            app.breaker(Some(drop)).failed(&error);
             tracing::warn!(drop = %drop.name, %error, what, "a recorded change could not be finished in Redis yet");
             replay_later(app, drop, &change_key(drop, &step), key).await;
             settled
@@ -529,6 +528,51 @@ async fn change_on_gate(
         State::Cancelled => Outcome::Cancelled(done),
         _ => Outcome::Confirmed(done),
     }))
+}
+
+/// Finishes the recorded change `attempt` of `key` in Redis, asking again while
+/// Redis fails, until the change's commit deadline `deadline_ms` (past it, any
+/// sidecar's resolver finishes it): the answer waits for Redis to have the change,
+/// so that nobody hears of a cancel while the drop still counts its units held.
+async fn finish_by(
+    app: &App,
+    drop: &Drop,
+    conn: &mut dropgate_redis::Connection,
+    key: &str,
+    attempt: &str,
+    deadline_ms: i64,
+) -> redis::RedisResult<Finished> {
+    let until = Instant::now() + Duration::from_millis((deadline_ms - now_ms()).max(0) as u64);
+    let mut backoff = Backoff::new();
+    let mut failed = false;
+    loop {
+        let finished = match crate::faults::check(crate::faults::Fault::FinishFails) {
+            Ok(()) => gate::finish(conn, &drop.keys, app.ledger.id(), key, attempt).await,
+            Err(injected) => Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "injected",
+                injected.to_string(),
+            ))),
+        };
+        match finished {
+            Err(error) => {
+                if !failed {
+                    app.breaker(Some(drop)).failed(&error);
+                    failed = true;
+                }
+                if Instant::now() >= until {
+                    return Err(error);
+                }
+                backoff.wait(until).await;
+            }
+            finished => {
+                if failed {
+                    app.breaker(Some(drop)).answered();
+                }
+                return finished;
+            }
+        }
+    }
 }
 
 /// The reservation of `view` moved to `state`, holding `quantity` until
