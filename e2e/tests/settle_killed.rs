@@ -31,35 +31,50 @@ fn reserve_body(key: &str, user: &str) -> String {
     format!(r#"{{"key":"{key}","user":"{user}","quantity":{LIMIT}}}"#)
 }
 
-/// A sidecar sharing the ledger whose next recorded confirm or cancel kills it
-/// before Redis finishes it.
-async fn doomed(redis: &RedisServer, postgres: &PostgresServer) -> SidecarProcess {
-    SidecarProcess::start_with_env(
-        &redis.url(),
-        "shop",
-        &postgres.url(),
-        &[],
-        &[("DROPGATE_FAULTS", "die-before-finish=1")],
-    )
-    .await
-    .expect("the doomed sidecar starts")
+/// One drop of `LIMIT` units on a real Redis and a shared PostgreSQL ledger.
+struct Sale {
+    redis: RedisServer,
+    postgres: PostgresServer,
+    _manifests: tempfile::TempDir,
+}
+
+impl Sale {
+    fn start() -> Self {
+        let redis = RedisServer::start().expect("redis-server");
+        let postgres = PostgresServer::start().expect("PostgreSQL");
+        let manifests = tempfile::tempdir().expect("dir");
+        publish(manifests.path(), &redis);
+        Self {
+            redis,
+            postgres,
+            _manifests: manifests,
+        }
+    }
+
+    /// A sidecar on the sale, its `DROPGATE_FAULTS` armed as given.
+    async fn sidecar(&self, faults: &str) -> SidecarProcess {
+        SidecarProcess::start_with_env(
+            &self.redis.url(),
+            "shop",
+            &self.postgres.url(),
+            &[],
+            &[("DROPGATE_FAULTS", faults)],
+        )
+        .await
+        .expect("a sidecar starts")
+    }
 }
 
 /// `key`, held whole by `user`, cancelled through a sidecar that dies once the
 /// ledger has the cancel.
-async fn cancelled_by_a_dying_sidecar(
-    steady: &HttpClient,
-    redis: &RedisServer,
-    postgres: &PostgresServer,
-    key: &str,
-    user: &str,
-) {
+async fn cancelled_by_a_dying_sidecar(sale: &Sale, steady: &HttpClient, key: &str, user: &str) {
     steady
         .post("/v1/drops/shoe/reservations", &reserve_body(key, user))
         .await
         .expect("answers")
         .assert_answer(201, "admitted");
-    let dying = doomed(redis, postgres).await;
+    // Its next recorded confirm or cancel kills it before Redis finishes it.
+    let dying = sale.sidecar("die-before-finish=1").await;
     let answer = HttpClient::new(dying.base.clone())
         .post(&format!("/v1/drops/shoe/reservations/{key}/cancel"), "")
         .await;
@@ -87,17 +102,12 @@ async fn shown_remaining(steady: &HttpClient) -> Reply {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_heard_through_another_sidecar_has_given_its_units_back() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("PostgreSQL");
-    let dir = tempfile::tempdir().expect("dir");
-    publish(dir.path(), &redis);
-    let steady = SidecarProcess::start(&redis.url(), "shop", &postgres.url())
-        .await
-        .expect("a sidecar starts");
+    let sale = Sale::start();
+    let steady = sale.sidecar("").await;
     let http = HttpClient::new(steady.base.clone());
 
     // A duplicate reserve hears of the cancel.
-    cancelled_by_a_dying_sidecar(&http, &redis, &postgres, "ann-1", "ann").await;
+    cancelled_by_a_dying_sidecar(&sale, &http, "ann-1", "ann").await;
     let duplicate = http
         .post("/v1/drops/shoe/reservations", &reserve_body("ann-1", "ann"))
         .await
@@ -126,7 +136,7 @@ async fn a_cancel_heard_through_another_sidecar_has_given_its_units_back() {
         .await
         .expect("answers")
         .assert_answer(200, "cancelled");
-    cancelled_by_a_dying_sidecar(&http, &redis, &postgres, "cy-1", "cy").await;
+    cancelled_by_a_dying_sidecar(&sale, &http, "cy-1", "cy").await;
     let looked = http
         .get("/v1/drops/shoe/reservations/cy-1")
         .await
@@ -150,20 +160,9 @@ async fn a_cancel_heard_through_another_sidecar_has_given_its_units_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_whose_finish_failed_is_answered_once_redis_has_it() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("PostgreSQL");
-    let dir = tempfile::tempdir().expect("dir");
-    publish(dir.path(), &redis);
+    let sale = Sale::start();
     // Redis fails the first three attempts to finish a recorded change.
-    let flaky = SidecarProcess::start_with_env(
-        &redis.url(),
-        "shop",
-        &postgres.url(),
-        &[],
-        &[("DROPGATE_FAULTS", "finish-fails=3")],
-    )
-    .await
-    .expect("a sidecar starts");
+    let flaky = sale.sidecar("finish-fails=3").await;
     let http = HttpClient::new(flaky.base.clone());
     http.post("/v1/drops/shoe/reservations", &reserve_body("ann-1", "ann"))
         .await
