@@ -456,6 +456,8 @@ pub enum Unresolved {
         /// Redis's number for the change (its `settleSeq`): the ledger's row
         /// carries it once the change is recorded.
         seq: i64,
+        /// The sale of the marker (`None` for a marker without one).
+        sale: Option<String>,
         /// When it is overdue (its `settleBy`).
         due_ms: i64,
     },
@@ -466,6 +468,7 @@ pub enum Unresolved {
         until_ms: i64,
         /// As for [`Unresolved::Settle`].
         seq: i64,
+        sale: Option<String>,
         /// When it is overdue (its `settleBy`).
         due_ms: i64,
     },
@@ -537,13 +540,14 @@ pub async fn unresolved(
                     attempt: attempt.unwrap_or_default(),
                     variant: variant.filter(|v| !v.is_empty()),
                     due_ms: overdue_at.unwrap_or(0),
-                    sale: sale.filter(|s| !s.is_empty()),
+                    sale: sale.clone().filter(|s| !s.is_empty()),
                 }))
             }
             (_, _, _, Some("extended"), Some(attempt)) => Some(Unresolved::Extend {
                 attempt,
                 until_ms: settle_expires_at.unwrap_or(0),
                 seq: settle_seq.unwrap_or(0),
+                sale: sale.clone().filter(|s| !s.is_empty()),
                 due_ms: settle_by.unwrap_or(0),
             }),
             (_, _, _, Some(to), Some(attempt)) => State::parse(to)
@@ -552,6 +556,7 @@ pub async fn unresolved(
                     attempt,
                     to,
                     seq: settle_seq.unwrap_or(0),
+                    sale: sale.clone().filter(|s| !s.is_empty()),
                     due_ms: settle_by.unwrap_or(0),
                 }),
             _ => None,

@@ -749,30 +749,40 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
 /// not recorded that change (yet); until it does, the reservation is as it was.
 pub(super) async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Result<bool, String> {
     let mut conn = app.redis.clone();
-    let (attempt, seq, settling) = match gate::unresolved(&mut conn, &drop.keys, key)
+    let (attempt, seq, sale, settling) = match gate::unresolved(&mut conn, &drop.keys, key)
         .await
         .map_err(|e| e.to_string())?
     {
         Some(gate::Unresolved::Settle {
-            attempt, to, seq, ..
+            attempt,
+            to,
+            seq,
+            sale,
+            ..
         }) => {
             let settling = match to {
                 State::Cancelled => Settling::Cancel,
                 _ => Settling::Confirm { quantity: None },
             };
-            (attempt, seq, settling)
+            (attempt, seq, sale, settling)
         }
         Some(gate::Unresolved::Extend {
             attempt,
             until_ms,
             seq,
+            sale,
             ..
-        }) => (attempt, seq, Settling::Extend { until_ms }),
+        }) => (attempt, seq, sale, Settling::Extend { until_ms }),
         Some(gate::Unresolved::Admission(_)) | None => return Ok(true),
+    };
+    // Change numbers start again with a re-created drop's sale: only a row of the
+    // marker's own sale can be its record.
+    let Some(sale) = sale else {
+        return Ok(false);
     };
     let row = app
         .ledger
-        .reservation(&drop.ledger_key(), key)
+        .reservation(&drop.ledger_key_of(&sale), key)
         .await
         .map_err(|e| e.to_string())?;
     // The row carries Redis's number for the last change it recorded: this one's,
