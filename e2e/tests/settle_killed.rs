@@ -184,3 +184,32 @@ async fn a_cancel_whose_finish_failed_is_answered_once_redis_has_it() {
         .expect("answers")
         .assert_answer(201, "admitted");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_cannot_finish_a_recorded_cancel_answers_nothing_from_it() {
+    let sale = Sale::start();
+    // Redis fails this sidecar's first finish of a change another one prepared.
+    let flaky = sale.sidecar("finish-fails=1").await;
+    let http = HttpClient::new(flaky.base.clone());
+    cancelled_by_a_dying_sidecar(&sale, &http, "ann-1", "ann").await;
+    // Neither the ledger's `cancelled` (Redis still counts the units held) nor
+    // Redis's `active` (the ledger has the cancel) is true of the drop now.
+    let duplicate = http
+        .post("/v1/drops/shoe/reservations", &reserve_body("ann-1", "ann"))
+        .await
+        .expect("answers");
+    assert_eq!(duplicate.status, 503, "{}", duplicate.text);
+    // Its retry finishes the cancel, and hears it.
+    let retried = http
+        .post("/v1/drops/shoe/reservations", &reserve_body("ann-1", "ann"))
+        .await
+        .expect("answers");
+    retried.assert_answer(200, "already_reserved");
+    assert_eq!(retried.body["state"], "cancelled", "{}", retried.text);
+    assert_remaining(&retried, LIMIT, "the cancel gave its units back");
+    assert_remaining(
+        &shown_remaining(&http).await,
+        LIMIT,
+        "the drop's count after the retry heard `cancelled`",
+    );
+}

@@ -31,7 +31,8 @@ pub enum Fault {
     /// was finished in Redis (Redis still counts a cancelled hold's units).
     DieBeforeFinish,
     /// Finishing a recorded confirm or cancel in Redis fails (as when Redis is cut
-    /// off for a moment right after the ledger recorded it).
+    /// off for a moment right after the ledger recorded it), whether by its own
+    /// attempt or by a call that met it prepared.
     FinishFails,
     /// A fallback transaction commits, and the COMMIT's answer is lost (as when the
     /// connection breaks just after the server committed).

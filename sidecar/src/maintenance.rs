@@ -433,19 +433,24 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
             Ok(Some(Unresolved::Admission(admission))) => {
                 admit::resolve_dead_admission(app, drop, &key, &admission, now).await
             }
-            Ok(Some(Unresolved::Settle { attempt, to, .. })) => {
+            Ok(Some(Unresolved::Settle {
+                attempt, to, sale, ..
+            })) => {
                 // Whether a confirm landed does not depend on what it kept.
                 let settling = match to {
                     State::Cancelled => gate::Settling::Cancel,
                     _ => gate::Settling::Confirm { quantity: None },
                 };
-                resolve_settle(app, drop, &key, &attempt, settling).await
+                resolve_settle(app, drop, &key, &attempt, sale.as_deref(), settling).await
             }
             Ok(Some(Unresolved::Extend {
-                attempt, until_ms, ..
+                attempt,
+                until_ms,
+                sale,
+                ..
             })) => {
                 let settling = gate::Settling::Extend { until_ms };
-                resolve_settle(app, drop, &key, &attempt, settling).await
+                resolve_settle(app, drop, &key, &attempt, sale.as_deref(), settling).await
             }
             // Nothing unresolved any more: the entry goes (abandon drops it).
             Ok(None) => gate::abandon(&mut conn, &drop.keys, ledger, &key, "")
@@ -459,19 +464,23 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
     }
 }
 
-/// Resolves the overdue confirm, cancel or extension `attempt` of `key`: fenced
-/// off in the ledger first (its late commit refused from then on), then finished
-/// if the ledger recorded it, else undone.
+/// Resolves the overdue confirm, cancel or extension `attempt` of `key`, prepared
+/// on a marker of `sale`: fenced off in the ledger first (its late commit refused
+/// from then on), then finished if the ledger recorded it, else undone. It is
+/// looked up under the marker's own sale: a sidecar whose config has moved on to a
+/// re-created drop's sale would otherwise read (and fence) a row that cannot be
+/// this change's record.
 async fn resolve_settle(
     app: &App,
     drop: &crate::drops::Drop,
     key: &str,
     attempt: &str,
+    sale: Option<&str>,
     settling: gate::Settling,
 ) -> Result<(), String> {
     let mut conn = app.redis.clone();
     let ledger = app.ledger.id();
-    let ledger_key = drop.ledger_key();
+    let ledger_key = sale.map_or_else(|| drop.ledger_key(), |sale| drop.ledger_key_of(sale));
     let row = match app.ledger.fence_settle(&ledger_key, key, attempt).await {
         Ok(row) => row,
         Err(error) => return Err(error.to_string()),

@@ -598,6 +598,110 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
     sidecar.shutdown().await;
 }
 
+/// A pause Redis lost (a failover to a replica that missed it) after one sidecar
+/// read it, and a sidecar sharing that sidecar's PostgreSQL ledger started since:
+/// the newcomer never saw the pause, and its gate admits on the config Redis kept.
+/// The ledger has seen the newer generation (the first sidecar noted it), so it
+/// refuses to record what the gate decided on the older one: 503, nothing changed,
+/// until the operator publishes the pause again. Before, the newcomer sold during
+/// the pause (201).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing_on_it() {
+    let at_generation = |spec: DropSpec, generation: i64| {
+        common::manifest("sale", spec).replacen(
+            "metadata: {",
+            &format!("metadata: {{generation: {generation}, "),
+            1,
+        )
+    };
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    common::apply(&redis.url(), &at_generation(one_per_buyer(10), 1)).await;
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = redis.connection().expect("connect");
+    let config_then: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(keys.config())
+        .query(&mut conn)
+        .expect("HGETALL");
+    let first = Peer::start(&redis.url(), &postgres.url()).await;
+    first
+        .reserve("sale", "a", "a", 1)
+        .await
+        .assert_answer(201, "admitted");
+
+    common::apply(&redis.url(), &at_generation(one_per_buyer(10).paused(), 2)).await;
+    eventually("the pause to reach the first sidecar", async || {
+        first
+            .http
+            .get("/v1/drops/sale")
+            .await
+            .is_ok_and(|r| r.body["paused"] == true)
+    })
+    .await;
+    // Its refresh notes the config it read in the ledger (every 100 ms here).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Redis loses the pause: its config as it was.
+    let _: () = redis::cmd("DEL")
+        .arg(keys.config())
+        .query(&mut conn)
+        .expect("DEL");
+    let _: () = redis::cmd("HSET")
+        .arg(keys.config())
+        .arg(&config_then)
+        .query(&mut conn)
+        .expect("HSET");
+    let newcomer = Peer::start(&redis.url(), &postgres.url()).await;
+    let shown = newcomer.http.get("/v1/drops/sale").await.expect("answers");
+    assert_eq!(
+        shown.body["paused"], false,
+        "the newcomer reads the config Redis kept: {}",
+        shown.text
+    );
+    let counts = redis_counts(&redis, "sale");
+    let refused = newcomer.reserve("sale", "b", "b", 1).await;
+    refused.assert_answer(503, "unavailable");
+    assert!(
+        refused.text.contains("older config"),
+        "the refusal says why: {}",
+        refused.text
+    );
+    assert_eq!(
+        redis_counts(&redis, "sale"),
+        counts,
+        "the 503 changed nothing"
+    );
+    newcomer
+        .http
+        .get("/v1/drops/sale/reservations/b")
+        .await
+        .expect("answers")
+        .assert_answer(404, "not_found");
+
+    // The operator publishes the pause again: nothing is sold during it, and once
+    // it is lifted (a newer generation) the newcomer sells again.
+    common::apply(&redis.url(), &at_generation(one_per_buyer(10).paused(), 2)).await;
+    eventually("the pause to reach the newcomer", async || {
+        newcomer
+            .http
+            .get("/v1/drops/sale")
+            .await
+            .is_ok_and(|r| r.body["paused"] == true)
+    })
+    .await;
+    newcomer
+        .reserve("sale", "b", "b", 1)
+        .await
+        .assert_answer(409, "paused");
+    common::apply(&redis.url(), &at_generation(one_per_buyer(10), 3)).await;
+    eventually("the newcomer to sell after the pause", async || {
+        newcomer.reserve("sale", "b", "b", 1).await.status == 201
+    })
+    .await;
+    first.shutdown().await;
+    newcomer.shutdown().await;
+}
+
 /// A pause published and read by the sidecar, then lost by Redis (a failover to a
 /// replica that missed it: the config and stock as they were before): the gate
 /// decides on the config Redis kept, which the ledger's count does not catch (it

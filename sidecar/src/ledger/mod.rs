@@ -140,6 +140,14 @@ pub enum RecordError {
     /// the key decides its fate, not a commit this late.
     #[error("the ledger could not record the change within its deadline")]
     Late,
+    /// A gate admission or extension decided on a config of the sale older than
+    /// one the ledger has seen: Redis lost a change (a failover to a replica that
+    /// missed it) that a sidecar sharing this ledger had read. The operator
+    /// publishes it again; until then nothing is decided on the older one.
+    #[error(
+        "Redis decided it on an older config of the drop (generation {generation}) than the ledger has seen (generation {newest}): Redis lost that change, and the operator publishes it again"
+    )]
+    ConfigBehind { generation: i64, newest: i64 },
     /// The commit failed where its outcome cannot be known (at COMMIT, or it did not
     /// finish within the deadline): it may have landed. Nothing may be undone on its
     /// word; the key is resolved from the ledger once its bound passes.
@@ -559,8 +567,11 @@ async fn commit(
             }
         }
     }
+    // The newest generation of each drop's config that the ledger has seen.
+    let mut seen: Vec<(&str, i64)> = Vec::with_capacity(drops.len());
     for (drop_key, _, newest) in &drops {
-        ensure_stock(&mut tx, drop_key, &newest.stock).await?;
+        let (generation, _) = ensure_stock(&mut tx, drop_key, &newest.stock).await?;
+        seen.push((drop_key, generation));
     }
     // At most one event per change.
     let mut ids = EventIds::for_events(changes.len());
@@ -573,7 +584,12 @@ async fn commit(
             .iter()
             .find(|(key, ..)| *key == change.drop_key)
             .and_then(|(_, authority, _)| authority.as_ref());
-        authority::admits_gate(authority, change.epoch)
+        authority::admits_gate(authority, change.epoch)?;
+        let newest = seen
+            .iter()
+            .find(|(key, _)| *key == change.drop_key)
+            .map_or(0, |(_, generation)| *generation);
+        decided_on_a_lost_change(change, newest)
     };
     // The batch's new admissions (most of a rush) first, a statement per table for
     // all of them; what one of them finds in its key's way is then decided on its
@@ -812,6 +828,27 @@ fn placeholders(rows: usize, columns: usize) -> String {
     sql
 }
 
+/// Refuses a gate admission or extension (a change an attempt decided just now)
+/// that Redis decided on an older generation of the sale's config than `newest`,
+/// the newest the ledger has seen (noted by any sidecar sharing it): a stale view
+/// never decides, and a sidecar that never read the lost change (one started after
+/// the failover) cannot tell by itself. Only between generations the API server
+/// numbers: outside Kubernetes nothing publishes a lost change again.
+fn decided_on_a_lost_change(change: &Change, newest: i64) -> Result<(), RecordError> {
+    let numbered =
+        |generation: i64| generation > 0 && generation < dropgate_api::config::STAMPED_GENERATIONS;
+    let generation = change.stock.generation;
+    if change.state == State::Active
+        && change.attempt.is_some()
+        && numbered(generation)
+        && numbered(newest)
+        && generation < newest
+    {
+        return Err(RecordError::ConfigBehind { generation, newest });
+    }
+    Ok(())
+}
+
 /// Writes a change the Redis gate decided: the reservation row and the outbox
 /// event, only if the change is new (a transition from a state that allows it).
 /// Returns the units it moves in the drop's stock (negative for an admission), or
@@ -888,8 +925,12 @@ async fn apply_gate_change(
         return Ok(Err(RecordError::GivenUp));
     }
     match fallback::read(tx, &change.drop_key, &change.key).await? {
-        // Recorded before (a healing record of an earlier answer): nothing new.
-        Some(row) if row.state == change.state => Ok(Ok(0)),
+        // Recorded before (a healing record of an earlier answer): nothing new,
+        // but the row names this change as the last Redis made.
+        Some(row) if row.state == change.state => {
+            note_seq(tx, change).await?;
+            Ok(Ok(0))
+        }
         // The ledger's record went elsewhere (it expired a hold whose confirm Redis
         // made but could not record): the ledger's word stands.
         Some(row) => Ok(Err(RecordError::KeyUsed { state: row.state })),
@@ -923,6 +964,7 @@ async fn record_extension(
     }
     match fallback::read(tx, &change.drop_key, &change.key).await? {
         Some(row) if row.state == State::Active && row.expires_at_ms >= change.expires_at_ms => {
+            note_seq(tx, change).await?;
             Ok(Ok(0))
         }
         // Confirmed, cancelled or expired here: nothing is held to extend.
@@ -937,6 +979,27 @@ async fn record_extension(
             Ok(Ok(0))
         }
     }
+}
+
+/// Notes Redis's number for a change the ledger had already (its row was where
+/// the change moves it): the row's `seq` names the last change Redis made to the
+/// key, so a call that meets this change still prepared in Redis finishes it as
+/// recorded (`service::settle::finish_if_recorded`). Never moved back to an older
+/// change's number.
+async fn note_seq(tx: &mut Transaction<'static, Any>, change: &Change) -> Result<(), sqlx::Error> {
+    let Some(seq) = change.seq else {
+        return Ok(());
+    };
+    sqlx::query(
+        "UPDATE reservations SET seq = $1 WHERE drop_key = $2 AND res_key = $3 AND (seq IS NULL OR seq < $4)",
+    )
+    .bind(seq)
+    .bind(&change.drop_key)
+    .bind(&change.key)
+    .bind(seq)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Moves an active hold's deadline forward to the change's (never back), unless

@@ -6,6 +6,7 @@ use dropgate_api::{DropConfig, Mode};
 
 use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
+use super::settle::Helped;
 use super::{
     Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Path, Published, Served, Throttled, Turn,
     closed, decide, foreign_ledger, handover, on_ledger, pending_bound_ms, published_now,
@@ -350,7 +351,7 @@ async fn asked(
     let mut conn = app.redis.clone();
     let mut backoff = Backoff::new();
     let mut tried_resolving = false;
-    let mut helped = false;
+    let mut helped = 0;
     loop {
         let reply = match drop.gate.reserve(&conn, app.ledger.id(), admission).await {
             Ok(reply) => reply,
@@ -359,12 +360,12 @@ async fn asked(
         app.breaker(Some(drop)).answered();
         // A duplicate of a reservation whose confirm or cancel the ledger has
         // recorded: finished in Redis first, then answered as it now stands.
-        if matches!(reply.outcome, Outcome::Unsettled(_))
-            && !helped
-            && super::settle::finish_if_recorded(app, drop, &request.key).await == Ok(true)
-        {
-            helped = true;
-            continue;
+        if matches!(reply.outcome, Outcome::Unsettled(_)) {
+            match super::settle::help_finish(app, drop, &request.key, &mut helped).await {
+                Helped::AskAgain => continue,
+                Helped::AsItStands => {}
+                Helped::Failed(failure) => return Err(Turn::Done(Err(failure))),
+            }
         }
         if reply.outcome == Outcome::Overdue && Instant::now() < settle_by {
             // An earlier attempt of this buyer's key that its sidecar never
@@ -605,6 +606,11 @@ async fn after_gate(
             RecordError::KeyUsed { .. } => {
                 Turn::Done(from_ledger_record(app, &ledger_key, request).await)
             }
+            // Redis decided on a config it lost (another sidecar read the newer one):
+            // the buyer retries once the operator has published it again.
+            RecordError::ConfigBehind { .. } => Turn::Done(Err(Failure::retry(format!(
+                "{refusal}: nothing was reserved; retry the same request"
+            )))),
             RecordError::GivenUp | RecordError::Late => Turn::Done(Err(Failure::retry(
                 "the ledger did not record the reservation within its deadline; nothing was reserved: retry the same key",
             ))),

@@ -283,19 +283,19 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
     let mut conn = app.redis.clone();
     let settle_by = Instant::now() + unresolved_bound(config);
     let mut backoff = Backoff::new();
-    let mut helped = false;
+    let mut helped = 0;
     let reply = loop {
         let reply = match gate::lookup(&mut conn, &drop.keys, app.ledger.id(), key).await {
             Ok(reply) => reply,
             Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
         };
         app.breaker(Some(drop)).answered();
-        if matches!(reply.outcome, Outcome::Unsettled(_))
-            && !helped
-            && finish_if_recorded(app, drop, key).await == Ok(true)
-        {
-            helped = true;
-            continue;
+        if matches!(reply.outcome, Outcome::Unsettled(_)) {
+            match help_finish(app, drop, key, &mut helped).await {
+                Helped::AskAgain => continue,
+                Helped::AsItStands => {}
+                Helped::Failed(failure) => return Turn::Done(Err(failure)),
+            }
         }
         // An admission of the key not answered yet: its answer is the look-up's,
         // unless the ledger already has it (it is made; only its activation is left).
@@ -747,7 +747,7 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
 /// the units held. `Ok(true)`: nothing is prepared any more (finished here or by
 /// its attempt, or undone): the gate is asked again. `Ok(false)`: the ledger has
 /// not recorded that change (yet); until it does, the reservation is as it was.
-pub(super) async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Result<bool, String> {
+async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Result<bool, String> {
     let mut conn = app.redis.clone();
     let (attempt, seq, sale, settling) = match gate::unresolved(&mut conn, &drop.keys, key)
         .await
@@ -791,6 +791,7 @@ pub(super) async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Res
     if !landed(settling, recorded) {
         return Ok(false);
     }
+    crate::faults::check(crate::faults::Fault::FinishFails).map_err(|e| e.to_string())?;
     gate::finish(&mut conn, &drop.keys, app.ledger.id(), key, &attempt)
         .await
         .map_err(|e| e.to_string())?;
@@ -799,6 +800,38 @@ pub(super) async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Res
         app.units_back.notify_one();
     }
     Ok(true)
+}
+
+/// How many prepared changes of one key a call finishes for others before it
+/// answers from the ledger's record (each is a change of its own, prepared after
+/// the last was finished).
+const HELP_AT_MOST: u32 = 3;
+
+/// What a call that met a change prepared in Redis does next.
+pub(super) enum Helped {
+    /// Nothing is prepared any more: ask the gate again.
+    AskAgain,
+    /// The ledger has not recorded the change: the reservation is as it was.
+    AsItStands,
+    /// Whether the ledger has it, or finishing it, failed: Redis may still count
+    /// what the ledger no longer does, so no answer is given from either.
+    Failed(Failure),
+}
+
+/// [`finish_if_recorded`] for a call that met a prepared change of `key`, at most
+/// [`HELP_AT_MOST`] times per call (`helped` counts them).
+pub(super) async fn help_finish(app: &App, drop: &Drop, key: &str, helped: &mut u32) -> Helped {
+    if *helped >= HELP_AT_MOST {
+        return Helped::AsItStands;
+    }
+    *helped += 1;
+    match finish_if_recorded(app, drop, key).await {
+        Ok(true) => Helped::AskAgain,
+        Ok(false) => Helped::AsItStands,
+        Err(why) => Helped::Failed(Failure::retry(format!(
+            "a confirm, cancel or extension of reservation {key} is prepared in Redis, and whether the ledger has it could not be learned or Redis could not finish it ({why}): nothing was changed; retry"
+        ))),
+    }
 }
 
 /// How long a request asks the ledger whether its commit landed.
