@@ -692,7 +692,7 @@ async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing
     newcomer
         .reserve("sale", "b", "b", 1)
         .await
-        .assert_answer(409, "paused");
+        .assert_answer(403, "paused");
     common::apply(&redis.url(), &at_generation(one_per_buyer(10), 3)).await;
     eventually("the newcomer to sell after the pause", async || {
         newcomer.reserve("sale", "b", "b", 1).await.status == 201
