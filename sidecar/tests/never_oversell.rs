@@ -598,6 +598,47 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
     sidecar.shutdown().await;
 }
 
+/// Drop `sale`'s manifest at a generation numbered as the API server numbers them:
+/// the operator publishes a lost one again at its next reconcile.
+fn at_generation(spec: DropSpec, generation: i64) -> String {
+    common::manifest("sale", spec).replacen(
+        "metadata: {",
+        &format!("metadata: {{generation: {generation}, "),
+        1,
+    )
+}
+
+/// Drop `sale`'s config hash in Redis, as it is now.
+fn config_of(conn: &mut redis::Connection) -> Vec<(String, String)> {
+    redis::cmd("HGETALL")
+        .arg(DropKeys::new(NS, "sale").config())
+        .query(conn)
+        .expect("HGETALL")
+}
+
+/// Redis loses the changes to drop `sale`'s config since `then` (a failover to a
+/// replica that missed them): its config is as it was.
+fn redis_loses_config(conn: &mut redis::Connection, then: &[(String, String)]) {
+    let config = DropKeys::new(NS, "sale").config();
+    let _: () = redis::cmd("DEL").arg(&config).query(conn).expect("DEL");
+    let _: () = redis::cmd("HSET")
+        .arg(&config)
+        .arg(then)
+        .query(conn)
+        .expect("HSET");
+}
+
+/// A 503 that says the gate decided on a config older than one known.
+#[track_caller]
+fn assert_refused_on_older_config(reply: &Reply) {
+    reply.assert_answer(503, "unavailable");
+    assert!(
+        reply.text.contains("older config"),
+        "the refusal says why: {}",
+        reply.text
+    );
+}
+
 /// A pause Redis lost (a failover to a replica that missed it) after one sidecar
 /// read it, and a sidecar sharing that sidecar's PostgreSQL ledger started since:
 /// the newcomer never saw the pause, and its gate admits on the config Redis kept.
@@ -607,22 +648,11 @@ async fn waiting_for_a_replica_means_a_201_is_on_the_replica_too() {
 /// the pause (201).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing_on_it() {
-    let at_generation = |spec: DropSpec, generation: i64| {
-        common::manifest("sale", spec).replacen(
-            "metadata: {",
-            &format!("metadata: {{generation: {generation}, "),
-            1,
-        )
-    };
     let redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("postgres");
     common::apply(&redis.url(), &at_generation(one_per_buyer(10), 1)).await;
-    let keys = DropKeys::new(NS, "sale");
     let mut conn = redis.connection().expect("connect");
-    let config_then: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(keys.config())
-        .query(&mut conn)
-        .expect("HGETALL");
+    let config_then = config_of(&mut conn);
     let first = Peer::start(&redis.url(), &postgres.url()).await;
     first
         .reserve("sale", "a", "a", 1)
@@ -642,15 +672,7 @@ async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // Redis loses the pause: its config as it was.
-    let _: () = redis::cmd("DEL")
-        .arg(keys.config())
-        .query(&mut conn)
-        .expect("DEL");
-    let _: () = redis::cmd("HSET")
-        .arg(keys.config())
-        .arg(&config_then)
-        .query(&mut conn)
-        .expect("HSET");
+    redis_loses_config(&mut conn, &config_then);
     let newcomer = Peer::start(&redis.url(), &postgres.url()).await;
     let shown = newcomer.http.get("/v1/drops/sale").await.expect("answers");
     assert_eq!(
@@ -660,12 +682,7 @@ async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing
     );
     let counts = redis_counts(&redis, "sale");
     let refused = newcomer.reserve("sale", "b", "b", 1).await;
-    refused.assert_answer(503, "unavailable");
-    assert!(
-        refused.text.contains("older config"),
-        "the refusal says why: {}",
-        refused.text
-    );
+    assert_refused_on_older_config(&refused);
     assert_eq!(
         redis_counts(&redis, "sale"),
         counts,
@@ -711,15 +728,6 @@ async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing
 /// during the pause and extended past the cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
-    // Generations numbered as the API server numbers them: the operator publishes
-    // a lost one again at its next reconcile.
-    let at_generation = |spec: DropSpec, generation: i64| {
-        common::manifest("sale", spec).replacen(
-            "metadata: {",
-            &format!("metadata: {{generation: {generation}, "),
-            1,
-        )
-    };
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
     let extendable = || one_per_buyer(10).hold_seconds(60).max_hold_seconds(3600);
@@ -730,10 +738,7 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     let deadline = held.body["expiresAt"].clone();
     let keys = DropKeys::new(NS, "sale");
     let mut conn = redis.connection().expect("connect");
-    let config_then: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(keys.config())
-        .query(&mut conn)
-        .expect("HGETALL");
+    let config_then = config_of(&mut conn);
     let generation = |conn: &mut redis::Connection| -> i64 {
         redis::cmd("HGET")
             .arg(keys.config())
@@ -758,25 +763,12 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     .await;
 
     // Redis loses the pause: its config as it was.
-    let _: () = redis::cmd("DEL")
-        .arg(keys.config())
-        .query(&mut conn)
-        .expect("DEL");
-    let _: () = redis::cmd("HSET")
-        .arg(keys.config())
-        .arg(&config_then)
-        .query(&mut conn)
-        .expect("HSET");
+    redis_loses_config(&mut conn, &config_then);
     assert_eq!(generation(&mut conn), before);
     let counts = redis_counts(&redis, "sale");
 
     let refused = sidecar.reserve("sale", "b", "b", 1).await;
-    refused.assert_answer(503, "unavailable");
-    assert!(
-        refused.text.contains("older config"),
-        "the refusal says why: {}",
-        refused.text
-    );
+    assert_refused_on_older_config(&refused);
     assert_eq!(
         redis_counts(&redis, "sale"),
         counts,
@@ -793,12 +785,7 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
         )
         .await
         .expect("answers");
-    extended.assert_answer(503, "unavailable");
-    assert!(
-        extended.text.contains("older config"),
-        "the refusal says why: {}",
-        extended.text
-    );
+    assert_refused_on_older_config(&extended);
     let settling: Option<String> = redis::cmd("HGET")
         .arg(keys.reservation("a"))
         .arg("settling")
