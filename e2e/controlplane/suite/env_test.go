@@ -7,13 +7,16 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -431,14 +434,59 @@ func (e *env) waitField(t *testing.T, ns, object, path, want string) {
 	})
 }
 
+// The ports freePort handed out: it never hands one out twice.
+var (
+	portsMu   sync.Mutex
+	handedOut = map[int]bool{}
+)
+
+// freePort returns a loopback port nothing listens on, for a program the suite
+// starts next. It picks below the kernel's ephemeral range: a port from that
+// range (what ":0" gives) can be taken by any outgoing connection, helm's or the
+// API server's, between this check and the program's bind, and the program then
+// fails with "Address already in use".
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	portsMu.Lock()
+	defer portsMu.Unlock()
+	const lowest = 10000
+	below := ephemeralStart()
+	if below-lowest < 1000 {
+		t.Fatalf("the ephemeral port range starts at %d: no room below it for the suite's ports", below)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	first := lowest + rand.IntN(below-lowest)
+	for i := range below - lowest {
+		port := lowest + (first-lowest+i)%(below-lowest)
+		if handedOut[port] {
+			continue
+		}
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			continue
+		}
+		_ = l.Close()
+		handedOut[port] = true
+		return port
+	}
+	t.Fatalf("no free loopback port in %d-%d", lowest, below-1)
+	return 0
+}
+
+// ephemeralStart is the first port the kernel hands to outgoing connections.
+func ephemeralStart() int {
+	raw, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 32768 // Linux's default
+	}
+	fields := strings.Fields(string(raw))
+	if len(fields) != 2 {
+		return 32768
+	}
+	start, err := strconv.Atoi(fields[0])
+	if err != nil {
+		return 32768
+	}
+	return start
 }
 
 // answer is one HTTP answer of the sidecar.
