@@ -350,6 +350,10 @@ pub struct Change {
     pub variant: Option<String>,
     /// The state the change moves the reservation to (never `Pending`).
     pub state: State,
+    /// The generation of the sale's config Redis decided the change on, read in
+    /// the same script step, when Redis said (the stock's generation may be this
+    /// sidecar's own view, which can be behind or ahead of what Redis read).
+    pub decided_on: Option<i64>,
     pub expires_at_ms: i64,
     /// Redis's number for the change (see [`dropgate_api::DropKeys::seq`]); none
     /// for the fallback gate's changes.
@@ -394,6 +398,7 @@ impl Change {
             extension: false,
             variant: reservation.variant.clone(),
             state,
+            decided_on: None,
             expires_at_ms: reservation.expires_at_ms,
             seq: None,
             epoch: 0,
@@ -430,6 +435,12 @@ impl Change {
     /// The change as the Redis gate numbered it, at its epoch.
     pub fn numbered(self, seq: Option<i64>, epoch: i64) -> Self {
         Self { seq, epoch, ..self }
+    }
+
+    /// The change as Redis decided it on generation `decided_on` of the config
+    /// (see [`Change::decided_on`]).
+    pub fn decided_on(self, decided_on: Option<i64>) -> Self {
+        Self { decided_on, ..self }
     }
 
     /// The admission of an offer to a waitlist's head (see [`Change::offered`]).

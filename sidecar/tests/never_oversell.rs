@@ -812,3 +812,45 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     );
     sidecar.shutdown().await;
 }
+
+/// A sidecar whose own view of the config lags (its refresh has not run since the
+/// operator published a restock) extends a hold Redis judged on the newest config:
+/// the ledger checks the generation Redis read, not the sidecar's, so the peer that
+/// noted the newer one does not turn a true extension into a 503. Before, the
+/// extension was refused as decided on an older config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    let extendable = |limit: i64| one_per_buyer(limit).hold_seconds(60).max_hold_seconds(3600);
+    common::apply(&redis.url(), &at_generation(extendable(10), 1)).await;
+    let lagging = Peer::start_with(&redis.url(), &postgres.url(), 600_000).await;
+    let noting = Peer::start(&redis.url(), &postgres.url()).await;
+    lagging
+        .reserve("sale", "a", "a", 1)
+        .await
+        .assert_answer(201, "admitted");
+
+    common::apply(&redis.url(), &at_generation(extendable(12), 2)).await;
+    reads_limit(&noting, "sale", 12).await;
+    // Its refresh notes the config it read in the ledger (every 100 ms here).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let shown = lagging.http.get("/v1/drops/sale").await.expect("answers");
+    assert_eq!(
+        shown.body["limit"], 10,
+        "the lagging sidecar still has generation 1"
+    );
+
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600);
+    let extended = lagging
+        .http
+        .post(
+            "/v1/drops/sale/reservations/a/extend",
+            &format!(r#"{{"expiresAt":"{until}"}}"#),
+        )
+        .await
+        .expect("answers");
+    extended.assert_answer(200, "extended");
+    lagging.shutdown().await;
+    noting.shutdown().await;
+}

@@ -837,7 +837,9 @@ fn placeholders(rows: usize, columns: usize) -> String {
 fn decided_on_a_lost_change(change: &Change, newest: i64) -> Result<(), RecordError> {
     let numbered =
         |generation: i64| generation > 0 && generation < dropgate_api::config::STAMPED_GENERATIONS;
-    let generation = change.stock.generation;
+    // What Redis read in the step, else this sidecar's view (an extension's step
+    // names no limit, so its stock is this sidecar's config).
+    let generation = change.decided_on.unwrap_or(change.stock.generation);
     if change.state == State::Active
         && change.attempt.is_some()
         && numbered(generation)
@@ -1056,7 +1058,7 @@ async fn ensure_stock(
     }
     if let Some((stored, stored_terms)) = current {
         if generation > stored {
-            sqlx::query(
+            let moved = sqlx::query(
                 "UPDATE stock SET available = available + ($1 - lim), lim = $2, generation = $3, \
                  starts_at_ms = $4, ends_at_ms = $5, per_user_limit = $6, hold_seconds = $7, paused = $8, \
                  max_hold_seconds = $9 \
@@ -1075,6 +1077,14 @@ async fn ensure_stock(
             .bind(generation)
             .execute(&mut **tx)
             .await?;
+            // A commit on another connection moved the row past this generation
+            // after it was read (PostgreSQL reads it unlocked): that one is the
+            // newest the ledger has seen, and this change moves nothing.
+            if moved.rows_affected() == 0 {
+                return Ok(stock_row(tx, drop_key)
+                    .await?
+                    .unwrap_or((stored, stored_terms)));
+            }
             ensure_variant_stock(tx, drop_key, stock).await?;
             return Ok((generation, terms));
         }

@@ -53,6 +53,7 @@ pub fn change_of(
     };
     Change::new(&drop.ledger_key_of(sale), stock, key, reservation, state)
         .numbered(step.seq, step.epoch.unwrap_or(0))
+        .decided_on(step.generation)
 }
 
 /// The ledger key a gate call's change belongs to.
