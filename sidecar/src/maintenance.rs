@@ -280,12 +280,12 @@ async fn note_drops(app: &App, drops: &[std::sync::Arc<crate::drops::Drop>]) {
 }
 
 fn set_remaining(app: &App, drop: &crate::drops::Drop, remaining: i64) {
-    app.metrics
-        .remaining
-        .get_or_create(&DropLabel {
-            drop: drop.name.clone(),
-        })
-        .set(remaining);
+    let label = DropLabel {
+        drop: drop.name.clone(),
+    };
+    app.metrics.remaining.get_or_create(&label).set(remaining);
+    // Its series from 0, so that the first refusal is an increase an alert sees.
+    let _ = app.metrics.decided_on_lost_config.get_or_create(&label);
 }
 
 /// How far the outbox is behind, for `/metrics`.

@@ -61,6 +61,10 @@ pub struct Metrics {
     pub foreign_ledger: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
     /// What each drop has left, as the gate deciding it counts (read by the refresh).
     pub remaining: Family<DropLabel, Gauge<i64, std::sync::atomic::AtomicI64>>,
+    /// Admissions and extensions Redis decided on a config of the drop it had lost
+    /// (this sidecar or a peer sharing its ledger read a newer one): taken back and
+    /// answered `unavailable` until the operator publishes the change again.
+    pub decided_on_lost_config: Family<DropLabel, Counter>,
     /// Each drop's mode as this sidecar last read it.
     pub mode: Family<DropMode, Gauge<i64, std::sync::atomic::AtomicI64>>,
     /// Age of the oldest event the outbox has not published yet (0 when none).
@@ -140,9 +144,16 @@ impl Metrics {
             "1 while a drop's sale is recorded by another ledger than this sidecar's: it answers unavailable",
             foreign_ledger.clone(),
         );
+        let decided_on_lost_config = Family::<DropLabel, Counter>::default();
+        registry.register(
+            "decided_on_lost_config",
+            "Admissions and extensions Redis decided on a config it had lost (a newer one was read): taken back, answered unavailable",
+            decided_on_lost_config.clone(),
+        );
         Self {
             registry,
             answers,
+            decided_on_lost_config,
             latency,
             permits_in_use,
             expired,

@@ -639,6 +639,18 @@ fn assert_refused_on_older_config(reply: &Reply) {
     );
 }
 
+/// Checks `peer`'s `/metrics` counts `n` answers taken back as decided on a lost
+/// config (what an operator alerts on).
+async fn assert_counted_as_decided_on_lost_config(peer: &Peer, n: u64) {
+    let metrics = peer.http.get("/metrics").await.expect("metrics");
+    let line = format!("dropgate_sidecar_decided_on_lost_config_total{{drop=\"sale\"}} {n}");
+    assert!(
+        metrics.text.lines().any(|l| l == line),
+        "want {line} in /metrics:\n{}",
+        metrics.text
+    );
+}
+
 /// A pause Redis lost (a failover to a replica that missed it) after one sidecar
 /// read it, and a sidecar sharing that sidecar's PostgreSQL ledger started since:
 /// the newcomer never saw the pause, and its gate admits on the config Redis kept.
@@ -683,6 +695,7 @@ async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing
     let counts = redis_counts(&redis, "sale");
     let refused = newcomer.reserve("sale", "b", "b", 1).await;
     assert_refused_on_older_config(&refused);
+    assert_counted_as_decided_on_lost_config(&newcomer, 1).await;
     assert_eq!(
         redis_counts(&redis, "sale"),
         counts,
@@ -769,6 +782,7 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
 
     let refused = sidecar.reserve("sale", "b", "b", 1).await;
     assert_refused_on_older_config(&refused);
+    assert_counted_as_decided_on_lost_config(&sidecar, 1).await;
     assert_eq!(
         redis_counts(&redis, "sale"),
         counts,

@@ -425,7 +425,7 @@ async fn after_gate(
             return Turn::Done(Err(moved_on(drop)));
         }
         Outcome::Admitted(_)
-            if let Some(failure) = super::redis_lost_a_change(drop, config, &reply.step) =>
+            if let Some(failure) = super::redis_lost_a_change(app, drop, config, &reply.step) =>
         {
             // (Should the undo fail, the marker goes back with its pending bound.)
             let _ = undo(app, drop, &request.key, &attempt).await;
@@ -608,9 +608,12 @@ async fn after_gate(
             }
             // Redis decided on a config it lost (another sidecar read the newer one):
             // the buyer retries once the operator has published it again.
-            RecordError::ConfigBehind { .. } => Turn::Done(Err(Failure::retry(format!(
-                "{refusal}: nothing was reserved; retry the same request"
-            )))),
+            RecordError::ConfigBehind { .. } => {
+                super::count_decided_on_lost_config(app, drop);
+                Turn::Done(Err(Failure::retry(format!(
+                    "{refusal}: nothing was reserved; retry the same request"
+                ))))
+            }
             RecordError::GivenUp | RecordError::Late => Turn::Done(Err(Failure::retry(
                 "the ledger did not record the reservation within its deadline; nothing was reserved: retry the same key",
             ))),

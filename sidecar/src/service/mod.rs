@@ -436,15 +436,32 @@ fn redis_down(drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Fa
 /// decides: the caller undoes what the reply prepared and answers this failure.
 /// Only for generations the API server numbers: outside Kubernetes nothing
 /// publishes a lost change again, and the sidecar's copy follows Redis's.
-fn redis_lost_a_change(drop: &Drop, config: &DropConfig, step: &gate::Step) -> Option<Failure> {
+fn redis_lost_a_change(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    step: &gate::Step,
+) -> Option<Failure> {
     if !config.published_by_operator() || step.sale.as_deref() != Some(config.sale.as_str()) {
         return None;
     }
     let generation = step.generation.filter(|g| *g < config.generation)?;
+    count_decided_on_lost_config(app, drop);
     Some(Failure::retry(format!(
         "Redis holds an older config of drop {} (generation {generation}) than this sidecar read there (generation {}): it lost that change, and the operator publishes it again; nothing was changed: retry the same request",
         drop.name, config.generation
     )))
+}
+
+/// Counts an admission or extension taken back because Redis decided it on a
+/// config it had lost.
+fn count_decided_on_lost_config(app: &App, drop: &Drop) {
+    app.metrics
+        .decided_on_lost_config
+        .get_or_create(&crate::metrics::DropLabel {
+            drop: drop.name.clone(),
+        })
+        .inc();
 }
 
 /// The failure for a drop the operator closed (HA missing under policy Closed).

@@ -434,7 +434,7 @@ async fn change_on_gate(
     // An extension Redis judged on an older config of the sale than this sidecar
     // read there (a lower maxHoldSeconds perhaps) is undone, as an admission is.
     if let Settling::Extend { .. } = settling
-        && let Some(failure) = super::redis_lost_a_change(drop, config, &step)
+        && let Some(failure) = super::redis_lost_a_change(app, drop, config, &step)
     {
         undo(&mut conn).await;
         return Turn::Done(Err(failure));
@@ -489,6 +489,9 @@ async fn change_on_gate(
         Err(refusal) => {
             undo(&mut conn).await;
             abort(&refusal.to_string());
+            if let RecordError::ConfigBehind { .. } = refusal {
+                super::count_decided_on_lost_config(app, drop);
+            }
             return Turn::Done(Err(Failure::retry(format!(
                 "the ledger could not record the {} ({refusal}): nothing was changed; retry",
                 what
