@@ -93,6 +93,30 @@ async fn ledger_view(database_url: &str, drop: &str) -> LedgerView {
     }
 }
 
+/// Waits (bounded) until the ledger has noted generation `generation` of `drop`'s
+/// config (a sidecar's refresh read it in Redis).
+async fn ledger_notes_generation(database_url: &str, drop: &str, generation: i64) {
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(database_url)
+        .await
+        .expect("the ledger opens");
+    let pattern = format!("{NS}/{drop}/%");
+    eventually(
+        &format!("the ledger to note generation {generation} of {drop}"),
+        async || {
+            sqlx::query("SELECT generation FROM stock WHERE drop_key LIKE $1")
+                .bind(&pattern)
+                .fetch_optional(&pool)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|row| row.get::<i64, _>(0) == generation)
+        },
+    )
+    .await;
+    pool.close().await;
+}
+
 /// `remaining` and `held` as Redis has them.
 fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
     let mut conn = redis.connection().expect("connect");
@@ -681,7 +705,7 @@ async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing
     })
     .await;
     // Its refresh notes the config it read in the ledger (every 100 ms here).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    ledger_notes_generation(&postgres.url(), "sale", 2).await;
 
     // Redis loses the pause: its config as it was.
     redis_loses_config(&mut conn, &config_then);
@@ -848,7 +872,7 @@ async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
     common::apply(&redis.url(), &at_generation(extendable(12), 2)).await;
     reads_limit(&noting, "sale", 12).await;
     // Its refresh notes the config it read in the ledger (every 100 ms here).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    ledger_notes_generation(&postgres.url(), "sale", 2).await;
     let shown = lagging.http.get("/v1/drops/sale").await.expect("answers");
     assert_eq!(
         shown.body["limit"], 10,
