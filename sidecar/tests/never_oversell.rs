@@ -117,6 +117,18 @@ async fn ledger_notes_generation(database_url: &str, drop: &str, generation: i64
     pool.close().await;
 }
 
+/// Asks `peer` to extend `key`'s hold to ten minutes from now.
+async fn extend_ten_minutes(peer: &Peer, key: &str) -> Reply {
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600);
+    peer.http
+        .post(
+            &format!("/v1/drops/sale/reservations/{key}/extend"),
+            &format!(r#"{{"expiresAt":"{until}"}}"#),
+        )
+        .await
+        .expect("answers")
+}
+
 /// `remaining` and `held` as Redis has them.
 fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
     let mut conn = redis.connection().expect("connect");
@@ -814,15 +826,7 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     );
     // Nor an extension that the lost cut of maxHoldSeconds refuses and the older
     // config allows.
-    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600);
-    let extended = sidecar
-        .http
-        .post(
-            "/v1/drops/sale/reservations/a/extend",
-            &format!(r#"{{"expiresAt":"{until}"}}"#),
-        )
-        .await
-        .expect("answers");
+    let extended = extend_ten_minutes(&sidecar, "a").await;
     assert_refused_on_older_config(&extended);
     let settling: Option<String> = redis::cmd("HGET")
         .arg(keys.reservation("a"))
@@ -879,15 +883,7 @@ async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
         "the lagging sidecar still has generation 1"
     );
 
-    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600);
-    let extended = lagging
-        .http
-        .post(
-            "/v1/drops/sale/reservations/a/extend",
-            &format!(r#"{{"expiresAt":"{until}"}}"#),
-        )
-        .await
-        .expect("answers");
+    let extended = extend_ten_minutes(&lagging, "a").await;
     extended.assert_answer(200, "extended");
     lagging.shutdown().await;
     noting.shutdown().await;
