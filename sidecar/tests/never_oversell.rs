@@ -24,6 +24,14 @@ fn tally(replies: &[Reply]) -> HashMap<String, usize> {
     counts
 }
 
+/// Each reply's status and body, shown when a test fails.
+fn bodies(replies: &[Reply]) -> Vec<String> {
+    replies
+        .iter()
+        .map(|r| format!("{} {}", r.status, r.text))
+        .collect()
+}
+
 fn admitted(replies: &[Reply]) -> usize {
     replies.iter().filter(|r| r.status == 201).count()
 }
@@ -573,7 +581,8 @@ async fn a_drop_re_created_under_its_name_is_a_new_sale() {
     };
     common::apply(&redis.url(), &with_uid("first-sale")).await;
     let sidecar = Peer::start(&redis.url(), &ledger).await;
-    assert_eq!(admitted(&buyers(&[&sidecar], "sale", "k", 3).await), 3);
+    let answers = buyers(&[&sidecar], "sale", "k", 3).await;
+    assert_eq!(admitted(&answers), 3, "{:?}", bodies(&answers));
 
     // Deleted with its keys left behind (skip-cleanup), and created again.
     common::apply(&redis.url(), &with_uid("second-sale")).await;
@@ -585,7 +594,8 @@ async fn a_drop_re_created_under_its_name_is_a_new_sale() {
     })
     .await;
     assert_eq!(redis_counts(&redis, "sale"), (2, 1), "fresh stock");
-    assert_eq!(admitted(&buyers(&[&sidecar], "sale", "n", 5).await), 2);
+    let answers = buyers(&[&sidecar], "sale", "n", 5).await;
+    assert_eq!(admitted(&answers), 2, "{:?}", bodies(&answers));
     sidecar.shutdown().await;
 }
 

@@ -958,20 +958,36 @@ impl GateKey {
     }
 }
 
-/// The gate key, the change counter and the waitlist's position counter, as Redis
-/// holds them now. (Joins are numbered by the latter, not by a change number.)
-pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<(GateKey, i64, i64)> {
-    let (gate, seq, positions): (Option<String>, Option<i64>, Option<i64>) = redis::pipe()
-        .get(keys.gate())
-        .get(keys.seq())
-        .get(keys.waitlist_counter())
-        .query_async(conn)
-        .await?;
-    Ok((
-        GateKey::parse(gate)?,
-        seq.unwrap_or(0),
-        positions.unwrap_or(0),
-    ))
+/// Where the gate of one drop stands in Redis, read in one transaction.
+pub struct GateStanding {
+    pub gate: GateKey,
+    /// The change counter.
+    pub seq: i64,
+    /// The waitlist's position counter (joins are numbered by it, not by a change
+    /// number).
+    pub positions: i64,
+    /// The sale (uid) of the config these belong to; `None` without a config.
+    pub sale: Option<String>,
+}
+
+/// The gate key, the change counter, the waitlist's position counter and the sale
+/// they belong to, as Redis holds them now.
+pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<GateStanding> {
+    let (gate, seq, positions, sale): (Option<String>, Option<i64>, Option<i64>, Option<String>) =
+        redis::pipe()
+            .atomic()
+            .get(keys.gate())
+            .get(keys.seq())
+            .get(keys.waitlist_counter())
+            .hget(keys.config(), "sale")
+            .query_async(conn)
+            .await?;
+    Ok(GateStanding {
+        gate: GateKey::parse(gate)?,
+        seq: seq.unwrap_or(0),
+        positions: positions.unwrap_or(0),
+        sale,
+    })
 }
 
 /// Keys of active holds whose deadline is at or before `now_ms`, at most `limit`.

@@ -52,9 +52,12 @@ pub enum HandoverError {
         "drop {0}'s sale waits for the operator to record its ledger (the first seconds of a sale): retry"
     )]
     Awaiting(String),
-    /// Redis's config changed under a rebuild (re-created, or lost and re-seeded):
-    /// opening now could skip rows; the next attempt starts over afresh.
-    #[error("drop {0}'s config changed in Redis during its rebuild: retrying")]
+    /// Redis's config changed under a rebuild or a look at the gate (re-created,
+    /// or lost and re-seeded): deciding now could skip rows or compare another
+    /// sale's numbers; the next attempt starts over afresh.
+    #[error(
+        "drop {0}'s config changed in Redis (re-created, or published again) while it was checked: retry"
+    )]
     ConfigChanged(String),
     /// The refresh found the gate behind and could not open it; the sentence says
     /// why (it was logged where it happened).
@@ -226,19 +229,31 @@ impl Standing {
 /// Reads where the drop stands, the ledger first: every number it holds was handed
 /// out by Redis before it was recorded, so Redis read afterwards is at least as far
 /// unless it lost writes.
+///
+/// Redis's numbers are compared only with the ledger rows of the sale they belong
+/// to: a drop re-created since `key` was taken has a new sale whose counters start
+/// afresh, and read against the old sale's rows they would look like a Redis that
+/// lost writes (and force a needless rebuild). The config is read again then, and
+/// the next look starts over.
 async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, HandoverError> {
     let authority = app.ledger.authority(key).await?;
     let ledger_seq = app.ledger.max_seq(key).await?;
     let ledger_positions = app.ledger.max_position(key).await?;
     let mut conn = app.redis.clone();
-    let (gate, redis_seq, redis_positions) = gate::standing(&mut conn, &drop.keys).await?;
+    let redis = gate::standing(&mut conn, &drop.keys).await?;
+    if let Some(sale) = &redis.sale
+        && drop.ledger_key_of(sale) != key
+    {
+        app.drops.refresh(&mut conn, &drop.name).await?;
+        return Err(HandoverError::ConfigChanged(drop.name.clone()));
+    }
     Ok(Standing {
         authority,
         ledger_seq,
-        gate: gate.open_at,
-        gate_floor: gate.floor(),
-        redis_seq,
-        lines_behind: redis_positions < ledger_positions,
+        gate: redis.gate.open_at,
+        gate_floor: redis.gate.floor(),
+        redis_seq: redis.seq,
+        lines_behind: redis.positions < ledger_positions,
     })
 }
 
