@@ -480,7 +480,17 @@ async fn resolve_settle(
 ) -> Result<(), String> {
     let mut conn = app.redis.clone();
     let ledger = app.ledger.id();
-    let ledger_key = sale.map_or_else(|| drop.ledger_key(), |sale| drop.ledger_key_of(sale));
+    // Change numbers and keys start again with a re-created drop's sale: only a row
+    // of the marker's own sale can be its record. A marker that names none (written
+    // before markers carried their sale) is neither fenced nor finished here, as a
+    // retry of the change leaves it too: fencing or finishing another sale's row
+    // under a reused key could revert a change the ledger recorded.
+    let Some(sale) = sale else {
+        return Err(format!(
+            "the prepared change of {key} names no sale: left as it is"
+        ));
+    };
+    let ledger_key = drop.ledger_key_of(sale);
     let row = match app.ledger.fence_settle(&ledger_key, key, attempt).await {
         Ok(row) => row,
         Err(error) => return Err(error.to_string()),

@@ -1042,8 +1042,12 @@ async fn ensure_stock(
 ) -> Result<(i64, Option<Terms>), sqlx::Error> {
     let (limit, generation) = (stock.limit, stock.generation);
     let terms = stock.terms;
-    // The row exists on every call but the first: a key look-up, not a scan.
-    let current = stock_row(tx, drop_key).await?;
+    // The row exists on every call but the first: a key look-up, not a scan. On
+    // PostgreSQL it is locked for the transaction: a peer's note of a newer
+    // generation committed after an unlocked read would let this transaction
+    // decide, and record, on the older terms. (Every caller that also takes the
+    // authority row takes it first; the variants' rows come after this one.)
+    let current = stock_row_locked(tx, drop_key).await?;
     // A change from an older generation than the ledger's describes variants that
     // may be gone: it neither creates nor moves their rows. A drop without variants
     // looks for rows to retire only when its generation moves (it had some before).
@@ -1077,9 +1081,9 @@ async fn ensure_stock(
             .bind(generation)
             .execute(&mut **tx)
             .await?;
-            // A commit on another connection moved the row past this generation
-            // after it was read (PostgreSQL reads it unlocked): that one is the
-            // newest the ledger has seen, and this change moves nothing.
+            // Another transaction moved the row past this generation after it was
+            // read (possible only where the read above takes no lock): that one
+            // is the newest the ledger has seen, and this change moves nothing.
             if moved.rows_affected() == 0 {
                 return Ok(stock_row(tx, drop_key)
                     .await?
@@ -1223,13 +1227,37 @@ async fn stock_row(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
 ) -> Result<Option<(i64, Option<Terms>)>, sqlx::Error> {
-    let row: Option<AnyRow> = sqlx::query(
-        "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds, paused, \
-         max_hold_seconds FROM stock WHERE drop_key = $1",
-    )
-    .bind(drop_key)
-    .fetch_optional(&mut **tx)
-    .await?;
+    read_stock_row(tx, drop_key, STOCK_ROW).await
+}
+
+/// [`stock_row`], locked for the rest of the transaction on PostgreSQL (SQLite
+/// has one writer at a time).
+async fn stock_row_locked(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+) -> Result<Option<(i64, Option<Terms>)>, sqlx::Error> {
+    let sql = if tx.backend_name() == <sqlx::Postgres as sqlx::Database>::NAME {
+        STOCK_ROW_FOR_UPDATE
+    } else {
+        STOCK_ROW
+    };
+    read_stock_row(tx, drop_key, sql).await
+}
+
+const STOCK_ROW: &str = "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds, paused, \
+     max_hold_seconds FROM stock WHERE drop_key = $1";
+const STOCK_ROW_FOR_UPDATE: &str = "SELECT generation, starts_at_ms, ends_at_ms, per_user_limit, hold_seconds, paused, \
+     max_hold_seconds FROM stock WHERE drop_key = $1 FOR UPDATE";
+
+async fn read_stock_row(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    sql: &'static str,
+) -> Result<Option<(i64, Option<Terms>)>, sqlx::Error> {
+    let row: Option<AnyRow> = sqlx::query(sql)
+        .bind(drop_key)
+        .fetch_optional(&mut **tx)
+        .await?;
     row.map(|row| {
         let per_user_limit: Option<i64> = row.try_get(3)?;
         let hold_seconds: Option<i64> = row.try_get(4)?;
