@@ -37,6 +37,22 @@ pub fn sale_manifest(dir: &Path, spec: &str) -> Result<PathBuf, String> {
     Ok(path)
 }
 
+/// Why binary `name` could not be run, and how to build it: the bench and the
+/// flash sale run the binaries of their own profile, which `cargo run` of them
+/// does not build.
+fn not_built(name: &str, error: &std::io::Error) -> String {
+    let path = binary(name);
+    let profile = if path.components().any(|c| c.as_os_str() == "release") {
+        " --release"
+    } else {
+        ""
+    };
+    format!(
+        "cannot run {} ({error}): build it first with `cargo build{profile} -p dropgate-sidecar -p dropgate-operator --bins`",
+        path.display()
+    )
+}
+
 /// `dropgate-operator apply -f MANIFEST --redis-url URL`: its stdout (the status
 /// YAML) on success, its stderr otherwise.
 pub fn apply(manifest: &Path, redis_url: &str) -> Result<String, String> {
@@ -46,7 +62,7 @@ pub fn apply(manifest: &Path, redis_url: &str) -> Result<String, String> {
         .arg(manifest)
         .args(["--redis-url", redis_url])
         .output()
-        .map_err(|e| format!("cannot run dropgate-operator: {e}"))?;
+        .map_err(|e| not_built("dropgate-operator", &e))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
@@ -141,7 +157,7 @@ impl SidecarProcess {
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("cannot run dropgate-sidecar: {e}"))?;
+            .map_err(|e| not_built("dropgate-sidecar", &e))?;
         let sidecar = Self {
             child,
             base: format!("http://{listen}"),

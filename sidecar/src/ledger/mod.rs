@@ -535,13 +535,33 @@ async fn commit_in_time(
     changes: &[&Change],
 ) -> Result<Vec<Result<(), RecordError>>, CommitError> {
     let deadline = std::time::Duration::from_millis(COMMIT_DEADLINE_MS);
-    match tokio::time::timeout(deadline, commit(pool, backend, changes)).await {
+    // PostgreSQL breaks a deadlock by failing one of its transactions, which it
+    // rolls back whole (a failed statement, never the COMMIT): it is begun again,
+    // as PostgreSQL advises, within the same deadline.
+    let committed = async {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match commit(pool, backend, changes).await {
+                Err(CommitError::Sql(sqlx::Error::Database(db)))
+                    if tries < 3 && db.code().as_deref() == Some(DEADLOCK_DETECTED) =>
+                {
+                    tracing::debug!(tries, "a group commit met a deadlock: begun again");
+                }
+                other => return other,
+            }
+        }
+    };
+    match tokio::time::timeout(deadline, committed).await {
         Ok(committed) => committed,
         Err(_) => Err(CommitError::Unknown(format!(
             "the commit did not finish within {COMMIT_DEADLINE_MS} ms"
         ))),
     }
 }
+
+/// PostgreSQL's SQLSTATE for a transaction it failed to break a deadlock.
+const DEADLOCK_DETECTED: &str = "40P01";
 
 /// One group commit: per drop, the authority row (read with a shared lock on
 /// PostgreSQL, so a hand-over waits for commits in flight and they for it) and the

@@ -39,6 +39,46 @@ struct Row {
 /// The lines of the cart row's carts: one in each of the cart drop's sizes.
 const CART_LINES: usize = 3;
 
+/// What each buyer of a row asks for.
+#[derive(Clone, Copy)]
+enum Ask<'a> {
+    /// One unit of a drop without variants.
+    Reserve(&'a str),
+    /// One unit of the first size of a drop sold in sizes.
+    ReserveSize(&'a str),
+    /// A cart of one unit in each of [`CART_LINES`] sizes of one drop.
+    Cart(&'a str),
+}
+
+impl Ask<'_> {
+    fn path(self) -> String {
+        match self {
+            Ask::Reserve(drop) | Ask::ReserveSize(drop) => {
+                format!("/v1/drops/{drop}/reservations")
+            }
+            Ask::Cart(_) => "/v1/carts".to_string(),
+        }
+    }
+
+    fn body(self, key: &str) -> String {
+        match self {
+            Ask::Reserve(_) => format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#),
+            Ask::ReserveSize(_) => {
+                format!(r#"{{"key":"{key}","user":"{key}","variant":"s1","quantity":1}}"#)
+            }
+            Ask::Cart(drop) => {
+                let lines: Vec<String> = (1..=CART_LINES)
+                    .map(|n| format!(r#"{{"drop":"{drop}","variant":"s{n}","quantity":1}}"#))
+                    .collect();
+                format!(
+                    r#"{{"key":"{key}","user":"{key}","lines":[{}]}}"#,
+                    lines.join(",")
+                )
+            }
+        }
+    }
+}
+
 pub async fn table(options: &Options) -> Result<(), String> {
     let redis = RedisServer::start().map_err(|e| e.to_string())?;
     let mut conn = redis
@@ -78,7 +118,16 @@ pub async fn table(options: &Options) -> Result<(), String> {
         .row(
             "sidecar durable admit (SQLite)",
             &mut conn,
-            "admit",
+            Ask::Reserve("admit"),
+            201,
+            options,
+        )
+        .await?;
+    let size = one
+        .row(
+            "sidecar durable admit of a size (SQLite)",
+            &mut conn,
+            Ask::ReserveSize("cart"),
             201,
             options,
         )
@@ -87,7 +136,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         .row(
             "sidecar 3-line cart, one drop (SQLite)",
             &mut conn,
-            "cart",
+            Ask::Cart("cart"),
             201,
             options,
         )
@@ -97,7 +146,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         .row(
             "sidecar sold-out answer",
             &mut conn,
-            "soldout",
+            Ask::Reserve("soldout"),
             409,
             options,
         )
@@ -111,7 +160,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         .row(
             &label("durable admit (PostgreSQL)"),
             &mut conn,
-            "admit-hot",
+            Ask::Reserve("admit-hot"),
             201,
             options,
         )
@@ -121,7 +170,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         .row(
             &label("sold-out answer"),
             &mut conn,
-            "soldout-hot",
+            Ask::Reserve("soldout-hot"),
             409,
             options,
         )
@@ -142,6 +191,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         (&raw_admit, &raw_admit),
         (&raw_sold_out, &raw_sold_out),
         (&admit, &raw_admit),
+        (&size, &raw_admit),
         (&cart, &raw_admit),
         (&sold_out, &raw_sold_out),
         (&hot_admit, &raw_admit),
@@ -177,10 +227,18 @@ pub async fn table(options: &Options) -> Result<(), String> {
         us(admit.sidecar),
         us(sold_out.sidecar),
     );
+    // The cart's lines are sizes: a reserve of one size of the same drop is the
+    // like-for-like single reserve; the drop without sizes is shown beside it.
+    let per = |row: &Row, base: &Row| {
+        (
+            row.sidecar.unwrap_or(0.0) / base.sidecar.unwrap_or(f64::NAN),
+            row.redis / base.redis,
+        )
+    };
+    let (by_size_sidecar, by_size_redis) = per(&cart, &size);
+    let (by_plain_sidecar, by_plain_redis) = per(&cart, &admit);
     println!(
-        "a {CART_LINES}-line cart on one drop over one reserve: sidecar CPU per answer {:.2}x, Redis CPU per answer {:.2}x (target <= 2.0 each)",
-        cart.sidecar.unwrap_or(0.0) / admit.sidecar.unwrap_or(f64::NAN),
-        cart.redis / admit.redis,
+        "a {CART_LINES}-line cart on one drop over one reserve of a size of it: sidecar CPU per answer {by_size_sidecar:.2}x, Redis CPU per answer {by_size_redis:.2}x (target <= 2.0 each); over one reserve of a drop without sizes: {by_plain_sidecar:.2}x, {by_plain_redis:.2}x"
     );
     Ok(())
 }
@@ -328,16 +386,16 @@ impl Fleet {
         &self,
         name: &str,
         conn: &mut redis::Connection,
-        drop: &str,
+        ask: Ask<'_>,
         want: u16,
         options: &Options,
     ) -> Result<Row, String> {
-        self.load(drop, "warm", options.clients, Duration::from_secs(1), want)
+        self.load(ask, "warm", options.clients, Duration::from_secs(1), want)
             .await?;
         let (sidecar_before, redis_before) = (self.cpu()?, redis_cpu(conn)?);
         let started = Instant::now();
         let load = self
-            .load(drop, "run", options.clients, options.length, want)
+            .load(ask, "run", options.clients, options.length, want)
             .await?;
         let elapsed = started.elapsed().as_secs_f64();
         let (sidecar_after, redis_after) = (self.cpu()?, redis_cpu(conn)?);
@@ -360,20 +418,13 @@ impl Fleet {
 
     async fn load(
         &self,
-        drop: &str,
+        ask: Ask<'_>,
         prefix: &str,
         clients: usize,
         length: Duration,
         want: u16,
     ) -> Result<Load, String> {
-        // The cart drop is sold in sizes: each of its answers is one cart of a
-        // line in each size.
-        let cart = drop == "cart";
-        let path = if cart {
-            "/v1/carts".to_string()
-        } else {
-            format!("/v1/drops/{drop}/reservations")
-        };
+        let path = ask.path();
         let until = Instant::now() + length;
         let tag = rand::random::<u32>();
         let results = join_all((0..clients).map(|c| {
@@ -384,19 +435,7 @@ impl Fleet {
                 while Instant::now() < until {
                     i += 1;
                     let key = format!("{prefix}{tag}-{c}-{i}");
-                    let body = if cart {
-                        let lines: Vec<String> = (1..=CART_LINES)
-                            .map(|n| {
-                                format!(r#"{{"drop":"{drop}","variant":"s{n}","quantity":1}}"#)
-                            })
-                            .collect();
-                        format!(
-                            r#"{{"key":"{key}","user":"{key}","lines":[{}]}}"#,
-                            lines.join(",")
-                        )
-                    } else {
-                        format!(r#"{{"key":"{key}","user":"{key}","quantity":1}}"#)
-                    };
+                    let body = ask.body(&key);
                     let t = Instant::now();
                     let reply = http.post(&path, &body).await.map_err(|e| e.to_string())?;
                     load.times.push(t.elapsed());
