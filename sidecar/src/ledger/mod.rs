@@ -543,8 +543,14 @@ async fn commit_in_time(
         loop {
             tries += 1;
             match commit(pool, backend, changes).await {
+                // Not begun again past a change's own deadline: its resolver may
+                // have claimed the key in the ledger by then.
                 Err(CommitError::Sql(sqlx::Error::Database(db)))
-                    if tries < 3 && db.code().as_deref() == Some(DEADLOCK_DETECTED) =>
+                    if tries < 3
+                        && db.code().as_deref() == Some(DEADLOCK_DETECTED)
+                        && !changes
+                            .iter()
+                            .any(|c| c.deadline_ms.is_some_and(|due| due <= now_ms())) =>
                 {
                     tracing::debug!(tries, "a group commit met a deadlock: begun again");
                 }
@@ -590,7 +596,13 @@ async fn commit(
     // The newest generation of each drop's config that the ledger has seen.
     let mut seen: Vec<(&str, i64)> = Vec::with_capacity(drops.len());
     for (drop_key, _, newest) in &drops {
-        let (generation, _) = ensure_stock(&mut tx, drop_key, &newest.stock).await?;
+        // Locked, on PostgreSQL, from here to the commit: a peer's note of a newer
+        // generation committed after an unlocked read would let this batch record
+        // on the older terms. (The batch's other locks, its reservation rows, come
+        // after it; the fallback's transactions, which lock reservation rows
+        // first, keep reading it unlocked.)
+        let (generation, _) =
+            ensure_stock_with(&mut tx, drop_key, &newest.stock, StockRead::ForUpdate).await?;
         seen.push((drop_key, generation));
     }
     // At most one event per change.
@@ -1060,14 +1072,31 @@ async fn ensure_stock(
     drop_key: &str,
     stock: &Stock,
 ) -> Result<(i64, Option<Terms>), sqlx::Error> {
+    ensure_stock_with(tx, drop_key, stock, StockRead::Unlocked).await
+}
+
+/// How [`ensure_stock`] reads the drop's stock row.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StockRead {
+    Unlocked,
+    /// Locked for the rest of the transaction on PostgreSQL (SQLite has one
+    /// writer at a time).
+    ForUpdate,
+}
+
+async fn ensure_stock_with(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    stock: &Stock,
+    read: StockRead,
+) -> Result<(i64, Option<Terms>), sqlx::Error> {
     let (limit, generation) = (stock.limit, stock.generation);
     let terms = stock.terms;
-    // The row exists on every call but the first: a key look-up, not a scan. On
-    // PostgreSQL it is locked for the transaction: a peer's note of a newer
-    // generation committed after an unlocked read would let this transaction
-    // decide, and record, on the older terms. (Every caller that also takes the
-    // authority row takes it first; the variants' rows come after this one.)
-    let current = stock_row_locked(tx, drop_key).await?;
+    // The row exists on every call but the first: a key look-up, not a scan.
+    let current = match read {
+        StockRead::Unlocked => stock_row(tx, drop_key).await?,
+        StockRead::ForUpdate => stock_row_locked(tx, drop_key).await?,
+    };
     // A change from an older generation than the ledger's describes variants that
     // may be gone: it neither creates nor moves their rows. A drop without variants
     // looks for rows to retire only when its generation moves (it had some before).
@@ -1102,8 +1131,8 @@ async fn ensure_stock(
             .execute(&mut **tx)
             .await?;
             // Another transaction moved the row past this generation after it was
-            // read (possible only where the read above takes no lock): that one
-            // is the newest the ledger has seen, and this change moves nothing.
+            // read (possible only where the read above took no lock): that one is
+            // the newest the ledger has seen, and this change moves nothing.
             if moved.rows_affected() == 0 {
                 return Ok(stock_row(tx, drop_key)
                     .await?
@@ -1250,8 +1279,7 @@ async fn stock_row(
     read_stock_row(tx, drop_key, STOCK_ROW).await
 }
 
-/// [`stock_row`], locked for the rest of the transaction on PostgreSQL (SQLite
-/// has one writer at a time).
+/// [`stock_row`], locked as [`StockRead::ForUpdate`] says.
 async fn stock_row_locked(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
