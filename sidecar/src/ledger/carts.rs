@@ -5,8 +5,8 @@
 //! all decided from it. Every move is a compare-and-set on the row's state (and
 //! attempt), so that two sidecars never both finish one cart.
 
-use sqlx::Row;
 use sqlx::any::AnyRow;
+use sqlx::{Any, Row, Transaction};
 
 use super::{Ledger, LedgerError};
 
@@ -142,32 +142,25 @@ pub struct CartMove<'a> {
 impl Ledger {
     /// Writes a new cart in state `holding` for `cart.attempt`, unless the key has
     /// one: then that one, unchanged. `Ok((row, true))` when this call wrote it.
+    /// Written in the writer's next group commit, with the admissions of the
+    /// moment: a cart then costs no commit of its own.
     pub async fn begin_cart(
         &self,
         cart: NewCart<'_>,
     ) -> Result<Option<(CartRow, bool)>, LedgerError> {
-        // One statement for a new cart (the usual case): the row it wrote comes
-        // back. A key with a row already reads that row.
-        let written = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO carts (namespace, cart_key, user_id, terms, state, attempt, deadline_ms, created_at_ms) \
-             VALUES ($1, $2, $3, $4, 'holding', $5, $6, $7) ON CONFLICT (namespace, cart_key) DO NOTHING \
-             RETURNING {COLUMNS}"
-        )))
-        .bind(cart.namespace)
-        .bind(cart.key)
-        .bind(cart.user)
-        .bind(cart.terms)
-        .bind(cart.attempt)
-        .bind(cart.deadline_ms)
-        .bind(cart.now_ms)
-        .fetch_optional(self.pool())
-        .await?;
-        if let Some(row) = written {
-            return Ok(Some((cart_row(&row)?, true)));
+        let write = CartWrite::Begin {
+            namespace: cart.namespace.to_string(),
+            key: cart.key.to_string(),
+            user: cart.user.to_string(),
+            terms: cart.terms.to_string(),
+            attempt: cart.attempt.to_string(),
+            deadline_ms: cart.deadline_ms,
+            now_ms: cart.now_ms,
+        };
+        match self.write_cart(write).await? {
+            CartWritten::Begun(begun) => Ok(begun),
+            CartWritten::Moved(_) => Err(mixed_up()),
         }
-        // `None`: the row that was in the way was forgotten before it could be read.
-        let row = self.cart(cart.namespace, cart.key).await?;
-        Ok(row.map(|row| (row, false)))
     }
 
     /// The cart recorded under `key`, if any.
@@ -185,27 +178,26 @@ impl Ledger {
     /// Moves a cart as `change` says, if it still is in `change.from` with
     /// `change.attempt` working on it: whether it moved. Every move names a new
     /// attempt (or none), so a mover that read the row before another moved it
-    /// moves nothing.
+    /// moves nothing. Written in the writer's next group commit, as
+    /// [`Ledger::begin_cart`].
     pub async fn move_cart(&self, change: CartMove<'_>) -> Result<bool, LedgerError> {
-        let moved = sqlx::query(
-            "UPDATE carts SET state = $1, attempt = $2, deadline_ms = $3, held = $4, short = $5, \
-             ends_as = $6, expires_at_ms = $7 \
-             WHERE namespace = $8 AND cart_key = $9 AND state = $10 AND attempt = $11",
-        )
-        .bind(change.to.as_str())
-        .bind(change.new_attempt)
-        .bind(change.deadline_ms)
-        .bind(change.held)
-        .bind(change.short)
-        .bind(change.ends_as.map_or("", CartState::as_str))
-        .bind(change.expires_at_ms)
-        .bind(change.namespace)
-        .bind(change.key)
-        .bind(change.from.as_str())
-        .bind(change.attempt)
-        .execute(self.pool())
-        .await?;
-        Ok(moved.rows_affected() == 1)
+        let write = CartWrite::Move {
+            namespace: change.namespace.to_string(),
+            key: change.key.to_string(),
+            from: change.from,
+            attempt: change.attempt.to_string(),
+            to: change.to,
+            ends_as: change.ends_as,
+            new_attempt: change.new_attempt.to_string(),
+            deadline_ms: change.deadline_ms,
+            expires_at_ms: change.expires_at_ms,
+            held: change.held.to_string(),
+            short: change.short.to_string(),
+        };
+        match self.write_cart(write).await? {
+            CartWritten::Moved(moved) => Ok(moved),
+            CartWritten::Begun(_) => Err(mixed_up()),
+        }
     }
 
     /// Forgets a cart that `attempt` is holding with nothing held (a line could
@@ -249,4 +241,152 @@ impl Ledger {
         .await?;
         rows.iter().map(cart_row).collect()
     }
+}
+
+/// A write of a cart's row, made by the ledger's writer inside a group commit (see
+/// [`Ledger::begin_cart`] and [`Ledger::move_cart`]).
+#[derive(Debug)]
+pub(super) enum CartWrite {
+    Begin {
+        namespace: String,
+        key: String,
+        user: String,
+        terms: String,
+        attempt: String,
+        deadline_ms: i64,
+        now_ms: i64,
+    },
+    Move {
+        namespace: String,
+        key: String,
+        from: CartState,
+        attempt: String,
+        to: CartState,
+        ends_as: Option<CartState>,
+        new_attempt: String,
+        deadline_ms: i64,
+        expires_at_ms: i64,
+        held: String,
+        short: String,
+    },
+}
+
+/// What a [`CartWrite`] came to.
+#[derive(Debug)]
+pub(super) enum CartWritten {
+    /// The key's row and whether this write made it (`None`: the row in the way
+    /// was forgotten before it could be read).
+    Begun(Option<(CartRow, bool)>),
+    /// Whether the row moved.
+    Moved(bool),
+}
+
+fn mixed_up() -> LedgerError {
+    LedgerError::Sql(sqlx::Error::Protocol(
+        "the ledger's writer answered a cart write with another kind of result".into(),
+    ))
+}
+
+impl CartWrite {
+    /// The row it writes, to order a group commit's cart writes: two commits
+    /// writing the same carts take their rows' locks in the same order.
+    pub(super) fn row(&self) -> (&str, &str) {
+        match self {
+            CartWrite::Begin { namespace, key, .. } | CartWrite::Move { namespace, key, .. } => {
+                (namespace, key)
+            }
+        }
+    }
+
+    /// Makes the write in `tx`: one statement (a begin that finds the key taken
+    /// reads the row in its way).
+    pub(super) async fn apply(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+    ) -> Result<CartWritten, sqlx::Error> {
+        match self {
+            CartWrite::Begin {
+                namespace,
+                key,
+                user,
+                terms,
+                attempt,
+                deadline_ms,
+                now_ms,
+            } => {
+                // A new cart (the usual case): the row it wrote comes back.
+                let written = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO carts (namespace, cart_key, user_id, terms, state, attempt, deadline_ms, created_at_ms) \
+                     VALUES ($1, $2, $3, $4, 'holding', $5, $6, $7) ON CONFLICT (namespace, cart_key) DO NOTHING \
+                     RETURNING {COLUMNS}"
+                )))
+                .bind(namespace)
+                .bind(key)
+                .bind(user)
+                .bind(terms)
+                .bind(attempt)
+                .bind(deadline_ms)
+                .bind(now_ms)
+                .fetch_optional(&mut **tx)
+                .await?;
+                if let Some(row) = written {
+                    return Ok(CartWritten::Begun(Some((decoded(&row)?, true))));
+                }
+                let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
+                )))
+                .bind(namespace)
+                .bind(key)
+                .fetch_optional(&mut **tx)
+                .await?;
+                Ok(CartWritten::Begun(
+                    row.as_ref()
+                        .map(decoded)
+                        .transpose()?
+                        .map(|row| (row, false)),
+                ))
+            }
+            CartWrite::Move {
+                namespace,
+                key,
+                from,
+                attempt,
+                to,
+                ends_as,
+                new_attempt,
+                deadline_ms,
+                expires_at_ms,
+                held,
+                short,
+            } => {
+                let moved = sqlx::query(
+                    "UPDATE carts SET state = $1, attempt = $2, deadline_ms = $3, held = $4, short = $5, \
+                     ends_as = $6, expires_at_ms = $7 \
+                     WHERE namespace = $8 AND cart_key = $9 AND state = $10 AND attempt = $11",
+                )
+                .bind(to.as_str())
+                .bind(new_attempt)
+                .bind(deadline_ms)
+                .bind(held)
+                .bind(short)
+                .bind(ends_as.map_or("", CartState::as_str))
+                .bind(expires_at_ms)
+                .bind(namespace)
+                .bind(key)
+                .bind(from.as_str())
+                .bind(attempt)
+                .execute(&mut **tx)
+                .await?;
+                Ok(CartWritten::Moved(moved.rows_affected() == 1))
+            }
+        }
+    }
+}
+
+/// [`cart_row`] inside a transaction, whose errors are SQL errors.
+fn decoded(row: &AnyRow) -> Result<CartRow, sqlx::Error> {
+    cart_row(row).map_err(|e| match e {
+        LedgerError::Sql(e) => e,
+        other => sqlx::Error::Decode(other.to_string().into()),
+    })
 }

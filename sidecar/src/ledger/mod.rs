@@ -177,6 +177,18 @@ type Pending = (
     tracing::Span,
 );
 
+/// A cart's write waiting for the writer (see [`carts::CartWrite`]).
+type PendingCart = (
+    carts::CartWrite,
+    oneshot::Sender<Result<carts::CartWritten, LedgerError>>,
+);
+
+/// What waits for the writer's next group commit.
+enum Queued {
+    Change(Pending),
+    Cart(PendingCart),
+}
+
 /// Which database is behind the `Any` pool: the few statements that differ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Backend {
@@ -198,7 +210,7 @@ impl Backend {
 #[derive(Debug, Clone)]
 pub struct Ledger {
     pool: AnyPool,
-    writer: mpsc::Sender<Pending>,
+    writer: mpsc::Sender<Queued>,
     backend: Backend,
     /// This ledger's identity, made on first open: sidecars sharing a PostgreSQL
     /// ledger share it, per-pod ledgers each have their own.
@@ -365,7 +377,7 @@ impl Ledger {
         let gone = || RecordError::Failed("the ledger's writer stopped".into());
         let recorded = async {
             self.writer
-                .send((change, done, tracing::Span::current()))
+                .send(Queued::Change((change, done, tracing::Span::current())))
                 .await
                 .map_err(|_| gone())?;
             wait.await.map_err(|_| gone())?
@@ -378,6 +390,17 @@ impl Ledger {
             span.record("otel.status_code", "ERROR");
         }
         recorded
+    }
+
+    /// Makes a cart's write in the writer's next group commit.
+    async fn write_cart(&self, write: carts::CartWrite) -> Result<carts::CartWritten, LedgerError> {
+        let (done, wait) = oneshot::channel();
+        let gone = || LedgerError::Sql(sqlx::Error::Protocol("the ledger's writer stopped".into()));
+        self.writer
+            .send(Queued::Cart((write, done)))
+            .await
+            .map_err(|_| gone())?;
+        wait.await.map_err(|_| gone())?
     }
 }
 
@@ -412,21 +435,29 @@ impl From<sqlx::Error> for CommitError {
 }
 
 /// The writer task: one transaction for everything that queued up while the last
-/// commit ran. A batch that fails is retried change by change, so that one bad
-/// change cannot fail the others.
+/// commit ran (changes and carts' writes). A batch that fails is retried write by
+/// write, so that one bad change cannot fail the others.
 async fn group_commit(
     pool: AnyPool,
     backend: Backend,
-    mut queue: mpsc::Receiver<Pending>,
+    mut queue: mpsc::Receiver<Queued>,
     commit_seconds: Histogram,
 ) {
     let mut number: u64 = 0;
     while let Some(first) = queue.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
+        let mut queued = vec![first];
+        while queued.len() < BATCH {
             match queue.try_recv() {
-                Ok(next) => batch.push(next),
+                Ok(next) => queued.push(next),
                 Err(_) => break,
+            }
+        }
+        let mut batch: Vec<Pending> = Vec::with_capacity(queued.len());
+        let mut cart_writes: Vec<PendingCart> = Vec::new();
+        for item in queued {
+            match item {
+                Queued::Change(pending) => batch.push(pending),
+                Queued::Cart(pending) => cart_writes.push(pending),
             }
         }
         // A change past its deadline is not begun: its key is someone else's to
@@ -439,9 +470,11 @@ async fn group_commit(
             let _ = done.send(Err(RecordError::Late));
         }
         let mut batch = on_time;
-        if batch.is_empty() {
+        if batch.is_empty() && cart_writes.is_empty() {
             continue;
         }
+        // Two commits writing the same carts lock their rows in one order.
+        cart_writes.sort_by(|(a, _), (b, _)| a.row().cmp(&b.row()));
         // Which group commit took each waiting request's change, for its trace: a
         // number of this process's writer (it starts at 1 with the process), and
         // how many changes that commit held.
@@ -450,13 +483,17 @@ async fn group_commit(
             name_batch(span, number, batch.len());
         }
         let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
+        let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| w).collect();
         let started = std::time::Instant::now();
-        let committed = commit_in_time(&pool, backend, &changes).await;
+        let committed = commit_in_time(&pool, backend, &changes, &writes).await;
         commit_seconds.observe(started.elapsed().as_secs_f64());
         match committed {
-            Ok(verdicts) => {
+            Ok((verdicts, written)) => {
                 for ((_, done, _), verdict) in batch.into_iter().zip(verdicts) {
                     let _ = done.send(verdict);
+                }
+                for ((_, done), written) in cart_writes.into_iter().zip(written) {
+                    let _ = done.send(Ok(written));
                 }
             }
             // The batch may have landed: re-committing its changes one by one
@@ -465,8 +502,18 @@ async fn group_commit(
                 for (_, done, _) in batch {
                     let _ = done.send(Err(RecordError::Unknown(why.clone())));
                 }
+                for (_, done) in cart_writes {
+                    let _ = done.send(Err(LedgerError::CommitUnknown(why.clone())));
+                }
             }
-            Err(_) if batch.len() > 1 => {
+            Err(e) if batch.len() + cart_writes.len() == 1 => {
+                if let Some((change, done, _)) = batch.pop() {
+                    let _ = done.send(Err(single_failure(&pool, &change, e).await));
+                } else if let Some((_, done)) = cart_writes.pop() {
+                    let _ = done.send(Err(cart_failure(e)));
+                }
+            }
+            Err(_) => {
                 for (change, done, span) in batch {
                     // The retries take time: one whose deadline passed meanwhile is
                     // not begun either.
@@ -476,19 +523,38 @@ async fn group_commit(
                     }
                     number += 1;
                     name_batch(&span, number, 1);
-                    let verdict = match commit_in_time(&pool, backend, &[&change]).await {
-                        Ok(mut verdicts) => verdicts.pop().unwrap_or(Ok(())),
+                    let verdict = match commit_in_time(&pool, backend, &[&change], &[]).await {
+                        Ok((mut verdicts, _)) => verdicts.pop().unwrap_or(Ok(())),
                         Err(e) => Err(single_failure(&pool, &change, e).await),
                     };
                     let _ = done.send(verdict);
                 }
-            }
-            Err(e) => {
-                if let Some((change, done, _)) = batch.pop() {
-                    let _ = done.send(Err(single_failure(&pool, &change, e).await));
+                for (write, done) in cart_writes {
+                    number += 1;
+                    let written = match commit_in_time(&pool, backend, &[], &[&write]).await {
+                        Ok((_, mut written)) => written.pop().ok_or_else(|| {
+                            LedgerError::Sql(sqlx::Error::Protocol(
+                                "a cart's write came back with no result".into(),
+                            ))
+                        }),
+                        Err(e) => Err(cart_failure(e)),
+                    };
+                    let _ = done.send(written);
                 }
             }
         }
+    }
+}
+
+/// What a cart's write that failed on its own is told.
+fn cart_failure(error: CommitError) -> LedgerError {
+    match error {
+        CommitError::Sql(e) => LedgerError::Sql(e),
+        CommitError::Unknown(why) => LedgerError::CommitUnknown(why),
+        // (A cart's write moves no stock.)
+        CommitError::Overdrawn(drop_key) => LedgerError::Sql(sqlx::Error::Protocol(format!(
+            "a cart's write was refused for the stock of {drop_key}"
+        ))),
     }
 }
 
@@ -533,7 +599,8 @@ async fn commit_in_time(
     pool: &AnyPool,
     backend: Backend,
     changes: &[&Change],
-) -> Result<Vec<Result<(), RecordError>>, CommitError> {
+    cart_writes: &[&carts::CartWrite],
+) -> Result<Committed, CommitError> {
     let deadline = std::time::Duration::from_millis(COMMIT_DEADLINE_MS);
     // PostgreSQL breaks a deadlock by failing one of its transactions, which it
     // rolls back whole (a failed statement, never the COMMIT): it is begun again,
@@ -542,7 +609,7 @@ async fn commit_in_time(
         let mut tries = 0;
         loop {
             tries += 1;
-            match commit(pool, backend, changes).await {
+            match commit(pool, backend, changes, cart_writes).await {
                 // Not begun again past a change's own deadline: its resolver may
                 // have claimed the key in the ledger by then.
                 Err(CommitError::Sql(sqlx::Error::Database(db)))
@@ -578,7 +645,8 @@ async fn commit(
     pool: &AnyPool,
     backend: Backend,
     changes: &[&Change],
-) -> Result<Vec<Result<(), RecordError>>, CommitError> {
+    cart_writes: &[&carts::CartWrite],
+) -> Result<Committed, CommitError> {
     let now = now_ms();
     let mut tx = pool.begin().await?;
     let mut drops: Vec<(&str, Option<Authority>, &Change)> = Vec::new();
@@ -706,13 +774,23 @@ async fn commit(
         }
     }
     move_buyers(&mut tx, &buyers).await?;
-    crate::faults::check(crate::faults::Fault::BeforeLedgerCommit)
-        .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+    // Carts' rows last: they lock nothing a change's statements take after them.
+    let mut written = Vec::with_capacity(cart_writes.len());
+    for write in cart_writes {
+        written.push(write.apply(&mut tx).await?);
+    }
+    if !changes.is_empty() {
+        crate::faults::check(crate::faults::Fault::BeforeLedgerCommit)
+            .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+    }
     tx.commit()
         .await
         .map_err(|e| CommitError::Unknown(e.to_string()))?;
-    Ok(verdicts)
+    Ok((verdicts, written))
 }
+
+/// A group commit's verdict on each change, and what each cart's write came to.
+type Committed = (Vec<Result<(), RecordError>>, Vec<carts::CartWritten>);
 
 /// Records the new admissions among `changes` (an admission, not an offer, whose
 /// key no other change of the batch names, under an authority that `admitted`
