@@ -484,18 +484,20 @@ async fn resolve_settle(
     // of the marker's own sale can be its record. A marker that names none (written
     // before markers carried their sale) is neither fenced nor finished here, as a
     // retry of the change leaves it too: fencing or finishing another sale's row
-    // under a reused key could revert a change the ledger recorded.
+    // under a reused key could revert a change the ledger recorded. Its entry in
+    // the unresolved set goes (abandon clears the entry of a marker that is not
+    // the sale's), or it would come first in every sweep of the drop, for good.
     let Some(sale) = sale else {
-        return Err(format!(
-            "the prepared change of {key} names no sale: left as it is"
-        ));
+        return gate::abandon(&mut conn, &drop.keys, ledger, key, "")
+            .await
+            .map_err(|e| e.to_string());
     };
     let ledger_key = drop.ledger_key_of(sale);
     let row = match app.ledger.fence_settle(&ledger_key, key, attempt).await {
         Ok(row) => row,
         Err(error) => return Err(error.to_string()),
     };
-    let resolved = if crate::service::landed(settling, row.as_ref()) {
+    let finished = if crate::service::landed(settling, row.as_ref()) {
         gate::finish(&mut conn, &drop.keys, ledger, key, attempt)
             .await
             .map(|_| {
@@ -509,6 +511,15 @@ async fn resolve_settle(
         gate::abort(&mut conn, &drop.keys, ledger, key, attempt)
             .await
             .map_err(|e| e.to_string())
+    };
+    // A marker of an older sale (the drop was re-created) is not this sale's to
+    // finish or undo: both leave it, and its entry in the unresolved set goes here
+    // (abandon leaves the entry of a change of the sale's still prepared).
+    let resolved = match finished {
+        Ok(()) => gate::abandon(&mut conn, &drop.keys, ledger, key, "")
+            .await
+            .map_err(|e| e.to_string()),
+        failed => failed,
     };
     // An extension's row may hold a later deadline than the one this attempt asked
     // (another attempt, or the fallback, extended it further while this one was

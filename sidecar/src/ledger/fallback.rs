@@ -16,8 +16,8 @@ use sqlx::{Any, Row, Transaction};
 
 use super::authority::require_ledger;
 use super::{
-    Backend, EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation,
-    transition, write_event,
+    Backend, EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock_locked,
+    insert_reservation, lock_stock, transition, write_event,
 };
 use crate::reservation::{
     Ask, Change, Outcome, Reservation, Settle, State, Stock, Terms, VariantRefusal, View,
@@ -390,6 +390,13 @@ impl Ledger {
                 }
                 checked.push(line.drop_key);
             }
+            // Every drop's stock row locked before any line, in the order of their
+            // keys (a line would lock them in the cart's order, which another
+            // cart or a group commit may take the other way round).
+            checked.sort_unstable();
+            for drop_key in &checked {
+                lock_stock(&mut tx, drop_key).await?;
+            }
             let mut decided: Vec<Line> = Vec::with_capacity(lines.len());
             for line in lines {
                 sqlx::query("SAVEPOINT cart_line").execute(&mut *tx).await?;
@@ -504,7 +511,7 @@ impl Ledger {
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            ensure_stock(&mut tx, drop_key, &stock(config)).await?;
+            ensure_stock_locked(&mut tx, drop_key, &stock(config)).await?;
             let expiring = expire_if_due(&mut tx, drop_key, config, key, now).await?;
             let outcome =
                 retry_answer(&mut tx, drop_key, expiring.row, user, quantity, variant).await?;
@@ -536,7 +543,7 @@ impl Ledger {
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            let stored = ensure_stock(&mut tx, drop_key, &stock(config)).await?;
+            let stored = ensure_stock_locked(&mut tx, drop_key, &stock(config)).await?;
             // A hold past its deadline expires first, whatever was asked.
             let expiring = expire_if_due(&mut tx, drop_key, config, key, now).await?;
             let Some(row) = expiring.row else {
@@ -730,6 +737,9 @@ impl Ledger {
         due: i64,
     ) -> Result<bool, LedgerError> {
         let mut tx = self.pool.begin().await?;
+        // The drop's stock row before the reservation's, as every transaction
+        // moving both takes them.
+        lock_stock(&mut tx, drop_key).await?;
         // What this call wrote, not what it found: a request may have expired the
         // hold a moment before.
         let expired = expire_if_due(&mut tx, drop_key, config, key, due)
@@ -1003,7 +1013,10 @@ async fn reserve_in(
         quantity,
         variant,
     } = ask;
-    let terms = effective_terms(config, ensure_stock(tx, drop_key, &stock(config)).await?)?;
+    let terms = effective_terms(
+        config,
+        ensure_stock_locked(tx, drop_key, &stock(config)).await?,
+    )?;
     let held = Reservation {
         user: user.to_string(),
         quantity,

@@ -605,16 +605,23 @@ async fn commit_in_time(
     // PostgreSQL breaks a deadlock by failing one of its transactions, which it
     // rolls back whole (a failed statement, never the COMMIT): it is begun again,
     // as PostgreSQL advises, within the same deadline.
+    let started = std::time::Instant::now();
     let committed = async {
         let mut tries = 0;
         loop {
             tries += 1;
             match commit(pool, backend, changes, cart_writes).await {
-                // Not begun again past a change's own deadline: its resolver may
-                // have claimed the key in the ledger by then.
+                // Not begun again past a change's own deadline (its resolver may
+                // have claimed the key in the ledger by then), nor when a try
+                // that waits for a lock could not end within the commit's: the
+                // deadlock is then answered as what it is, a rollback, and the
+                // batch committed change by change.
                 Err(CommitError::Sql(sqlx::Error::Database(db)))
                     if tries < 3
                         && db.code().as_deref() == Some(DEADLOCK_DETECTED)
+                        && started.elapsed()
+                            + std::time::Duration::from_millis(STATEMENT_TIMEOUT_MS)
+                            < deadline
                         && !changes
                             .iter()
                             .any(|c| c.deadline_ms.is_some_and(|due| due <= now_ms())) =>
@@ -639,8 +646,9 @@ const DEADLOCK_DETECTED: &str = "40P01";
 /// One group commit: per drop, the authority row (read with a shared lock on
 /// PostgreSQL, so a hand-over waits for commits in flight and they for it) and the
 /// stock row moved once by the batch's net units, refused if that would take it
-/// below zero; per change, the reservation row and the outbox event. Returns each
-/// change's verdict; a change from a stale epoch is refused and the rest commit.
+/// below zero; per change, the reservation row and the outbox event; then the
+/// carts' writes. Returns each change's verdict and each cart write's result; a
+/// change from a stale epoch is refused and the rest commit.
 async fn commit(
     pool: &AnyPool,
     backend: Backend,
@@ -649,28 +657,40 @@ async fn commit(
 ) -> Result<Committed, CommitError> {
     let now = now_ms();
     let mut tx = pool.begin().await?;
-    let mut drops: Vec<(&str, Option<Authority>, &Change)> = Vec::new();
+    // Each drop once, with the newest config any of its changes carries, in the
+    // order of their keys: two transactions locking the rows of the same drops
+    // take them in the same order.
+    let mut newest: Vec<(&str, &Change)> = Vec::new();
     for change in changes {
-        match drops.iter_mut().find(|(key, ..)| *key == change.drop_key) {
-            Some(entry) if entry.2.stock.generation < change.stock.generation => entry.2 = change,
+        match newest.iter_mut().find(|(key, _)| *key == change.drop_key) {
+            Some(entry) if entry.1.stock.generation < change.stock.generation => entry.1 = change,
             Some(_) => {}
-            None => {
-                let authority =
-                    authority::read_in(&mut tx, backend, &change.drop_key, true).await?;
-                drops.push((&change.drop_key, authority, change));
-            }
+            None => newest.push((&change.drop_key, change)),
         }
+    }
+    newest.sort_by(|a, b| a.0.cmp(b.0));
+    let mut drops: Vec<(&str, Option<Authority>)> = Vec::with_capacity(newest.len());
+    for (drop_key, _) in &newest {
+        drops.push((
+            drop_key,
+            authority::read_in(&mut tx, backend, drop_key, true).await?,
+        ));
     }
     // The newest generation of each drop's config that the ledger has seen.
     let mut seen: Vec<(&str, i64)> = Vec::with_capacity(drops.len());
-    for (drop_key, _, newest) in &drops {
+    for ((drop_key, authority), (_, newest)) in drops.iter().zip(&newest) {
+        // A drop the gate does not decide has every change refused below: its
+        // rows are left alone (the fallback's transactions hold them).
+        if !authority
+            .as_ref()
+            .is_some_and(|a| matches!(a.holder, Holder::Gate | Holder::Replaying))
+        {
+            continue;
+        }
         // Locked, on PostgreSQL, from here to the commit: a peer's note of a newer
         // generation committed after an unlocked read would let this batch record
-        // on the older terms. (The batch's other locks, its reservation rows, come
-        // after it; the fallback's transactions, which lock reservation rows
-        // first, keep reading it unlocked.)
-        let (generation, _) =
-            ensure_stock_with(&mut tx, drop_key, &newest.stock, StockRead::ForUpdate).await?;
+        // on the older terms.
+        let (generation, _) = ensure_stock_locked(&mut tx, drop_key, &newest.stock).await?;
         seen.push((drop_key, generation));
     }
     // At most one event per change.
@@ -682,8 +702,8 @@ async fn commit(
     let admitted = |change: &Change| {
         let authority = drops
             .iter()
-            .find(|(key, ..)| *key == change.drop_key)
-            .and_then(|(_, authority, _)| authority.as_ref());
+            .find(|(key, _)| *key == change.drop_key)
+            .and_then(|(_, authority)| authority.as_ref());
         authority::admits_gate(authority, change.epoch)?;
         let newest = seen
             .iter()
@@ -1151,6 +1171,29 @@ async fn ensure_stock(
     stock: &Stock,
 ) -> Result<(i64, Option<Terms>), sqlx::Error> {
     ensure_stock_with(tx, drop_key, stock, StockRead::Unlocked).await
+}
+
+/// [`ensure_stock`] with the row locked for the rest of the transaction on
+/// PostgreSQL: what decides on the drop's stock and terms (a group commit, a
+/// fallback sale, settle or expiry) takes it before any reservation row, so that
+/// a peer's newer config cannot land between its read and its commit, and every
+/// such transaction locks in one order (authority, stock, variants, reservations).
+pub(super) async fn ensure_stock_locked(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+    stock: &Stock,
+) -> Result<(i64, Option<Terms>), sqlx::Error> {
+    ensure_stock_with(tx, drop_key, stock, StockRead::ForUpdate).await
+}
+
+/// Locks the drop's stock row, if it has one, as [`ensure_stock_locked`] does:
+/// for a transaction that moves a reservation of the drop without deciding on
+/// its terms (an expiry).
+pub(super) async fn lock_stock(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+) -> Result<(), sqlx::Error> {
+    stock_row_locked(tx, drop_key).await.map(|_| ())
 }
 
 /// How [`ensure_stock`] reads the drop's stock row.

@@ -596,7 +596,10 @@ pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
 /// Redis, replays what Redis has not seen, and rebuilds Redis when it is behind the
 /// ledger (or opens it, claiming the sale, when it was never opened).
 pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
-    let key = drop.ledger_key();
+    // One read of the config for the key and the terms noted under it: a refresh
+    // meanwhile (a request's look at the gate) may move the drop to a new sale.
+    let config = drop.config();
+    let key = drop.ledger_key_of(&config.sale);
     let now = now_ms();
     let era = app.redis_era(drop);
     app.ledger
@@ -604,11 +607,7 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
         .await?;
     // Apart from the note above, so that a busy stock row never costs this
     // sidecar its say that Redis answers.
-    if let Err(error) = app
-        .ledger
-        .note_config(&key, &Stock::of(&drop.config()))
-        .await
-    {
+    if let Err(error) = app.ledger.note_config(&key, &Stock::of(&config)).await {
         tracing::debug!(drop = %drop.name, %error, "the config read was not noted in the ledger");
     }
     let standing = standing(app, drop, &key).await?;
