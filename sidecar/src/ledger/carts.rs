@@ -332,6 +332,8 @@ impl CartWrite {
                 if let Some(row) = written {
                     return Ok(CartWritten::Begun(Some((decoded(&row)?, true))));
                 }
+                // (A row of this write's own attempt is this write's: attempts are
+                // made anew for each request. See `apply_again`.)
                 let row = sqlx::query(sqlx::AssertSqlSafe(format!(
                     "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
                 )))
@@ -340,10 +342,10 @@ impl CartWrite {
                 .fetch_optional(&mut **tx)
                 .await?;
                 Ok(CartWritten::Begun(
-                    row.as_ref()
-                        .map(decoded)
-                        .transpose()?
-                        .map(|row| (row, false)),
+                    row.as_ref().map(decoded).transpose()?.map(|row| {
+                        let mine = row.attempt == *attempt;
+                        (row, mine)
+                    }),
                 ))
             }
             CartWrite::Move {
@@ -380,6 +382,46 @@ impl CartWrite {
                 Ok(CartWritten::Moved(moved.rows_affected() == 1))
             }
         }
+    }
+}
+
+impl CartWrite {
+    /// The write made again after a group commit that held it may or may not have
+    /// landed: a begin finds its own row if it did (its attempt), or writes it now;
+    /// a move finds the row where it moved it (state and attempt), or moves it now.
+    /// On PostgreSQL its statement waits for that commit's row locks, if it is
+    /// still running; on SQLite for its write lock.
+    pub(super) async fn apply_again(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+    ) -> Result<CartWritten, sqlx::Error> {
+        let written = self.apply(tx).await?;
+        let CartWrite::Move {
+            namespace,
+            key,
+            to,
+            new_attempt,
+            ..
+        } = self
+        else {
+            return Ok(written);
+        };
+        if let CartWritten::Moved(true) = written {
+            return Ok(written);
+        }
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
+        )))
+        .bind(namespace)
+        .bind(key)
+        .fetch_optional(&mut **tx)
+        .await?;
+        let landed = row
+            .as_ref()
+            .map(decoded)
+            .transpose()?
+            .is_some_and(|row| row.state == *to && row.attempt == *new_attempt);
+        Ok(CartWritten::Moved(landed))
     }
 }
 

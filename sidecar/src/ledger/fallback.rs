@@ -16,8 +16,8 @@ use sqlx::{Any, Row, Transaction};
 
 use super::authority::require_ledger;
 use super::{
-    Backend, EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock_locked,
-    insert_reservation, lock_stock, transition, write_event,
+    Backend, EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation,
+    lock_stock, transition, write_event,
 };
 use crate::reservation::{
     Ask, Change, Outcome, Reservation, Settle, State, Stock, Terms, VariantRefusal, View,
@@ -511,7 +511,7 @@ impl Ledger {
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            ensure_stock_locked(&mut tx, drop_key, &stock(config)).await?;
+            ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             let expiring = expire_if_due(&mut tx, drop_key, config, key, now).await?;
             let outcome =
                 retry_answer(&mut tx, drop_key, expiring.row, user, quantity, variant).await?;
@@ -543,7 +543,7 @@ impl Ledger {
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
                 return Ok(not_authority(authority));
             }
-            let stored = ensure_stock_locked(&mut tx, drop_key, &stock(config)).await?;
+            let stored = ensure_stock(&mut tx, drop_key, &stock(config)).await?;
             // A hold past its deadline expires first, whatever was asked.
             let expiring = expire_if_due(&mut tx, drop_key, config, key, now).await?;
             let Some(row) = expiring.row else {
@@ -1013,10 +1013,7 @@ async fn reserve_in(
         quantity,
         variant,
     } = ask;
-    let terms = effective_terms(
-        config,
-        ensure_stock_locked(tx, drop_key, &stock(config)).await?,
-    )?;
+    let terms = effective_terms(config, ensure_stock(tx, drop_key, &stock(config)).await?)?;
     let held = Reservation {
         user: user.to_string(),
         quantity,

@@ -179,11 +179,14 @@ type Pending = (
 
 /// A cart's write waiting for the writer (see [`carts::CartWrite`]).
 type PendingCart = (
-    carts::CartWrite,
+    std::sync::Arc<carts::CartWrite>,
     oneshot::Sender<Result<carts::CartWritten, LedgerError>>,
 );
 
-/// What waits for the writer's next group commit.
+/// What waits for the writer's next group commit. (Nearly all are changes: boxing
+/// them to make the rare cart write's variant no smaller would cost every
+/// admission an allocation.)
+#[allow(clippy::large_enum_variant)]
 enum Queued {
     Change(Pending),
     Cart(PendingCart),
@@ -396,11 +399,25 @@ impl Ledger {
     async fn write_cart(&self, write: carts::CartWrite) -> Result<carts::CartWritten, LedgerError> {
         let (done, wait) = oneshot::channel();
         let gone = || LedgerError::Sql(sqlx::Error::Protocol("the ledger's writer stopped".into()));
+        let (write, done) = (std::sync::Arc::new(write), done);
         self.writer
-            .send(Queued::Cart((write, done)))
+            .send(Queued::Cart((write.clone(), done)))
             .await
             .map_err(|_| gone())?;
-        wait.await.map_err(|_| gone())?
+        match wait.await.map_err(|_| gone())? {
+            // The group commit may or may not have landed (its COMMIT failed, or it
+            // outlasted its deadline): the write is made again on its own, which
+            // waits for that commit's locks and tells the two apart (each write
+            // names its attempt), so that the caller's answer is true either way.
+            Err(LedgerError::CommitUnknown(why)) => {
+                tracing::debug!(%why, "a cart's write is made again after a commit of unknown outcome");
+                let mut tx = self.pool.begin().await?;
+                let written = write.apply_again(&mut tx).await?;
+                tx.commit().await?;
+                Ok(written)
+            }
+            other => other,
+        }
     }
 }
 
@@ -457,6 +474,9 @@ async fn group_commit(
         for item in queued {
             match item {
                 Queued::Change(pending) => batch.push(pending),
+                // A cart write whose caller went away is not made: nothing of it
+                // is written yet, and nobody would hear what it came to.
+                Queued::Cart((_, done)) if done.is_closed() => {}
                 Queued::Cart(pending) => cart_writes.push(pending),
             }
         }
@@ -483,7 +503,7 @@ async fn group_commit(
             name_batch(span, number, batch.len());
         }
         let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
-        let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| w).collect();
+        let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| &**w).collect();
         let started = std::time::Instant::now();
         let committed = commit_in_time(&pool, backend, &changes, &writes).await;
         commit_seconds.observe(started.elapsed().as_secs_f64());
@@ -531,7 +551,7 @@ async fn group_commit(
                 }
                 for (write, done) in cart_writes {
                     number += 1;
-                    let written = match commit_in_time(&pool, backend, &[], &[&write]).await {
+                    let written = match commit_in_time(&pool, backend, &[], &[&*write]).await {
                         Ok((_, mut written)) => written.pop().ok_or_else(|| {
                             LedgerError::Sql(sqlx::Error::Protocol(
                                 "a cart's write came back with no result".into(),
@@ -690,7 +710,7 @@ async fn commit(
         // Locked, on PostgreSQL, from here to the commit: a peer's note of a newer
         // generation committed after an unlocked read would let this batch record
         // on the older terms.
-        let (generation, _) = ensure_stock_locked(&mut tx, drop_key, &newest.stock).await?;
+        let (generation, _) = ensure_stock(&mut tx, drop_key, &newest.stock).await?;
         seen.push((drop_key, generation));
     }
     // At most one event per change.
@@ -1165,59 +1185,22 @@ pub(super) async fn extend_hold(
 /// when the change knows them. A change carrying an older generation (a sidecar
 /// whose config is stale) never moves it. Returns the row's generation and terms
 /// after: the newest the ledger has seen.
-async fn ensure_stock(
+///
+/// The row is locked for the rest of the transaction on PostgreSQL (SQLite has one
+/// writer at a time): whatever decides on the drop's stock and terms (a group
+/// commit, a fallback sale, settle or expiry) or moves them (a config noted, a
+/// hand-over) takes it before any variant or reservation row, so that a peer's
+/// newer config cannot land between a read and its commit, and every transaction
+/// locks in one order (authority, stock, variants, reservations, carts).
+pub(super) async fn ensure_stock(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
     stock: &Stock,
-) -> Result<(i64, Option<Terms>), sqlx::Error> {
-    ensure_stock_with(tx, drop_key, stock, StockRead::Unlocked).await
-}
-
-/// [`ensure_stock`] with the row locked for the rest of the transaction on
-/// PostgreSQL: what decides on the drop's stock and terms (a group commit, a
-/// fallback sale, settle or expiry) takes it before any reservation row, so that
-/// a peer's newer config cannot land between its read and its commit, and every
-/// such transaction locks in one order (authority, stock, variants, reservations).
-pub(super) async fn ensure_stock_locked(
-    tx: &mut Transaction<'static, Any>,
-    drop_key: &str,
-    stock: &Stock,
-) -> Result<(i64, Option<Terms>), sqlx::Error> {
-    ensure_stock_with(tx, drop_key, stock, StockRead::ForUpdate).await
-}
-
-/// Locks the drop's stock row, if it has one, as [`ensure_stock_locked`] does:
-/// for a transaction that moves a reservation of the drop without deciding on
-/// its terms (an expiry).
-pub(super) async fn lock_stock(
-    tx: &mut Transaction<'static, Any>,
-    drop_key: &str,
-) -> Result<(), sqlx::Error> {
-    stock_row_locked(tx, drop_key).await.map(|_| ())
-}
-
-/// How [`ensure_stock`] reads the drop's stock row.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum StockRead {
-    Unlocked,
-    /// Locked for the rest of the transaction on PostgreSQL (SQLite has one
-    /// writer at a time).
-    ForUpdate,
-}
-
-async fn ensure_stock_with(
-    tx: &mut Transaction<'static, Any>,
-    drop_key: &str,
-    stock: &Stock,
-    read: StockRead,
 ) -> Result<(i64, Option<Terms>), sqlx::Error> {
     let (limit, generation) = (stock.limit, stock.generation);
     let terms = stock.terms;
     // The row exists on every call but the first: a key look-up, not a scan.
-    let current = match read {
-        StockRead::Unlocked => stock_row(tx, drop_key).await?,
-        StockRead::ForUpdate => stock_row_locked(tx, drop_key).await?,
-    };
+    let current = stock_row_locked(tx, drop_key).await?;
     // A change from an older generation than the ledger's describes variants that
     // may be gone: it neither creates nor moves their rows. A drop without variants
     // looks for rows to retire only when its generation moves (it had some before).
@@ -1291,6 +1274,16 @@ async fn ensure_stock_with(
     Ok(stock_row(tx, drop_key)
         .await?
         .unwrap_or((generation, terms)))
+}
+
+/// Locks the drop's stock row, if it has one, as [`ensure_stock`] does: for a
+/// transaction that moves a reservation of the drop without deciding on its terms
+/// (an expiry, a fallback cart before its lines).
+pub(super) async fn lock_stock(
+    tx: &mut Transaction<'static, Any>,
+    drop_key: &str,
+) -> Result<(), sqlx::Error> {
+    stock_row_locked(tx, drop_key).await.map(|_| ())
 }
 
 /// The variants' stock rows, as [`ensure_stock`] keeps the drop's: created (limit
@@ -1400,7 +1393,8 @@ async fn stock_row(
     read_stock_row(tx, drop_key, STOCK_ROW).await
 }
 
-/// [`stock_row`], locked as [`StockRead::ForUpdate`] says.
+/// [`stock_row`], locked for the rest of the transaction on PostgreSQL (SQLite has
+/// one writer at a time).
 async fn stock_row_locked(
     tx: &mut Transaction<'static, Any>,
     drop_key: &str,
