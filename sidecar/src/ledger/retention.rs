@@ -16,14 +16,16 @@ use dropgate_redis::Connection;
 pub const PRUNE_BATCH: i64 = 500;
 
 /// The tables keyed by a sale's ledger key that are emptied once its reservations
-/// and events are gone; `sales` and `ended_sales` last, so that a prune cut short
-/// is found and finished by the next.
+/// and events are gone, in the order every transaction locks a drop's rows
+/// (authority, stock, variants, then the rest: a late commit for the sale meets
+/// the prune without a deadlock); `sales` and `ended_sales` last, so that a prune
+/// cut short is found and finished by the next.
 const SALE_TABLES: [&str; 8] = [
-    "DELETE FROM buyers WHERE drop_key = $1",
-    "DELETE FROM waitlist WHERE drop_key = $1",
+    "DELETE FROM authority WHERE drop_key = $1",
     "DELETE FROM stock WHERE drop_key = $1",
     "DELETE FROM variant_stock WHERE drop_key = $1",
-    "DELETE FROM authority WHERE drop_key = $1",
+    "DELETE FROM buyers WHERE drop_key = $1",
+    "DELETE FROM waitlist WHERE drop_key = $1",
     "DELETE FROM gate_seen WHERE drop_key = $1",
     "DELETE FROM sales WHERE drop_key = $1",
     "DELETE FROM ended_sales WHERE drop_key = $1",
