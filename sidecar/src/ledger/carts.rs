@@ -334,19 +334,12 @@ impl CartWrite {
                 }
                 // (A row of this write's own attempt is this write's: attempts are
                 // made anew for each request. See `apply_again`.)
-                let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
-                )))
-                .bind(namespace)
-                .bind(key)
-                .fetch_optional(&mut **tx)
-                .await?;
-                Ok(CartWritten::Begun(
-                    row.as_ref().map(decoded).transpose()?.map(|row| {
+                Ok(CartWritten::Begun(read_in(tx, namespace, key).await?.map(
+                    |row| {
                         let mine = row.attempt == *attempt;
                         (row, mine)
-                    }),
-                ))
+                    },
+                )))
             }
             CartWrite::Move {
                 namespace,
@@ -409,20 +402,27 @@ impl CartWrite {
         if let CartWritten::Moved(true) = written {
             return Ok(written);
         }
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
-        )))
-        .bind(namespace)
-        .bind(key)
-        .fetch_optional(&mut **tx)
-        .await?;
-        let landed = row
-            .as_ref()
-            .map(decoded)
-            .transpose()?
+        let landed = read_in(tx, namespace, key)
+            .await?
             .is_some_and(|row| row.state == *to && row.attempt == *new_attempt);
         Ok(CartWritten::Moved(landed))
     }
+}
+
+/// The cart recorded under `key`, read in `tx`.
+async fn read_in(
+    tx: &mut Transaction<'static, Any>,
+    namespace: &str,
+    key: &str,
+) -> Result<Option<CartRow>, sqlx::Error> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM carts WHERE namespace = $1 AND cart_key = $2"
+    )))
+    .bind(namespace)
+    .bind(key)
+    .fetch_optional(&mut **tx)
+    .await?;
+    row.as_ref().map(decoded).transpose()
 }
 
 /// [`cart_row`] inside a transaction, whose errors are SQL errors.

@@ -409,12 +409,26 @@ impl Ledger {
             // outlasted its deadline): the write is made again on its own, which
             // waits for that commit's locks and tells the two apart (each write
             // names its attempt), so that the caller's answer is true either way.
+            // Should that fail too, or not end within the commit deadline, the
+            // outcome stays unknown, and the caller's answer says so.
             Err(LedgerError::CommitUnknown(why)) => {
                 tracing::debug!(%why, "a cart's write is made again after a commit of unknown outcome");
-                let mut tx = self.pool.begin().await?;
-                let written = write.apply_again(&mut tx).await?;
-                tx.commit().await?;
-                Ok(written)
+                let again = async {
+                    let mut tx = self.pool.begin().await?;
+                    let written = write.apply_again(&mut tx).await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(written)
+                };
+                let deadline = std::time::Duration::from_millis(COMMIT_DEADLINE_MS);
+                match tokio::time::timeout(deadline, again).await {
+                    Ok(Ok(written)) => Ok(written),
+                    Ok(Err(e)) => Err(LedgerError::CommitUnknown(format!(
+                        "{why}; made again, it failed: {e}"
+                    ))),
+                    Err(_) => Err(LedgerError::CommitUnknown(format!(
+                        "{why}; made again, it did not end within {COMMIT_DEADLINE_MS} ms"
+                    ))),
+                }
             }
             other => other,
         }

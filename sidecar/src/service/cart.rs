@@ -161,6 +161,15 @@ fn ledger_down(what: &str, error: LedgerError) -> Failure {
     ))
 }
 
+/// A cart write's failure as its answer: nothing was changed, unless the ledger
+/// cannot tell whether the write landed (see [`LedgerError::CommitUnknown`]).
+fn not_written(key: &str, what: &str, error: LedgerError) -> Failure {
+    match error {
+        LedgerError::CommitUnknown(_) => unknown(key, what, error),
+        error => ledger_down(what, error),
+    }
+}
+
 /// The answer while another attempt decides the cart: throttled, as a duplicate
 /// reserve whose first attempt is unresolved is.
 fn in_flight(key: &str) -> Failure {
@@ -257,7 +266,7 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
                 now_ms: now,
             })
             .await
-            .map_err(|e| ledger_down("record the cart", e))?;
+            .map_err(|e| not_written(&cart.key, "record the cart", e))?;
         let waited = match begun {
             Some((row, _)) if row.user != cart.user || row.terms != terms => {
                 return Ok(CartOutcome::KeyReused);
@@ -296,7 +305,7 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
                     short: "[]",
                 })
                 .await
-                .map_err(|e| ledger_down("take the cart over", e))?;
+                .map_err(|e| not_written(&cart.key, "take the cart over", e))?;
             if !taken {
                 return Err(in_flight(&cart.key));
             }
@@ -669,7 +678,9 @@ async fn release_now(
                 short,
             })
             .await
-            .map_err(|e| Unreleased::Holding(ledger_down("record the cart's refusal", e)))?;
+            .map_err(|e| {
+                Unreleased::Holding(not_written(&cart.key, "record the cart's refusal", e))
+            })?;
         return if moved {
             Ok(())
         } else {
@@ -694,7 +705,7 @@ async fn release_now(
             short,
         })
         .await
-        .map_err(|e| Unreleased::Holding(ledger_down("record the cart's refusal", e)))?;
+        .map_err(|e| Unreleased::Holding(not_written(&cart.key, "record the cart's refusal", e)))?;
     if !moved {
         abandon(app, cart, lines_held).await;
         return Err(Unreleased::Holding(in_flight(&cart.key)));
@@ -1107,7 +1118,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             short: &row.short,
         })
         .await
-        .map_err(|e| ledger_down("record the cart's confirm", e))?;
+        .map_err(|e| not_written(&row.key, "record the cart's confirm", e))?;
     if !taken {
         return Err(in_flight(&row.key));
     }
@@ -1202,7 +1213,7 @@ async fn finish_release(
             short: &row.short,
         })
         .await
-        .map_err(|e| ledger_down("record the cart's give-back", e))?;
+        .map_err(|e| not_written(&row.key, "record the cart's give-back", e))?;
     if !taken {
         return Err(in_flight(&row.key));
     }
