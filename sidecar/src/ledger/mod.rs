@@ -399,7 +399,7 @@ impl Ledger {
     async fn write_cart(&self, write: carts::CartWrite) -> Result<carts::CartWritten, LedgerError> {
         let (done, wait) = oneshot::channel();
         let gone = || LedgerError::Sql(sqlx::Error::Protocol("the ledger's writer stopped".into()));
-        let (write, done) = (std::sync::Arc::new(write), done);
+        let write = std::sync::Arc::new(write);
         self.writer
             .send(Queued::Cart((write.clone(), done)))
             .await
