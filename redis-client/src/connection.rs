@@ -96,13 +96,16 @@ impl From<ConnectionManager> for Connection {
 }
 
 /// Counts a call that failed at the connection level (the connection dropped,
-/// refused, timed out or broke), after which the client reconnects by itself.
+/// refused, timed out or broke), after which the client reconnects by itself; so
+/// does every error after which the client reconnects (a reply it could not
+/// parse, a failed AUTH): what answers next may be another server.
 fn count_failure<T>(failures: &AtomicU64, reply: &RedisResult<T>) {
     if let Err(e) = reply
         && (e.is_io_error()
             || e.is_connection_refusal()
             || e.is_connection_dropped()
-            || e.is_timeout())
+            || e.is_timeout()
+            || e.is_unrecoverable_error())
     {
         failures.fetch_add(1, Ordering::AcqRel);
     }

@@ -43,6 +43,10 @@ pub enum Fault {
     /// The watch of InventoryDrops lags: a change or deletion it receives is not
     /// taken in (as if it had not arrived yet), while the watch stays caught up.
     WatchLags,
+    /// A call waits 300 ms between its Redis's check against the ledger and its
+    /// gate script (as a call queued behind its drop's batch in flight waits), so
+    /// that a test can fail over Redis in between.
+    PauseAfterCheck,
 }
 
 impl Fault {
@@ -62,10 +66,11 @@ impl Fault {
             Fault::LandedCommitUnanswered => "landed-commit-unanswered",
             Fault::LostCommitUnanswered => "lost-commit-unanswered",
             Fault::WatchLags => "watch-lags",
+            Fault::PauseAfterCheck => "pause-after-check",
         }
     }
 
-    const ALL: [Fault; 13] = [
+    const ALL: [Fault; 14] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -79,6 +84,7 @@ impl Fault {
         Fault::LandedCommitUnanswered,
         Fault::LostCommitUnanswered,
         Fault::WatchLags,
+        Fault::PauseAfterCheck,
     ];
 }
 

@@ -487,7 +487,12 @@ async fn a_gate_closed_for_a_later_epoch_refuses_a_stale_opening() {
     let standing = |conn: &mut dropgate_redis::Connection| {
         let mut conn = conn.clone();
         let keys = keys.clone();
-        async move { gate::standing(&mut conn, &keys).await.expect("reads").gate }
+        async move {
+            gate::standing(&mut conn, &keys, None)
+                .await
+                .expect("reads")
+                .gate
+        }
     };
     let after_close = standing(&mut conn).await;
     assert_eq!(

@@ -968,25 +968,43 @@ pub struct GateStanding {
     pub positions: i64,
     /// The sale (uid) of the config these belong to; `None` without a config.
     pub sale: Option<String>,
+    /// The highest change number the marker of the key asked about carries (the
+    /// last it was changed by, or a confirm or cancel prepared on it); `None` when
+    /// Redis has no marker of it.
+    pub marker_seq: Option<i64>,
 }
 
 /// The gate key, the change counter, the waitlist's position counter and the sale
-/// they belong to, as Redis holds them now.
-pub async fn standing(conn: &mut Connection, keys: &DropKeys) -> RedisResult<GateStanding> {
-    let (gate, seq, positions, sale): (Option<String>, Option<i64>, Option<i64>, Option<String>) =
-        redis::pipe()
-            .atomic()
-            .get(keys.gate())
-            .get(keys.seq())
-            .get(keys.waitlist_counter())
-            .hget(keys.config(), "sale")
-            .query_async(conn)
-            .await?;
+/// they belong to, and the change number of `key`'s marker, as Redis holds them
+/// now.
+pub async fn standing(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    key: Option<&str>,
+) -> RedisResult<GateStanding> {
+    let marker = keys.reservation(key.unwrap_or_default());
+    type Read = (
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+        Option<String>,
+        (Option<i64>, Option<i64>),
+    );
+    let (gate, seq, positions, sale, (changed, prepared)): Read = redis::pipe()
+        .atomic()
+        .get(keys.gate())
+        .get(keys.seq())
+        .get(keys.waitlist_counter())
+        .hget(keys.config(), "sale")
+        .hmget(&marker, &["seq", "settleSeq"])
+        .query_async(conn)
+        .await?;
     Ok(GateStanding {
         gate: GateKey::parse(gate)?,
         seq: seq.unwrap_or(0),
         positions: positions.unwrap_or(0),
         sale,
+        marker_seq: changed.max(prepared),
     })
 }
 

@@ -29,6 +29,11 @@ if ours() then
   m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'variant')
 end
 if m[3] and (rank[m[3]] or 0) >= rank[target] then
+  -- Redis has the ledger's change: its marker says so by its number, which is how
+  -- a check after a failover tells a Redis that has the ledger's last change.
+  if tonumber(redis.call('HGET', K.marker, 'seq') or '0') < tonumber(ARGV[7]) then
+    redis.call('HSET', K.marker, 'seq', ARGV[7])
+  end
   -- An active hold the ledger extended (Redis missed the extension's finish): its
   -- deadline moves forward, never back.
   local expires_at = tonumber(redis.call('HGET', K.marker, 'expiresAt') or '0')

@@ -282,6 +282,22 @@ impl Ledger {
         Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
     }
 
+    /// The reservation the ledger's highest change number belongs to, with that
+    /// number: among the rows a rebuild replays (an abandoned claim is none), and
+    /// only numbers Redis handed out (the fallback's rows carry none).
+    pub async fn last_change(&self, drop_key: &str) -> Result<Option<(String, i64)>, LedgerError> {
+        let row = sqlx::query(
+            "SELECT res_key, seq FROM reservations \
+             WHERE drop_key = $1 AND state <> 'abandoned' AND seq > 0 \
+             ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(drop_key)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .transpose()
+    }
+
     /// Notes which ledger Redis named the sale's (see
     /// [`dropgate_api::DropKeys::ledger`]). Redis's latest answer stands: a different
     /// one than before is a Redis that lost the key, claimed anew by a ledger new to

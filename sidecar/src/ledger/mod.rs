@@ -1091,6 +1091,12 @@ async fn apply_gate_change(
         return Ok(Err(RecordError::GivenUp));
     }
     match fallback::read(tx, &change.drop_key, &change.key).await? {
+        // Another change got there first: this attempt's preparation was made on a
+        // Redis that had not seen it (a replica promoted without the first cancel),
+        // and its caller must hear `already_*`, not that it moved the reservation.
+        Some(row) if row.state == change.state && change.attempt.is_some() => {
+            Ok(Err(RecordError::KeyUsed { state: row.state }))
+        }
         // Recorded before (a healing record of an earlier answer): nothing new,
         // but the row names this change as the last Redis made.
         Some(row) if row.state == change.state => {

@@ -413,6 +413,13 @@ async fn after_gate(
     // may not begin later (a sweeper resolves the key by then, and its claim of the
     // key in the ledger refuses a commit of this attempt still in flight).
     let deadline = now_ms() + pending_bound_ms(config) as i64;
+    if !super::answered_by_checked_redis(app, drop) {
+        if let Outcome::Admitted(_) = reply.outcome {
+            // (Should the undo fail, the marker goes back with its pending bound.)
+            let _ = undo(app, drop, &request.key, &attempt).await;
+        }
+        return Turn::Reopen { suspect: false };
+    }
     record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {
         Outcome::Admitted(_) if reply.step.sale.as_deref() != Some(config.sale.as_str()) => {

@@ -217,12 +217,20 @@ struct Standing {
     /// ledger recorded: joins carry no change number, so this is how a Redis that
     /// lost only joins shows.
     lines_behind: bool,
+    /// Whether Redis lacks the last change the ledger recorded (the marker of its
+    /// key carries a lower number, or none). Redis writes a drop's changes in
+    /// the order it numbers them, and a replica holds a prefix of its primary's
+    /// writes: one that has the last change has every change before it. The
+    /// counter alone can be fooled: a promoted replica that missed one change
+    /// hands that change's number out again to the next call, and its counter
+    /// then reads as far as the ledger's.
+    last_change_missing: bool,
 }
 
 impl Standing {
     /// Whether Redis lost writes the ledger recorded.
     fn redis_behind(&self) -> bool {
-        self.redis_seq < self.ledger_seq || self.lines_behind
+        self.redis_seq < self.ledger_seq || self.lines_behind || self.last_change_missing
     }
 }
 
@@ -238,9 +246,15 @@ impl Standing {
 async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, HandoverError> {
     let authority = app.ledger.authority(key).await?;
     let ledger_seq = app.ledger.max_seq(key).await?;
+    let last_change = app.ledger.last_change(key).await?;
     let ledger_positions = app.ledger.max_position(key).await?;
     let mut conn = app.redis.clone();
-    let redis = gate::standing(&mut conn, &drop.keys).await?;
+    let redis = gate::standing(
+        &mut conn,
+        &drop.keys,
+        last_change.as_ref().map(|(key, _)| key.as_str()),
+    )
+    .await?;
     if let Some(sale) = &redis.sale
         && drop.ledger_key_of(sale) != key
     {
@@ -254,6 +268,7 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
         gate_floor: redis.gate.floor(),
         redis_seq: redis.seq,
         lines_behind: redis.positions < ledger_positions,
+        last_change_missing: last_change.is_some_and(|(_, seq)| redis.marker_seq < Some(seq)),
     })
 }
 

@@ -307,6 +307,15 @@ fn is_verified(app: &App, drop: &Drop) -> bool {
     drop.verified.load(std::sync::atomic::Ordering::Acquire) == app.redis_era(drop)
 }
 
+/// Whether a gate reply came from the Redis that was checked against the ledger
+/// before the call: a connection failure since (any call's) made the client
+/// reconnect by itself, and the reply may be a promoted replica's that missed the
+/// last writes, unseen by the check that came first. Nothing such a reply decided
+/// stands: its caller takes back what it prepared and checks Redis again.
+fn answered_by_checked_redis(app: &App, drop: &Drop) -> bool {
+    is_verified(app, drop)
+}
+
 /// Whether Redis may act for `drop` on its own (the sweeper's expiries and
 /// resolutions): checked against the ledger since its last failure, checking it
 /// now if not. A Redis that answers after a failover may be a replica that missed
@@ -509,17 +518,12 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
         let turn = match (choose(app, drop, &config), call) {
             (Choice::Gate, call) => match checked(app, drop, &config).await {
                 Some(turn) => turn,
-                None => match call {
-                    Call::Reserve(request) => {
-                        admit::on_gate(app, drop, &config, request, false).await
+                None => {
+                    if crate::faults::check(crate::faults::Fault::PauseAfterCheck).is_err() {
+                        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
                     }
-                    Call::Settle(key, settle) => {
-                        settle::on_gate(app, drop, &config, key, settle).await
-                    }
-                    Call::Buyer(user, limit) => {
-                        settle::buyer_on_gate(app, drop, &config, user, limit).await
-                    }
-                },
+                    on_gate(app, drop, &config, call).await
+                }
             },
             (other, _) => Turn::Reroute(other),
         };
@@ -567,6 +571,16 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
             }
             Turn::Reopen { .. } => return Err(being_rebuilt(drop)),
         }
+    }
+}
+
+/// One attempt at a call on the Redis gate, once Redis was checked against the
+/// ledger.
+async fn on_gate(app: &App, drop: &Drop, config: &DropConfig, call: Call<'_>) -> Turn<Outcome> {
+    match call {
+        Call::Reserve(request) => admit::on_gate(app, drop, config, request, false).await,
+        Call::Settle(key, settle) => settle::on_gate(app, drop, config, key, settle).await,
+        Call::Buyer(user, limit) => settle::buyer_on_gate(app, drop, config, user, limit).await,
     }
 }
 

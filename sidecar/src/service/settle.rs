@@ -166,6 +166,7 @@ pub(super) async fn buyer_on_gate(
         Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
     }
     match gate::keys_of_buyer(&mut conn, &drop.keys, user, limit).await {
+        Ok(_) if !super::answered_by_checked_redis(app, drop) => Turn::Reopen { suspect: false },
         Ok(keys) => {
             app.breaker(Some(drop)).answered();
             Turn::Done(Ok(Outcome::Listed(keys)))
@@ -313,6 +314,9 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
         }
         backoff.wait(settle_by).await;
     };
+    if !super::answered_by_checked_redis(app, drop) {
+        return Turn::Reopen { suspect: false };
+    }
     match reply.outcome {
         Outcome::Closed => return Turn::Reopen { suspect: false },
         // No ledger named (Redis lost the key, or a claim waits to be recorded):
@@ -406,6 +410,15 @@ async fn change_on_gate(
             _ => break prepared,
         }
     };
+    if !super::answered_by_checked_redis(app, drop) {
+        if let Prepare::Prepared { .. } = prepared
+            && let Err(error) =
+                gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
+        {
+            tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
+        }
+        return Turn::Reopen { suspect: false };
+    }
     let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let (view, step) = match prepared {
         Prepare::Answered(reply) => return answered(app, drop, config, key, settling, reply).await,
@@ -446,7 +459,24 @@ async fn change_on_gate(
         Err(RecordError::KeyUsed { state: recorded }) => {
             undo(&mut conn).await;
             abort("the ledger's record went elsewhere");
-            replay_later(app, drop, &change_key(drop, &step), key).await;
+            let ledger_key = change_key(drop, &step);
+            replay_later(app, drop, &ledger_key, key).await;
+            // Another change made it so first, one this Redis has not seen (a
+            // replica promoted without it): the answer is the ledger's record of it.
+            if recorded == to && !matches!(settling, Settling::Extend { .. }) {
+                let view = match app.ledger.reservation(&ledger_key, key).await {
+                    Ok(Some(row)) => View {
+                        reservation: row.reservation(),
+                        remaining: settled.remaining,
+                    },
+                    _ => settled,
+                };
+                drop.throttle.release(key);
+                return Turn::Done(Ok(match to {
+                    State::Cancelled => Outcome::AlreadyCancelled(view),
+                    _ => Outcome::AlreadyConfirmed(view),
+                }));
+            }
             return Turn::Done(Ok(Outcome::Overruled {
                 recorded,
                 asked: to,

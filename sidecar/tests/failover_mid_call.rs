@@ -1,0 +1,121 @@
+//! Redis fails over between a call's check of Redis against the ledger and the
+//! call's gate script (another call's failure made the client reconnect, to a
+//! replica promoted without the last writes). Found by the linearizability-checked
+//! histories (seed 29): a cancel made on the primary, made again on the promoted
+//! replica, was answered `cancelled` twice. Fault points are process-wide, so this
+//! file holds one test.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{NS, Peer, one_per_buyer, seed};
+use dropgate_api::DropKeys;
+use dropgate_sidecar::faults::{self, Fault};
+use dropgate_testkit::{RedisServer, TcpProxy};
+use sqlx::Row;
+
+/// `remaining` and `held` as Redis has them.
+fn redis_counts(redis: &RedisServer) -> (i64, i64) {
+    let mut conn = redis.connection().expect("connect");
+    let keys = DropKeys::new(NS, "sale");
+    let mut get = |key: String| -> i64 {
+        redis::cmd("GET")
+            .arg(key)
+            .query::<Option<i64>>(&mut conn)
+            .expect("GET")
+            .unwrap_or(0)
+    };
+    (get(keys.remaining()), get(keys.held()))
+}
+
+/// The units the ledger counts held (active or confirmed) and available.
+async fn ledger_counts(database_url: &str) -> (i64, i64) {
+    let pool = sqlx::AnyPool::connect(database_url).await.expect("ledger");
+    let like = format!("{NS}/sale/%");
+    let held: i64 = sqlx::query(
+        "SELECT COALESCE(SUM(quantity), 0) FROM reservations \
+         WHERE drop_key LIKE $1 AND state IN ('active', 'confirmed')",
+    )
+    .bind(&like)
+    .fetch_one(&pool)
+    .await
+    .expect("held")
+    .try_get(0)
+    .expect("a count");
+    let available: i64 = sqlx::query("SELECT available FROM stock WHERE drop_key LIKE $1")
+        .bind(&like)
+        .fetch_one(&pool)
+        .await
+        .expect("stock row")
+        .try_get(0)
+        .expect("a count");
+    (held, available)
+}
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    for _ in 0..100 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelled() {
+    sqlx::any::install_default_drivers();
+    let mut primary = RedisServer::start().expect("redis-server");
+    let replica = RedisServer::start_replica_of(&primary).expect("replica");
+    let proxy = TcpProxy::start(primary.port()).await.expect("proxy");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    // Closed: a call that meets the failover fails, and hands nothing to the ledger.
+    seed(&primary.url(), "sale", one_per_buyer(6).fail_closed()).await;
+    // Refreshes 3 s apart: no refresh compares the replica with the ledger first.
+    let sidecar = Peer::start_with(&proxy.redis_url(), &ledger, 3000).await;
+    for i in 0..3 {
+        let key = format!("b-{i}");
+        let reply = sidecar.reserve("sale", &key, &key, 1).await;
+        reply.assert_answer(201, "admitted");
+    }
+    eventually("the replica to catch up", async || {
+        redis_counts(&replica).1 == 3
+    })
+    .await;
+    replica.promote().expect("REPLICAOF NO ONE");
+    let first = sidecar.settle("sale", "b-0", "cancel").await;
+    first.assert_answer(200, "cancelled");
+
+    // The cancel again, checked now and run 300 ms later: meanwhile the primary
+    // dies, and a call fails on the dead connection (the look-up below, or the
+    // sidecar's own sweep): the client reconnects, to the promoted replica, where
+    // b-0 is still held.
+    faults::arm(Fault::PauseAfterCheck, 1);
+    let again = sidecar.settle("sale", "b-0", "cancel");
+    let failover = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        primary.stop();
+        proxy.point_to(replica.port()).await;
+        sidecar.lookup("sale", "b-1").await
+    };
+    let (again, looked) = tokio::join!(again, failover);
+    assert!(
+        looked.status == 503 || looked.body["state"] == "active",
+        "{}",
+        looked.text
+    );
+    again.assert_answer(200, "already_cancelled");
+
+    // Redis is brought in line with the ledger: the unit went back once.
+    let looked = sidecar.lookup("sale", "b-0").await;
+    assert_eq!(looked.body["state"], "cancelled", "{}", looked.text);
+    eventually("Redis to hold what the ledger holds", async || {
+        redis_counts(&replica) == (4, 2)
+    })
+    .await;
+    assert_eq!(ledger_counts(&ledger).await, (2, 4));
+    sidecar.shutdown().await;
+}
