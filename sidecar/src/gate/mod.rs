@@ -968,11 +968,24 @@ pub struct GateStanding {
     pub positions: i64,
     /// The sale (uid) of the config these belong to; `None` without a config.
     pub sale: Option<String>,
-    /// The highest change number the marker of the key asked about carries (the
-    /// last it was changed by, or a confirm or cancel prepared on it); `None` when
-    /// Redis has no marker of it.
-    pub marker_seq: Option<i64>,
+    /// The marker of the key asked about, if Redis has one.
+    pub marker: Option<MarkerSeen>,
 }
+
+/// What a reservation's marker says of the changes it has seen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MarkerSeen {
+    /// The number of the last change made to it.
+    pub seq: i64,
+    /// The number of a confirm, cancel or extension prepared on it (0 for none).
+    pub settle_seq: i64,
+    /// Its state (`None`: one this sidecar does not know).
+    pub state: Option<State>,
+}
+
+/// How long past a hold's deadline Redis keeps its marker (the scripts set it so:
+/// `PEXPIREAT` deadline + 7 days).
+pub const MARKER_KEPT_MS: i64 = 7 * 86_400_000;
 
 /// The gate key, the change counter, the waitlist's position counter and the sale
 /// they belong to, and the change number of `key`'s marker, as Redis holds them
@@ -988,15 +1001,15 @@ pub async fn standing(
         Option<i64>,
         Option<i64>,
         Option<String>,
-        (Option<i64>, Option<i64>),
+        (Option<i64>, Option<i64>, Option<String>),
     );
-    let (gate, seq, positions, sale, (changed, prepared)): Read = redis::pipe()
+    let (gate, seq, positions, sale, (changed, prepared, state)): Read = redis::pipe()
         .atomic()
         .get(keys.gate())
         .get(keys.seq())
         .get(keys.waitlist_counter())
         .hget(keys.config(), "sale")
-        .hmget(&marker, &["seq", "settleSeq"])
+        .hmget(&marker, &["seq", "settleSeq", "state"])
         .query_async(conn)
         .await?;
     Ok(GateStanding {
@@ -1004,7 +1017,11 @@ pub async fn standing(
         seq: seq.unwrap_or(0),
         positions: positions.unwrap_or(0),
         sale,
-        marker_seq: changed.max(prepared),
+        marker: state.map(|state| MarkerSeen {
+            seq: changed.unwrap_or(0),
+            settle_seq: prepared.unwrap_or(0),
+            state: State::parse(&state),
+        }),
     })
 }
 

@@ -15,7 +15,7 @@ use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
 use super::{Backend, Ledger, LedgerError, RecordError, ensure_stock};
-use crate::reservation::Stock;
+use crate::reservation::{State, Stock};
 
 /// Who decides admissions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -283,19 +283,32 @@ impl Ledger {
     }
 
     /// The reservation the ledger's highest change number belongs to, with that
-    /// number: among the rows a rebuild replays (an abandoned claim is none), and
-    /// only numbers Redis handed out (the fallback's rows carry none).
-    pub async fn last_change(&self, drop_key: &str) -> Result<Option<(String, i64)>, LedgerError> {
+    /// number, its state and deadline: among the rows a rebuild replays (an
+    /// abandoned claim is none), and only numbers Redis handed out (the fallback's
+    /// rows carry none).
+    pub async fn last_change(&self, drop_key: &str) -> Result<Option<LastChange>, LedgerError> {
         let row = sqlx::query(
-            "SELECT res_key, seq FROM reservations \
+            "SELECT res_key, seq, state, expires_at_ms FROM reservations \
              WHERE drop_key = $1 AND state <> 'abandoned' AND seq > 0 \
              ORDER BY seq DESC LIMIT 1",
         )
         .bind(drop_key)
         .fetch_optional(&self.pool)
         .await?;
-        row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-            .transpose()
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let state: String = row.try_get(2)?;
+        Ok(Some(LastChange {
+            key: row.try_get(0)?,
+            seq: row.try_get(1)?,
+            state: State::parse(&state).ok_or_else(|| {
+                LedgerError::Sql(sqlx::Error::Protocol(format!(
+                    "the ledger holds a reservation in an unknown state {state:?}"
+                )))
+            })?,
+            expires_at_ms: row.try_get(3)?,
+        }))
     }
 
     /// Notes which ledger Redis named the sale's (see
@@ -378,4 +391,17 @@ async fn put(
         }
     };
     Ok(written.rows_affected() == 1)
+}
+
+/// The last change the ledger recorded of a sale Redis numbered (see
+/// [`Ledger::last_change`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LastChange {
+    /// The reservation's key.
+    pub key: String,
+    pub seq: i64,
+    /// The state the change left it in.
+    pub state: State,
+    /// Its hold's deadline (ms): Redis keeps its marker until a while past it.
+    pub expires_at_ms: i64,
 }

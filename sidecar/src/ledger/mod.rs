@@ -222,7 +222,7 @@ pub struct Ledger {
     commit_seconds: Histogram,
 }
 
-pub use authority::{Authority, Holder};
+pub use authority::{Authority, Holder, LastChange};
 pub use fallback::{Landed, Recorded};
 pub use waitlist::{WaitRow, WaitState};
 

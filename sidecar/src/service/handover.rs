@@ -30,8 +30,8 @@ use crate::app::App;
 use crate::clock::now_ms;
 use crate::drops::{Drop, LookupError};
 use crate::gate::{self, Claim, Closing, Opened, Replay};
-use crate::ledger::{Authority, Holder, LedgerError};
-use crate::reservation::Stock;
+use crate::ledger::{Authority, Holder, LastChange, LedgerError};
+use crate::reservation::{State, Stock};
 
 /// Why the gate could not be opened or checked.
 #[derive(Debug, thiserror::Error)]
@@ -217,13 +217,8 @@ struct Standing {
     /// ledger recorded: joins carry no change number, so this is how a Redis that
     /// lost only joins shows.
     lines_behind: bool,
-    /// Whether Redis lacks the last change the ledger recorded (the marker of its
-    /// key carries a lower number, or none). Redis writes a drop's changes in
-    /// the order it numbers them, and a replica holds a prefix of its primary's
-    /// writes: one that has the last change has every change before it. The
-    /// counter alone can be fooled: a promoted replica that missed one change
-    /// hands that change's number out again to the next call, and its counter
-    /// then reads as far as the ledger's.
+    /// Whether Redis lacks the last change the ledger recorded (see
+    /// [`has_change`]).
     last_change_missing: bool,
 }
 
@@ -252,7 +247,7 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
     let redis = gate::standing(
         &mut conn,
         &drop.keys,
-        last_change.as_ref().map(|(key, _)| key.as_str()),
+        last_change.as_ref().map(|last| last.key.as_str()),
     )
     .await?;
     if let Some(sale) = &redis.sale
@@ -268,8 +263,46 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
         gate_floor: redis.gate.floor(),
         redis_seq: redis.seq,
         lines_behind: redis.positions < ledger_positions,
-        last_change_missing: last_change.is_some_and(|(_, seq)| redis.marker_seq < Some(seq)),
+        last_change_missing: last_change
+            .is_some_and(|last| !has_change(&last, redis.marker.as_ref(), now_ms())),
     })
+}
+
+/// Whether Redis has the ledger's last change `last` of a sale, by its key's
+/// `marker`. Redis writes a drop's changes in the order it numbers them, and a
+/// replica holds a prefix of its primary's writes: one that has the last change
+/// has every change before it. The change counter alone can be fooled: a promoted
+/// replica that missed one change hands that change's number out again, to any
+/// key, and its counter then reads as far as the ledger's. So the marker must
+/// carry the change's number in a state at least as far as the ledger's (a
+/// later number, or a change prepared at or past it, is further still). A marker
+/// Redis no longer keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`])
+/// tells nothing, and the counter decides alone.
+fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64) -> bool {
+    // A state's place on the way forward; an admission waiting for its activation
+    // is as far as the hold the ledger recorded for it.
+    let rank = |state: State| match state {
+        State::Pending | State::Active => 1,
+        State::Expired => 2,
+        State::Confirmed => 3,
+        State::Cancelled => 4,
+    };
+    match marker {
+        None => {
+            now_ms
+                >= last
+                    .expires_at_ms
+                    .saturating_add(gate::MARKER_KEPT_MS - 3_600_000)
+        }
+        Some(marker) => {
+            marker.seq > last.seq
+                || marker.settle_seq >= last.seq
+                || (marker.seq == last.seq
+                    && marker
+                        .state
+                        .is_some_and(|state| rank(state) >= rank(last.state)))
+        }
+    }
 }
 
 /// Makes this sidecar's ledger the sale's if the sale has none yet, or finds that it
@@ -644,4 +677,79 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
         .store(era, std::sync::atomic::Ordering::Release);
     replay_unseen(app, drop).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: i64 = 1_000_000_000_000;
+
+    fn last(state: State) -> LastChange {
+        LastChange {
+            key: "k".into(),
+            seq: 10,
+            state,
+            expires_at_ms: NOW,
+        }
+    }
+
+    fn marker(seq: i64, settle_seq: i64, state: State) -> gate::MarkerSeen {
+        gate::MarkerSeen {
+            seq,
+            settle_seq,
+            state: Some(state),
+        }
+    }
+
+    #[test]
+    fn a_marker_with_the_last_change_has_it() {
+        let cancelled = last(State::Cancelled);
+        assert!(has_change(
+            &cancelled,
+            Some(&marker(10, 0, State::Cancelled)),
+            NOW
+        ));
+        // Changed again since, or a change prepared at or past it.
+        assert!(has_change(
+            &cancelled,
+            Some(&marker(11, 0, State::Active)),
+            NOW
+        ));
+        assert!(has_change(
+            &cancelled,
+            Some(&marker(9, 10, State::Active)),
+            NOW
+        ));
+        // An admission the ledger recorded, waiting for its activation in Redis.
+        assert!(has_change(
+            &last(State::Active),
+            Some(&marker(10, 0, State::Pending)),
+            NOW
+        ));
+    }
+
+    #[test]
+    fn a_replica_that_missed_the_last_change_lacks_it() {
+        let cancelled = last(State::Cancelled);
+        assert!(!has_change(
+            &cancelled,
+            Some(&marker(7, 0, State::Active)),
+            NOW
+        ));
+        // It handed the missed number out again, to an expiry of the same key.
+        assert!(!has_change(
+            &cancelled,
+            Some(&marker(10, 0, State::Expired)),
+            NOW
+        ));
+        // It never saw the key at all.
+        assert!(!has_change(&cancelled, None, NOW));
+    }
+
+    #[test]
+    fn a_marker_redis_no_longer_keeps_tells_nothing() {
+        let week_later = NOW + gate::MARKER_KEPT_MS;
+        assert!(has_change(&last(State::Confirmed), None, week_later));
+    }
 }

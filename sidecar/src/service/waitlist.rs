@@ -14,8 +14,8 @@ use dropgate_api::{DropConfig, Mode};
 
 use super::handover::{self, HandoverError, Opening};
 use super::{
-    Choice, Failure, Turn, admit, being_rebuilt, checked, choose, find_drop, foreign_ledger,
-    pending_bound_ms, redis_failed,
+    Choice, Failure, Turn, admit, answered_by_checked_redis, being_rebuilt, checked, choose,
+    find_drop, foreign_ledger, pending_bound_ms, redis_failed,
 };
 use crate::app::App;
 use crate::drops::Drop;
@@ -88,6 +88,7 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
     let attempt = format!("{:016x}", rand::random::<u64>());
     let mut reopened = false;
     let mut resolved = false;
+    let mut rechecked = false;
     loop {
         let config = ready(app, &drop).await?;
         let mut conn = app.redis.clone();
@@ -104,6 +105,28 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
         )
         .await
         .map_err(|e| redis_failure(app, &drop, &config, &e))?;
+        if !answered_by_checked_redis(app, &drop) {
+            // Perhaps another Redis than the one checked (the client reconnected
+            // meanwhile): a join placed there is taken back, and Redis is checked
+            // again before the join is asked for anew.
+            if let Said::Entry(Word::Joining, _) = said
+                && let Err(error) = line::unjoin(
+                    &mut conn,
+                    &drop.keys,
+                    app.ledger.id(),
+                    &request.key,
+                    &attempt,
+                )
+                .await
+            {
+                tracing::warn!(drop = %drop.name, %error, "a join placed in an unchecked Redis could not be taken back now");
+            }
+            if rechecked {
+                return Err(redis_changed(&drop));
+            }
+            rechecked = true;
+            continue;
+        }
         match said {
             Said::Entry(Word::Joining, entry) => {
                 return make_durable(app, &drop, &request.key, &attempt, &entry).await;
@@ -416,13 +439,22 @@ async fn resolve_join(app: &App, drop: &Drop, key: &str, entry: &Entry) -> Resul
 /// it cannot be read.
 async fn entry_of(app: &App, drop: &Drop, key: &str) -> Result<Option<Entry>, Failure> {
     let mut reopened = false;
+    let mut rechecked = false;
     loop {
         let config = ready(app, drop).await?;
         let mut conn = app.redis.clone();
-        match line::look(&mut conn, &drop.keys, app.ledger.id(), key)
+        let said = line::look(&mut conn, &drop.keys, app.ledger.id(), key)
             .await
-            .map_err(|e| redis_failure(app, drop, &config, &e))?
-        {
+            .map_err(|e| redis_failure(app, drop, &config, &e))?;
+        // Perhaps another Redis than the one checked: checked again, then read anew.
+        if !answered_by_checked_redis(app, drop) {
+            if rechecked {
+                return Err(redis_changed(drop));
+            }
+            rechecked = true;
+            continue;
+        }
+        match said {
             Said::Entry(_, entry) => return Ok(Some(entry)),
             Said::NoEntry => return Ok(None),
             Said::Closed if !reopened => {
@@ -538,6 +570,14 @@ async fn reopen(app: &App, drop: &Drop, suspect: bool) -> Result<(), Failure> {
         )),
         Opening::Refused(why) => Err(Failure::unavailable(why)),
     }
+}
+
+/// Redis failed over under the call twice in a row.
+fn redis_changed(drop: &Drop) -> Failure {
+    Failure::retry(format!(
+        "drop {}'s Redis changed while this call was asking it (a failover): nothing was changed; retry",
+        drop.name
+    ))
 }
 
 /// While the drop is off the Redis gate: the lines wait for it.
