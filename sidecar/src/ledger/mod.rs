@@ -1183,7 +1183,7 @@ pub(super) async fn extend_hold(
     now: i64,
 ) -> Result<bool, sqlx::Error> {
     let moved = sqlx::query(
-        "UPDATE reservations SET expires_at_ms = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq) \
+        "UPDATE reservations SET expires_at_ms = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END \
          WHERE drop_key = $5 AND res_key = $6 AND state = 'active' AND expires_at_ms < $7 \
          AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $8)",
     )
@@ -1541,14 +1541,14 @@ async fn transition(
     let sql = match change.state {
         State::Active | State::Pending => return Ok(None),
         State::Confirmed | State::Expired => {
-            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
              quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
              AND ($9 = 0 OR quantity = $10) AND ($11 = 0 OR expires_at_ms <= $12) RETURNING quantity"
         }
         State::Cancelled => {
-            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = COALESCE($4, seq), \
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
              quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed') \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \

@@ -413,9 +413,9 @@ async fn after_gate(
     // may not begin later (a sweeper resolves the key by then, and its claim of the
     // key in the ledger refuses a commit of this attempt still in flight).
     let deadline = now_ms() + pending_bound_ms(config) as i64;
-    // An expiry the script made on the way is the ledger's to judge, whichever
-    // Redis made it (one that missed the ledger's record is put right by it).
-    record_expiry(app, drop, config, &request.key, &reply.step).await;
+    // Not even an expiry made on the way is recorded from an unchecked Redis: the
+    // ledger's answer to it would be replayed into that Redis, and could make it
+    // look in line when it is not. The check that follows rebuilds what it lacks.
     if !super::answered_by_checked_redis(app, drop) {
         if let Outcome::Admitted(_) = reply.outcome {
             // (Should the undo fail, the marker goes back with its pending bound.)
@@ -423,6 +423,7 @@ async fn after_gate(
         }
         return Turn::Reopen { suspect: false };
     }
+    record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {
         Outcome::Admitted(_) if reply.step.sale.as_deref() != Some(config.sale.as_str()) => {
             // The drop was re-created since this sidecar read its config: never

@@ -314,9 +314,9 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
         }
         backoff.wait(settle_by).await;
     };
+    // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
+    // admit::after_gate.)
     if !super::answered_by_checked_redis(app, drop) {
-        // (An expiry made on the way is the ledger's to judge, as below.)
-        record_expiry(app, drop, config, key, &reply.step).await;
         return Turn::Reopen { suspect: false };
     }
     match reply.outcome {
@@ -412,18 +412,14 @@ async fn change_on_gate(
             _ => break prepared,
         }
     };
+    // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
+    // admit::after_gate.)
     if !super::answered_by_checked_redis(app, drop) {
-        match &prepared {
-            Prepare::Prepared { .. } => {
-                if let Err(error) =
-                    gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
-                {
-                    tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
-                }
-            }
-            // An expiry made on the way is the ledger's to judge, whichever Redis
-            // made it (one that missed the ledger's record is put right by it).
-            Prepare::Answered(reply) => record_expiry(app, drop, config, key, &reply.step).await,
+        if let Prepare::Prepared { .. } = prepared
+            && let Err(error) =
+                gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
+        {
+            tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
         }
         return Turn::Reopen { suspect: false };
     }
