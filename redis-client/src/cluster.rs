@@ -26,7 +26,7 @@
 //! for another slot is followed all the same.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LockResult, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -62,11 +62,17 @@ pub struct ClusterClient {
     /// Nodes that could not be reached or broke off lately, and when: asked last
     /// by calls that may go to any node.
     troubled: Mutex<HashMap<Node, Instant>>,
-    /// Counts the connections made to nodes and the slot maps and redirections
-    /// learnt: each may mean a slot is now served by a node that was a replica, one
-    /// that may have missed writes (see [`ClusterClient::changes`]).
-    changes: std::sync::atomic::AtomicU64,
+    /// Per slot, how many times the node serving it changed (in a map read or by
+    /// a redirection): the node now serving it may have been a replica that
+    /// missed writes (see [`ClusterClient::changes_of_slot`]).
+    owner_changes: Box<[AtomicU64]>,
+    /// Per node, how many connections were made to it: what answers after a
+    /// reconnection may be another server under the same address.
+    generations: Mutex<HashMap<Node, u64>>,
 }
+
+/// How many slots a Redis Cluster has.
+const SLOTS: usize = 16_384;
 
 /// How long a node that could not be reached is asked last.
 const TROUBLE_MEMORY: Duration = Duration::from_secs(5);
@@ -305,7 +311,8 @@ impl ClusterClient {
             connections: Mutex::new(HashMap::new()),
             last_refresh: tokio::sync::Mutex::new(None),
             refresh_queued: AtomicBool::new(false),
-            changes: std::sync::atomic::AtomicU64::new(0),
+            owner_changes: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            generations: Mutex::new(HashMap::new()),
             troubled: Mutex::new(HashMap::new()),
         })
     }
@@ -655,22 +662,36 @@ impl ClusterClient {
     }
 
     fn remember_moved(&self, slot: u16, node: Node) {
-        self.changed();
-        unpoisoned(self.slots.write())
-            .moved
-            .insert(slot, (node, Instant::now()));
+        let mut slots = unpoisoned(self.slots.write());
+        if slots.primary(slot) != Some(&node) {
+            self.owner_changed(slot);
+        }
+        slots.moved.insert(slot, (node, Instant::now()));
     }
 
-    fn changed(&self) {
-        self.changes.fetch_add(1, Ordering::AcqRel);
+    fn owner_changed(&self, slot: u16) {
+        if let Some(changes) = self.owner_changes.get(usize::from(slot)) {
+            changes.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
-    /// How many times the cluster may have changed under the client's calls
-    /// (connections made, slot maps read, redirections followed): a caller that
-    /// trusts what a slot holds only as far as it checked it checks again when this
-    /// moved.
-    pub fn changes(&self) -> u64 {
-        self.changes.load(Ordering::Acquire)
+    /// A number that changes whenever the Redis serving `key`'s slot may have
+    /// changed under the client's calls: another node serves it (a map read, a
+    /// redirection), or the client connected to its node again. A caller that
+    /// trusts what the slot holds only as far as it checked it checks again when
+    /// this moved. Changes elsewhere in the cluster leave it alone.
+    pub fn changes_of_slot(&self, key: &[u8]) -> u64 {
+        let slot = slot(key);
+        let owner_changes = self
+            .owner_changes
+            .get(usize::from(slot))
+            .map_or(0, |changes| changes.load(Ordering::Acquire));
+        let generation = self
+            .slots_read()
+            .primary(slot)
+            .and_then(|node| unpoisoned(self.generations.lock()).get(node).copied())
+            .unwrap_or(0);
+        (owner_changes << 32) | (generation & 0xffff_ffff)
     }
 
     fn slots_read(&self) -> std::sync::RwLockReadGuard<'_, SlotMap> {
@@ -698,7 +719,7 @@ impl ClusterClient {
             .await?;
         shared.generation += 1;
         shared.conn = Some(conn.clone());
-        self.changed();
+        unpoisoned(self.generations.lock()).insert(node.clone(), shared.generation);
         Ok((shared.generation, conn))
     }
 
@@ -772,8 +793,12 @@ impl ClusterClient {
                         let mut slots = unpoisoned(self.slots.write());
                         map.moved = std::mem::take(&mut slots.moved);
                         map.moved.retain(|_, (_, learned)| *learned > began);
+                        for slot in 0..SLOTS as u16 {
+                            if slots.primary(slot) != map.primary(slot) {
+                                self.owner_changed(slot);
+                            }
+                        }
                         *slots = map;
-                        self.changed();
                         return Ok(());
                     }
                     None => {

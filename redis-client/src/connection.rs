@@ -75,16 +75,17 @@ impl Connection {
         matches!(self, Connection::Cluster(_))
     }
 
-    /// How many times the Redis behind this connection may have changed: on one
-    /// Redis, the calls that met a connection-level failure, since the client
-    /// reconnects after one by itself, and what answers next may be another server
-    /// (a replica promoted in a failover, or a Redis restarted without its data);
-    /// on a cluster, [`ClusterClient::changes`]. Counted here, under every call,
-    /// so that no caller that forgets to report a failure can miss a change.
-    pub fn changes(&self) -> u64 {
+    /// A number that moves whenever the Redis that serves `key` may have changed:
+    /// on one Redis, the calls that met a connection-level failure, since the
+    /// client reconnects after one by itself, and what answers next may be another
+    /// server (a replica promoted in a failover, or a Redis restarted without its
+    /// data); on a cluster, [`ClusterClient::changes_of_slot`] (another node, or a
+    /// new connection, for that slot). Counted here, under every call, so that no
+    /// caller that forgets to report a failure can miss a change.
+    pub fn changes_for(&self, key: &str) -> u64 {
         match self {
             Connection::Single(_, failures) => failures.load(Ordering::Acquire),
-            Connection::Cluster(link) => link.changes(),
+            Connection::Cluster(link) => link.changes_of_slot(key.as_bytes()),
         }
     }
 }

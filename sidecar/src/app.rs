@@ -109,7 +109,9 @@ impl App {
     /// many failures (and cluster changes); a drop checked at an older count is
     /// checked again before Redis answers for it (see `service::verify`).
     pub fn redis_era(&self, drop: &crate::drops::Drop) -> u64 {
-        self.breaker(Some(drop)).failures() + self.redis.changes()
+        self.breaker(Some(drop))
+            .failures()
+            .wrapping_add(self.redis.changes_for(&drop.keys.gate()))
     }
 
     /// The breaker of the Redis that `drop` lives on; `None`: the sidecar's own

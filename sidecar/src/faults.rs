@@ -3,7 +3,7 @@
 //! builds with the `fault-injection` feature; in a release build [`check`] does
 //! nothing and `DROPGATE_FAULTS` is refused.
 
-/// The points where a test can make the next step fail.
+/// The points where a test can make the next step fail (or, for one, wait).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fault {
     /// After Redis admitted, before the ledger is asked to record it.

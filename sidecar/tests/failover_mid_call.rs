@@ -29,7 +29,8 @@ fn redis_counts(redis: &RedisServer) -> (i64, i64) {
     (get(keys.remaining()), get(keys.held()))
 }
 
-/// The units the ledger counts held (active or confirmed) and available.
+/// The units the ledger counts available and held (active or confirmed), in the
+/// order of [`redis_counts`].
 async fn ledger_counts(database_url: &str) -> (i64, i64) {
     let pool = sqlx::AnyPool::connect(database_url).await.expect("ledger");
     let like = format!("{NS}/sale/%");
@@ -50,7 +51,7 @@ async fn ledger_counts(database_url: &str) -> (i64, i64) {
         .expect("stock row")
         .try_get(0)
         .expect("a count");
-    (held, available)
+    (available, held)
 }
 
 /// Waits (bounded) until `done` holds.
@@ -85,6 +86,8 @@ async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelle
         redis_counts(&replica).1 == 3
     })
     .await;
+    // The replica is cut off now: it misses every write from here on, the cancel
+    // below included.
     replica.promote().expect("REPLICAOF NO ONE");
     let first = sidecar.settle("sale", "b-0", "cancel").await;
     first.assert_answer(200, "cancelled");
@@ -116,6 +119,6 @@ async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelle
         redis_counts(&replica) == (4, 2)
     })
     .await;
-    assert_eq!(ledger_counts(&ledger).await, (2, 4));
+    assert_eq!(ledger_counts(&ledger).await, (4, 2));
     sidecar.shutdown().await;
 }

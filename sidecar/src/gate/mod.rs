@@ -983,8 +983,9 @@ pub struct MarkerSeen {
     pub state: Option<State>,
 }
 
-/// How long past a hold's deadline Redis keeps its marker (the scripts set it so:
-/// `PEXPIREAT` deadline + 7 days).
+/// How long past a hold's deadline Redis keeps its marker at least: the scripts
+/// set deadline + 7 days, or the sale's `expireAt` when it has an end (the end,
+/// plus the longest hold, plus 7 days: later still).
 pub const MARKER_KEPT_MS: i64 = 7 * 86_400_000;
 
 /// The gate key, the change counter, the waitlist's position counter and the sale

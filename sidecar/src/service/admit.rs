@@ -416,12 +416,12 @@ async fn after_gate(
     // Not even an expiry made on the way is recorded from an unchecked Redis: the
     // ledger's answer to it would be replayed into that Redis, and could make it
     // look in line when it is not. The check that follows rebuilds what it lacks.
-    if !super::answered_by_checked_redis(app, drop) {
+    if !super::redis_still_checked(app, drop) {
         if let Outcome::Admitted(_) = reply.outcome {
             // (Should the undo fail, the marker goes back with its pending bound.)
             let _ = undo(app, drop, &request.key, &attempt).await;
         }
-        return Turn::Reopen { suspect: false };
+        return Turn::Recheck;
     }
     record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {

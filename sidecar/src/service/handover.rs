@@ -268,6 +268,10 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
     })
 }
 
+/// How far this sidecar's clock may be from Redis's (which sets the markers'
+/// expiry) when an absent marker is judged: an hour.
+const CLOCKS_APART_MS: i64 = 3_600_000;
+
 /// Whether Redis has the ledger's last change `last` of a sale, by its key's
 /// `marker`. Redis writes a drop's changes in the order it numbers them, and a
 /// replica holds a prefix of its primary's writes: one that has the last change
@@ -276,8 +280,8 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
 /// key, and its counter then reads as far as the ledger's. So the marker must
 /// carry the change's number in a state at least as far as the ledger's (a
 /// later number, or a change prepared at or past it, is further still). A marker
-/// Redis no longer keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`])
-/// tells nothing, and the counter decides alone.
+/// Redis no longer keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`],
+/// less [`CLOCKS_APART_MS`]) tells nothing, and the counter decides alone.
 fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64) -> bool {
     // A state's place on the way forward; an admission waiting for its activation
     // is as far as the hold the ledger recorded for it.
@@ -292,7 +296,7 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
             now_ms
                 >= last
                     .expires_at_ms
-                    .saturating_add(gate::MARKER_KEPT_MS - 3_600_000)
+                    .saturating_add(gate::MARKER_KEPT_MS - CLOCKS_APART_MS)
         }
         Some(marker) => {
             marker.seq > last.seq

@@ -307,12 +307,16 @@ fn is_verified(app: &App, drop: &Drop) -> bool {
     drop.verified.load(std::sync::atomic::Ordering::Acquire) == app.redis_era(drop)
 }
 
-/// Whether a gate reply came from the Redis that was checked against the ledger
-/// before the call: a connection failure since (any call's) made the client
-/// reconnect by itself, and the reply may be a promoted replica's that missed the
-/// last writes, unseen by the check that came first. Nothing such a reply decided
-/// stands: its caller takes back what it prepared and checks Redis again.
-fn answered_by_checked_redis(app: &App, drop: &Drop) -> bool {
+/// Whether the drop's Redis is still as it was last checked against the ledger:
+/// no connection failure or reconnection under it since (any call's). Asked once
+/// a gate script answered: a failure of another call between this call's check
+/// and its script made the client reconnect, and the reply may be a promoted
+/// replica's that missed the last writes. Nothing such a reply decided stands:
+/// its caller takes back what it prepared and checks Redis again
+/// ([`Turn::Recheck`]). (It tells "not since the drop's last check", which a
+/// peer call may have renewed meanwhile; a write is then still fenced by the
+/// gate's epoch in the ledger.)
+fn redis_still_checked(app: &App, drop: &Drop) -> bool {
     is_verified(app, drop)
 }
 
@@ -499,7 +503,15 @@ enum Turn<T> {
     Reopen {
         suspect: bool,
     },
+    /// The reply came from a Redis not checked against the ledger (the client
+    /// reconnected under the call): nothing of it was kept; check Redis (which
+    /// rebuilds it only if the check finds it behind) and try again.
+    Recheck,
 }
+
+/// How many times one call goes back to checking Redis because the Redis under it
+/// changed while it asked (see [`Turn::Recheck`]) before it answers 503.
+const RECHECKS: usize = 3;
 
 /// A call on a reservation, as [`decide`] runs it.
 #[derive(Clone, Copy)]
@@ -513,6 +525,7 @@ enum Call<'a> {
 /// Runs a call: on the gate its attempt chooses, reopening a closed gate once.
 async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failure> {
     let mut reopened = false;
+    let mut rechecks = 0;
     loop {
         let config = drop.config();
         let turn = match (choose(app, drop, &config), call) {
@@ -570,8 +583,18 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
                 }
             }
             Turn::Reopen { .. } => return Err(being_rebuilt(drop)),
+            Turn::Recheck if rechecks < RECHECKS => rechecks += 1,
+            Turn::Recheck => return Err(redis_changed(drop)),
         }
     }
+}
+
+/// Redis changed under the call each time it asked (failovers, reconnects).
+fn redis_changed(drop: &Drop) -> Failure {
+    Failure::retry(format!(
+        "drop {}'s Redis changed while this call was asking it (a failover or a reconnect): nothing was changed; retry",
+        drop.name
+    ))
 }
 
 /// One attempt at a call on the Redis gate, once Redis was checked against the

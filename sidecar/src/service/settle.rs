@@ -166,7 +166,7 @@ pub(super) async fn buyer_on_gate(
         Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
     }
     match gate::keys_of_buyer(&mut conn, &drop.keys, user, limit).await {
-        Ok(_) if !super::answered_by_checked_redis(app, drop) => Turn::Reopen { suspect: false },
+        Ok(_) if !super::redis_still_checked(app, drop) => Turn::Recheck,
         Ok(keys) => {
             app.breaker(Some(drop)).answered();
             Turn::Done(Ok(Outcome::Listed(keys)))
@@ -316,8 +316,8 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
     };
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
     // admit::after_gate.)
-    if !super::answered_by_checked_redis(app, drop) {
-        return Turn::Reopen { suspect: false };
+    if !super::redis_still_checked(app, drop) {
+        return Turn::Recheck;
     }
     match reply.outcome {
         Outcome::Closed => return Turn::Reopen { suspect: false },
@@ -414,14 +414,14 @@ async fn change_on_gate(
     };
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
     // admit::after_gate.)
-    if !super::answered_by_checked_redis(app, drop) {
+    if !super::redis_still_checked(app, drop) {
         if let Prepare::Prepared { .. } = prepared
             && let Err(error) =
                 gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
         {
             tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
         }
-        return Turn::Reopen { suspect: false };
+        return Turn::Recheck;
     }
     let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let (view, step) = match prepared {

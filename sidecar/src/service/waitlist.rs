@@ -14,8 +14,8 @@ use dropgate_api::{DropConfig, Mode};
 
 use super::handover::{self, HandoverError, Opening};
 use super::{
-    Choice, Failure, Turn, admit, answered_by_checked_redis, being_rebuilt, checked, choose,
-    find_drop, foreign_ledger, pending_bound_ms, redis_failed,
+    Choice, Failure, Turn, admit, being_rebuilt, checked, choose, find_drop, foreign_ledger,
+    pending_bound_ms, redis_changed, redis_failed, redis_still_checked,
 };
 use crate::app::App;
 use crate::drops::Drop;
@@ -105,7 +105,7 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
         )
         .await
         .map_err(|e| redis_failure(app, &drop, &config, &e))?;
-        if !answered_by_checked_redis(app, &drop) {
+        if !redis_still_checked(app, &drop) {
             // Perhaps another Redis than the one checked (the client reconnected
             // meanwhile): a join placed there is taken back, and Redis is checked
             // again before the join is asked for anew.
@@ -447,7 +447,7 @@ async fn entry_of(app: &App, drop: &Drop, key: &str) -> Result<Option<Entry>, Fa
             .await
             .map_err(|e| redis_failure(app, drop, &config, &e))?;
         // Perhaps another Redis than the one checked: checked again, then read anew.
-        if !answered_by_checked_redis(app, drop) {
+        if !redis_still_checked(app, drop) {
             if rechecked {
                 return Err(redis_changed(drop));
             }
@@ -552,6 +552,8 @@ async fn ready(app: &App, drop: &Drop) -> Result<DropConfig, Failure> {
         match checked::<()>(app, drop, &config).await {
             None | Some(Turn::Done(Ok(()))) => return Ok(config),
             Some(Turn::Reopen { suspect }) => reopen(app, drop, suspect).await?,
+            // (A check never answers this; checked again all the same.)
+            Some(Turn::Recheck) => {}
             Some(Turn::Reroute(Choice::Refused(failure))) | Some(Turn::Done(Err(failure))) => {
                 return Err(failure);
             }
@@ -570,14 +572,6 @@ async fn reopen(app: &App, drop: &Drop, suspect: bool) -> Result<(), Failure> {
         )),
         Opening::Refused(why) => Err(Failure::unavailable(why)),
     }
-}
-
-/// Redis failed over under the call twice in a row.
-fn redis_changed(drop: &Drop) -> Failure {
-    Failure::retry(format!(
-        "drop {}'s Redis changed while this call was asking it (a failover): nothing was changed; retry",
-        drop.name
-    ))
 }
 
 /// While the drop is off the Redis gate: the lines wait for it.
