@@ -9,25 +9,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, one_per_buyer, seed};
-use dropgate_api::DropKeys;
+use common::{NS, Peer, eventually, one_per_buyer, redis_counts, seed};
 use dropgate_sidecar::faults::{self, Fault};
 use dropgate_testkit::{RedisServer, TcpProxy};
 use sqlx::Row;
-
-/// `remaining` and `held` as Redis has them.
-fn redis_counts(redis: &RedisServer) -> (i64, i64) {
-    let mut conn = redis.connection().expect("connect");
-    let keys = DropKeys::new(NS, "sale");
-    let mut get = |key: String| -> i64 {
-        redis::cmd("GET")
-            .arg(key)
-            .query::<Option<i64>>(&mut conn)
-            .expect("GET")
-            .unwrap_or(0)
-    };
-    (get(keys.remaining()), get(keys.held()))
-}
 
 /// The units the ledger counts available and held (active or confirmed), in the
 /// order of [`redis_counts`].
@@ -54,17 +39,6 @@ async fn ledger_counts(database_url: &str) -> (i64, i64) {
     (available, held)
 }
 
-/// Waits (bounded) until `done` holds.
-async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    for _ in 0..100 {
-        if done().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelled() {
     sqlx::any::install_default_drivers();
@@ -83,7 +57,7 @@ async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelle
         reply.assert_answer(201, "admitted");
     }
     eventually("the replica to catch up", async || {
-        redis_counts(&replica).1 == 3
+        redis_counts(&replica, "sale").1 == 3
     })
     .await;
     // The replica is cut off now: it misses every write from here on, the cancel
@@ -116,7 +90,7 @@ async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelle
     let looked = sidecar.lookup("sale", "b-0").await;
     assert_eq!(looked.body["state"], "cancelled", "{}", looked.text);
     eventually("Redis to hold what the ledger holds", async || {
-        redis_counts(&replica) == (4, 2)
+        redis_counts(&replica, "sale") == (4, 2)
     })
     .await;
     assert_eq!(ledger_counts(&ledger).await, (4, 2));

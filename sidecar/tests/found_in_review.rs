@@ -7,26 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, marker_state, one_per_buyer, seed};
+use common::{NS, Peer, marker_state, one_per_buyer, redis_counts, seed};
 use dropgate_api::DropKeys;
 use dropgate_testkit::{DropSpec, PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
 
 fn sqlite_url(dir: &tempfile::TempDir, name: &str) -> String {
     format!("sqlite://{}", dir.path().join(name).display())
-}
-
-fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
-    let mut conn = redis.connection().expect("connect");
-    let keys = DropKeys::new(NS, drop);
-    let mut get = |key: String| -> i64 {
-        redis::cmd("GET")
-            .arg(key)
-            .query::<Option<i64>>(&mut conn)
-            .expect("GET")
-            .unwrap_or(0)
-    };
-    (get(keys.remaining()), get(keys.held()))
 }
 
 fn show(r: &Reply) -> String {

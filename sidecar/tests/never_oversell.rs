@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{NS, Peer, manifest, one_per_buyer, seed};
+use common::{NS, Peer, eventually, manifest, one_per_buyer, redis_counts, seed};
 use dropgate_api::DropKeys;
 use dropgate_testkit::{DropSpec, PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
@@ -137,23 +137,6 @@ async fn extend_ten_minutes(peer: &Peer, key: &str) -> Reply {
         .expect("answers")
 }
 
-/// `remaining` and `held` as Redis has them.
-fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
-    let mut conn = redis.connection().expect("connect");
-    let get = |conn: &mut redis::Connection, key: String| -> i64 {
-        redis::cmd("GET")
-            .arg(key)
-            .query::<Option<i64>>(conn)
-            .expect("GET")
-            .unwrap_or(0)
-    };
-    let keys = DropKeys::new(NS, drop);
-    (
-        get(&mut conn, keys.remaining()),
-        get(&mut conn, keys.held()),
-    )
-}
-
 /// Waits until `peer` has read `drop`'s config with `limit` (its refresh took it).
 async fn reads_limit(peer: &Peer, drop: &str, limit: i64) {
     let path = format!("/v1/drops/{drop}");
@@ -167,17 +150,6 @@ async fn reads_limit(peer: &Peer, drop: &str, limit: i64) {
         },
     )
     .await;
-}
-
-/// Waits (bounded) until `done` holds.
-async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    for _ in 0..100 {
-        if done().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// The invariant of a quiet drop: Redis and the ledger agree, and nothing was sold

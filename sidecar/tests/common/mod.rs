@@ -344,3 +344,28 @@ pub fn manifest(name: &str, spec: impl Display) -> String {
         "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {{name: {name}, namespace: {NS}}}\nspec:\n  redis: {{url: redis://unused:1}}\n{spec}\n"
     )
 }
+
+/// `remaining` and `held` of drop `drop` as Redis has them.
+pub fn redis_counts(redis: &RedisServer, drop: &str) -> (i64, i64) {
+    let mut conn = redis.connection().expect("connect");
+    let keys = DropKeys::new(NS, drop);
+    let mut get = |key: String| -> i64 {
+        redis::cmd("GET")
+            .arg(key)
+            .query::<Option<i64>>(&mut conn)
+            .expect("GET")
+            .unwrap_or(0)
+    };
+    (get(keys.remaining()), get(keys.held()))
+}
+
+/// Waits (bounded: 5 s) until `done` holds.
+pub async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    for _ in 0..100 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
