@@ -682,12 +682,14 @@ impl ClusterClient {
     /// this moved. Changes elsewhere in the cluster leave it alone.
     pub fn changes_of_slot(&self, key: &[u8]) -> u64 {
         let slot = slot(key);
+        // Read under the map's lock, which every change of the slot's node holds
+        // while it counts it: the count and the node are of the same map.
+        let slots = self.slots_read();
         let owner_changes = self
             .owner_changes
             .get(usize::from(slot))
             .map_or(0, |changes| changes.load(Ordering::Acquire));
-        let generation = self
-            .slots_read()
+        let generation = slots
             .primary(slot)
             .and_then(|node| unpoisoned(self.generations.lock()).get(node).copied())
             .unwrap_or(0);

@@ -184,7 +184,20 @@ pub(super) async fn lines_on_gate(
             std::mem::drop(admitting);
             lined
         });
-    futures::future::join_all(lines).await
+    let mut lined = futures::future::join_all(lines).await;
+    // A line withdrawn because another was refused stands only with that refusal:
+    // when any line of the step is decided again on its own (its reply came from a
+    // Redis not checked, or it met another attempt in flight), so are the
+    // withdrawn ones (they hold nothing), and the cart's rule (all or nothing)
+    // is kept over what the lines then hear.
+    if lined.iter().any(|line| matches!(line, Lined::Alone)) {
+        for line in &mut lined {
+            if matches!(line, Lined::Withdrawn) {
+                *line = Lined::Alone;
+            }
+        }
+    }
+    lined
 }
 
 /// A cart's lines (each with its drop) decided by the ledger's gate in one
