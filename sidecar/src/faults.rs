@@ -47,6 +47,10 @@ pub enum Fault {
     /// gate script (as a call queued behind its drop's batch in flight waits), so
     /// that a test can fail over Redis in between.
     PauseAfterCheck,
+    /// A look-up's gate reply waits 1.5 s before it is trusted (as a reply that
+    /// lost the race with another call's check of Redis), so that a test can bring
+    /// Redis in line meanwhile.
+    PauseAfterReply,
 }
 
 impl Fault {
@@ -67,10 +71,11 @@ impl Fault {
             Fault::LostCommitUnanswered => "lost-commit-unanswered",
             Fault::WatchLags => "watch-lags",
             Fault::PauseAfterCheck => "pause-after-check",
+            Fault::PauseAfterReply => "pause-after-reply",
         }
     }
 
-    const ALL: [Fault; 14] = [
+    const ALL: [Fault; 15] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -85,6 +90,7 @@ impl Fault {
         Fault::LostCommitUnanswered,
         Fault::WatchLags,
         Fault::PauseAfterCheck,
+        Fault::PauseAfterReply,
     ];
 }
 

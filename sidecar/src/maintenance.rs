@@ -14,9 +14,9 @@ use crate::gate::{self, PendingAdmission, Unresolved};
 use crate::ledger::Holder;
 use crate::metrics::DropLabel;
 use crate::reservation::{Outcome, State};
-use crate::service::admit;
 use crate::service::handover::{self, Reason};
 use crate::service::record::{change_of, record_expiry};
+use crate::service::{self, admit};
 
 /// Due holds expired per drop per sweep; the rest wait for the next sweep.
 const SWEEP_BATCH: isize = 256;
@@ -332,14 +332,22 @@ async fn expire_due_holds(app: &App) {
         );
         // Redis acts on its own below only once it was found in line with the
         // ledger since its last failure; the refresh rebuilds it otherwise.
-        let redis_acts = !ledger_decides && redis_may_act(app, &drop, &config).await;
-        if redis_acts {
+        let checked = match ledger_decides {
+            false => redis_may_act(app, &drop, &config).await,
+            true => None,
+        };
+        if let Some(checked) = checked {
             resolve_overdue(app, &drop, now).await;
             match gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
                 Ok(due) => {
                     for key in due {
                         match gate::expire(&mut conn, &drop.keys, app.ledger.id(), &key).await {
-                            Ok(step) => record_expiry(app, &drop, &config, &key, &step).await,
+                            Ok(step) if service::redis_still_checked(app, &drop, checked) => {
+                                record_expiry(app, &drop, &config, &key, &step).await
+                            }
+                            // Made on a Redis not checked (the client reconnected
+                            // meanwhile): not recorded; the refresh checks Redis.
+                            Ok(_) => break,
                             Err(error) => {
                                 tracing::debug!(drop = %drop.name, %error, "expiry failed")
                             }
@@ -366,8 +374,8 @@ async fn expire_due_holds(app: &App) {
                 }
                 Err(error) => tracing::debug!(drop = %drop.name, %error, "ledger sweep failed"),
             }
-        } else if redis_acts {
-            heal_from_redis(app, &drop, &config, now - LEDGER_REPAIR_GRACE_MS).await;
+        } else if let Some(checked) = checked {
+            heal_from_redis(app, &drop, &config, checked, now - LEDGER_REPAIR_GRACE_MS).await;
         }
         drop.throttle.release_due(now);
         app.metrics
@@ -382,8 +390,15 @@ async fn expire_due_holds(app: &App) {
 /// Whether Redis may act on its own for `drop` (the ledger not deciding it is the
 /// caller's to know): the drop is on the gate and Redis was found in line with the
 /// ledger since its last failure.
-async fn redis_may_act(app: &App, drop: &crate::drops::Drop, config: &DropConfig) -> bool {
-    config.mode == Mode::Gate && crate::service::redis_in_line(app, drop).await
+async fn redis_may_act(
+    app: &App,
+    drop: &crate::drops::Drop,
+    config: &DropConfig,
+) -> Option<service::Checked> {
+    match config.mode {
+        Mode::Gate => service::redis_checked(app, drop).await,
+        _ => None,
+    }
 }
 
 /// Offers units this sidecar just returned to the waitlists' heads, on every drop
@@ -398,7 +413,7 @@ async fn offer_units_back(app: &App) {
             app.ledger.authority(&drop.ledger_key()).await,
             Ok(Some(authority)) if authority.holder == Holder::Ledger
         );
-        if !ledger_decides && redis_may_act(app, &drop, &config).await {
+        if !ledger_decides && redis_may_act(app, &drop, &config).await.is_some() {
             crate::service::waitlist::offer_due(app, &drop).await;
         }
     }
@@ -537,7 +552,13 @@ async fn resolve_settle(
 /// Redis's word was lost on the way (a record that failed). Redis is asked, and the
 /// ledger records what it says; a hold Redis no longer has at all expires in the
 /// ledger (Redis lost it; its rebuild follows the ledger).
-async fn heal_from_redis(app: &App, drop: &crate::drops::Drop, config: &DropConfig, due: i64) {
+async fn heal_from_redis(
+    app: &App,
+    drop: &crate::drops::Drop,
+    config: &DropConfig,
+    checked: service::Checked,
+    due: i64,
+) {
     let key_of = drop.ledger_key();
     let keys = match app
         .ledger
@@ -559,6 +580,10 @@ async fn heal_from_redis(app: &App, drop: &crate::drops::Drop, config: &DropConf
                 return;
             }
         };
+        // Only what a checked Redis says heals the ledger.
+        if !service::redis_still_checked(app, drop, checked) {
+            return;
+        }
         record_expiry(app, drop, config, &key, &reply.step).await;
         let healed = match &reply.outcome {
             Outcome::Closed => return,

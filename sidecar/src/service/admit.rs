@@ -8,9 +8,9 @@ use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::settle::Helped;
 use super::{
-    Backoff, Call, Choice, Failure, IN_FLIGHT_GRACE, Path, Published, Served, Throttled, Turn,
-    closed, decide, foreign_ledger, handover, on_ledger, pending_bound_ms, published_now,
-    redis_failed,
+    Backoff, Call, Checked, Choice, Failure, IN_FLIGHT_GRACE, Judging, Path, Published, Served,
+    Throttled, Turn, closed, decide, foreign_ledger, handover, on_ledger, pending_bound_ms,
+    published_now, redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -36,6 +36,7 @@ pub(super) async fn on_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
+    redis: Checked,
     request: &Reserve,
     offer: bool,
 ) -> Turn<Outcome> {
@@ -48,11 +49,40 @@ pub(super) async fn on_gate(
         .admit(&request.key, &terms(request), settle_by)
         .await;
     let admission = admission(config, request, &attempt, offer);
-    let reply = match asked(app, drop, config, request, &admission, settle_by).await {
-        Ok(reply) => reply,
+    let (reply, judging) = match asked(app, drop, config, request, &admission, settle_by).await {
+        Ok(asked) => asked,
         Err(turn) => return turn,
     };
-    after_gate(app, drop, config, request, &attempt, offer, reply).await
+    if !reply_stands(app, drop, redis, judging, &[(&admission, &reply)]).await {
+        return Turn::Recheck;
+    }
+    after_gate(app, drop, config, &admission, reply).await
+}
+
+/// Whether gate replies came from the Redis `redis` the call checked (see
+/// [`super::redis_still_checked`]). If not, what they admitted is taken back
+/// before the call's hold on the drop's checks is let go (a check of the new
+/// Redis must not see it), and nothing else of them is kept: not even an expiry
+/// made on the way is recorded, as the ledger's answer to it would be replayed
+/// into that Redis and could make it look in line when it is not. The call
+/// checks Redis again ([`Turn::Recheck`]), which rebuilds what it lacks.
+async fn reply_stands(
+    app: &App,
+    drop: &Drop,
+    redis: Checked,
+    _judging: Option<Judging<'_>>,
+    replies: &[(&gate::ReserveRequest, &gate::Reply)],
+) -> bool {
+    if super::redis_still_checked(app, drop, redis) {
+        return true;
+    }
+    for (admission, reply) in replies {
+        if let Outcome::Admitted(_) = reply.outcome {
+            // (Should the undo fail, the marker goes back with its pending bound.)
+            let _ = undo(app, drop, &admission.key, &admission.attempt).await;
+        }
+    }
+    false
 }
 
 /// A new admission's id.
@@ -119,13 +149,12 @@ pub(super) async fn lines_on_gate(
 ) -> Vec<Lined> {
     let alone = || requests.iter().map(|_| Lined::Alone).collect();
     let config = drop.config();
-    if !matches!(super::choose(app, drop, &config), Choice::Gate)
-        || super::checked::<Outcome>(app, drop, &config)
-            .await
-            .is_some()
-    {
+    if !matches!(super::choose(app, drop, &config), Choice::Gate) {
         return alone();
     }
+    let Ok(redis) = super::checked::<Outcome>(app, drop, &config).await else {
+        return alone();
+    };
     let settle_by = settle_by(&config);
     let attempts: Vec<String> = requests.iter().map(|_| new_attempt()).collect();
     let mut admitting = Vec::with_capacity(requests.len());
@@ -146,6 +175,7 @@ pub(super) async fn lines_on_gate(
     } else {
         CartMode::Available
     };
+    let judging = super::judging(drop).await;
     let replies = match drop
         .gate
         .reserve_cart(&app.redis, app.ledger.id(), &admissions, mode)
@@ -156,20 +186,28 @@ pub(super) async fn lines_on_gate(
         Err(_) => return alone(),
     };
     app.breaker(Some(drop)).answered();
-    let config = &config;
-    let lines = requests
+    let made: Vec<(&gate::ReserveRequest, &gate::Reply)> = admissions
         .iter()
-        .zip(attempts)
-        .zip(replies)
-        .zip(admitting)
-        .map(|(((request, attempt), reply), admitting)| async move {
+        .zip(&replies)
+        .filter_map(|(admission, reply)| match reply {
+            Ok(Some(reply)) => Some((admission, reply)),
+            _ => None,
+        })
+        .collect();
+    // Each line is then decided on its own, on a Redis checked anew.
+    if !reply_stands(app, drop, redis, Some(judging), &made).await {
+        return alone();
+    }
+    let config = &config;
+    let lines = admissions.iter().zip(replies).zip(admitting).map(
+        |((admission, reply), admitting)| async move {
             let lined = match reply {
                 Ok(None) => Lined::Withdrawn,
                 Ok(Some(reply)) if matches!(reply.outcome, Outcome::Pending | Outcome::Overdue) => {
                     Lined::Alone
                 }
                 Ok(Some(reply)) => {
-                    match after_gate(app, drop, config, request, &attempt, false, reply).await {
+                    match after_gate(app, drop, config, admission, reply).await {
                         Turn::Done(done) => Lined::Done(done.map(|outcome| Served {
                             outcome,
                             path: Path::Gate,
@@ -183,7 +221,8 @@ pub(super) async fn lines_on_gate(
             };
             std::mem::drop(admitting);
             lined
-        });
+        },
+    );
     let mut lined = futures::future::join_all(lines).await;
     // A line withdrawn because another was refused stands only with that refusal:
     // when any line of the step is decided again on its own (its reply came from a
@@ -353,24 +392,31 @@ pub(super) async fn lines_on_fallback(
 
 /// Asks the gate for `admission` until its answer is not about another attempt
 /// still in flight (or `settle_by` passes). `Err`: the turn is over.
-async fn asked(
+async fn asked<'a>(
     app: &App,
-    drop: &Drop,
+    drop: &'a Drop,
     config: &DropConfig,
     request: &Reserve,
     admission: &gate::ReserveRequest,
     settle_by: Instant,
-) -> Result<gate::Reply, Turn<Outcome>> {
+) -> Result<(gate::Reply, Option<Judging<'a>>), Turn<Outcome>> {
     let mut conn = app.redis.clone();
     let mut backoff = Backoff::new();
     let mut tried_resolving = false;
     let mut helped = 0;
     loop {
+        let judging = super::judging(drop).await;
         let reply = match drop.gate.reserve(&conn, app.ledger.id(), admission).await {
             Ok(reply) => reply,
             Err(e) => return Err(Turn::Reroute(redis_failed(app, drop, config, &e))),
         };
         app.breaker(Some(drop)).answered();
+        // An admission is judged before the hold is let go; any other reply
+        // prepared nothing, and the waits below do not hold up a check of Redis.
+        if let Outcome::Admitted(_) = reply.outcome {
+            return Ok((reply, Some(judging)));
+        }
+        std::mem::drop(judging);
         // A duplicate of a reservation whose confirm or cancel the ledger has
         // recorded: finished in Redis first, then answered as it now stands.
         if matches!(reply.outcome, Outcome::Unsettled(_)) {
@@ -397,7 +443,7 @@ async fn asked(
             continue;
         }
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
-            return Ok(reply);
+            return Ok((reply, None));
         }
         tracing::debug!(
             drop = %drop.name,
@@ -414,28 +460,16 @@ async fn after_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
-    request: &Reserve,
-    attempt: &str,
-    offer: bool,
+    request: &gate::ReserveRequest,
     reply: gate::Reply,
 ) -> Turn<Outcome> {
     let mut conn = app.redis.clone();
-    let attempt = attempt.to_string();
+    let attempt = &request.attempt;
     let permit_wait = Duration::from_millis(config.acquire_timeout_ms);
     // The admission's answer is due by the end of its pending bound: its commit
     // may not begin later (a sweeper resolves the key by then, and its claim of the
     // key in the ledger refuses a commit of this attempt still in flight).
     let deadline = now_ms() + pending_bound_ms(config) as i64;
-    // Not even an expiry made on the way is recorded from an unchecked Redis: the
-    // ledger's answer to it would be replayed into that Redis, and could make it
-    // look in line when it is not. The check that follows rebuilds what it lacks.
-    if !super::redis_still_checked(app, drop) {
-        if let Outcome::Admitted(_) = reply.outcome {
-            // (Should the undo fail, the marker goes back with its pending bound.)
-            let _ = undo(app, drop, &request.key, &attempt).await;
-        }
-        return Turn::Recheck;
-    }
     record_expiry(app, drop, config, &request.key, &reply.step).await;
     let admitted = match reply.outcome {
         Outcome::Admitted(_) if reply.step.sale.as_deref() != Some(config.sale.as_str()) => {
@@ -443,7 +477,7 @@ async fn after_gate(
             // record under the old sale. Taken back and answered as the 503 it is
             // (the admission was seen by others meanwhile); the retry reads the new
             // sale's config.
-            let _ = undo(app, drop, &request.key, &attempt).await;
+            let _ = undo(app, drop, &request.key, attempt).await;
             let _ = app.drops.refresh(&mut conn, &drop.name).await;
             return Turn::Done(Err(moved_on(drop)));
         }
@@ -451,7 +485,7 @@ async fn after_gate(
             if let Some(failure) = super::redis_lost_a_change(app, drop, config, &reply.step) =>
         {
             // (Should the undo fail, the marker goes back with its pending bound.)
-            let _ = undo(app, drop, &request.key, &attempt).await;
+            let _ = undo(app, drop, &request.key, attempt).await;
             return Turn::Done(Err(failure));
         }
         // Pending until activated below.
@@ -508,7 +542,7 @@ async fn after_gate(
     };
 
     let Some(permit) = drop.throttle.acquire_for(&request.key, permit_wait).await else {
-        return Turn::Done(match undo(app, drop, &request.key, &attempt).await {
+        return Turn::Done(match undo(app, drop, &request.key, attempt).await {
             Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
             Err(e) => Err(Failure::unavailable(format!(
                 "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
@@ -527,8 +561,8 @@ async fn after_gate(
         &admitted.reservation,
         State::Active,
     )
-    .by(&attempt, deadline)
-    .offer(offer);
+    .by(attempt, deadline)
+    .offer(request.offer);
     let ledger_key = change_key(drop, &reply.step);
     let recorded = match faults::check(Fault::AfterRedisAdmit) {
         Ok(()) if faults::check(Fault::SkipLedgerOnAdmit).is_err() => Ok(()),
@@ -540,7 +574,7 @@ async fn after_gate(
     // it, answering 503 for one would change what an error may not.
     let recorded = match recorded {
         Err(RecordError::Unknown(why)) => {
-            match admission_landed(app, &ledger_key, request, &attempt).await {
+            match admission_landed(app, &ledger_key, request).await {
                 Some(Landed::Yes) => Ok(()),
                 Some(Landed::No) => Err(RecordError::Failed(why)),
                 // An earlier attempt's reservation of the key: answered from it
@@ -554,7 +588,7 @@ async fn after_gate(
                     // go if the admission is undone.
                     drop.throttle.hold_unresolved(
                         &request.key,
-                        &attempt,
+                        attempt,
                         permit,
                         admitted.reservation.expires_at_ms,
                     );
@@ -610,7 +644,7 @@ async fn after_gate(
     }
     if let Err(refusal) = recorded {
         std::mem::drop(permit);
-        let undone = undo(app, drop, &request.key, &attempt).await;
+        let undone = undo(app, drop, &request.key, attempt).await;
         tracing::warn!(drop = %drop.name, %refusal, undone = undone.is_ok(), "the ledger refused an admission");
         return match refusal {
             // The gate moved to another epoch, or Redis lost writes, while this was
@@ -658,7 +692,7 @@ async fn after_gate(
     let activated = match faults::check(Fault::AfterLedgerCommit) {
         Ok(()) => {
             drop.gate
-                .activate(&conn, app.ledger.id(), &request.key, &attempt)
+                .activate(&conn, app.ledger.id(), &request.key, attempt)
                 .await
         }
         Err(injected) => Err(redis::RedisError::from((
@@ -784,7 +818,7 @@ async fn undo(app: &App, drop: &Drop, key: &str, attempt: &str) -> redis::RedisR
 async fn from_ledger_record(
     app: &App,
     ledger_key: &str,
-    request: &Reserve,
+    request: &gate::ReserveRequest,
 ) -> Result<Outcome, Failure> {
     match app.ledger.reservation(ledger_key, &request.key).await {
         Ok(Some(row))
@@ -905,8 +939,7 @@ const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
 async fn admission_landed(
     app: &App,
     ledger_key: &str,
-    request: &Reserve,
-    attempt: &str,
+    request: &gate::ReserveRequest,
 ) -> Option<Landed> {
     let until = Instant::now() + ASK_LEDGER_FOR;
     let mut backoff = Backoff::new();
@@ -918,7 +951,7 @@ async fn admission_landed(
                 &request.key,
                 &request.user,
                 request.quantity,
-                attempt,
+                &request.attempt,
                 now_ms(),
             )
             .await

@@ -100,6 +100,8 @@ pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
         return Opening::Open;
     }
     let ticket = drop.openings.begin();
+    // (As for a check: see `verify`.)
+    let _checking = drop.checking.write().await;
     let era = app.redis_era(drop);
     match try_open(app, drop, suspect).await {
         Ok(Opening::Open) => {
@@ -626,6 +628,9 @@ pub enum Verified {
 /// How Redis stands against the ledger for `drop`; in line, the drop counts as
 /// checked for the Redis era this began in.
 pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
+    // Not while a call's change made on a Redis it did not check waits to be
+    // judged and taken back (see Drop::checking).
+    let _checking = drop.checking.write().await;
     let era = app.redis_era(drop);
     let key = drop.ledger_key();
     let standing = standing(app, drop, &key).await?;
@@ -668,17 +673,27 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
         authority, gate, ..
     } = standing;
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
-    if behind || !in_line {
-        match open_gate(app, drop, behind).await {
+    let reopen = if behind || !in_line {
+        Some(behind)
+    } else if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
+        None
+    } else {
+        // First found in line at this era: checked again, once no call's change
+        // made there waits to be judged (what was read above may include one).
+        match verify(app, drop).await? {
+            Verified::InLine => None,
+            Verified::Behind => Some(true),
+            Verified::NotOpen => Some(false),
+        }
+    };
+    if let Some(suspect) = reopen {
+        match open_gate(app, drop, suspect).await {
             Opening::Refused(why) => return Err(HandoverError::NotOpened(why)),
             Opening::Awaiting => return Err(HandoverError::Awaiting(drop.name.clone())),
             _ => {}
         }
         return Ok(());
     }
-    // Standing was read after `era` began: Redis is in line for it.
-    drop.verified
-        .store(era, std::sync::atomic::Ordering::Release);
     replay_unseen(app, drop).await?;
     Ok(())
 }

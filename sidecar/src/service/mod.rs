@@ -281,72 +281,101 @@ pub async fn show(app: &App, name: &str) -> Result<Shown, Failure> {
 /// ledger (checked against the ledger first after a Redis failure or a cluster
 /// change); `None` when Redis's count is not the drop's now.
 async fn gate_count(app: &App, drop: &Drop) -> redis::RedisResult<Option<gate::Left>> {
-    if app.breaker(Some(drop)).tripped().is_some() {
-        return Err(redis::RedisError::from((
-            redis::ErrorKind::Client,
-            "Redis is unreachable (a connection failed within the last second)",
-        )));
-    }
-    if !is_verified(app, drop) {
-        match handover::verify(app, drop).await {
-            Ok(handover::Verified::InLine) => {}
-            Ok(_) => return Ok(None),
+    for _ in 0..=RECHECKS {
+        if app.breaker(Some(drop)).tripped().is_some() {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "Redis is unreachable (a connection failed within the last second)",
+            )));
+        }
+        let redis = match check_redis(app, drop).await {
+            Ok(Ok(redis)) => redis,
+            Ok(Err(_)) => return Ok(None),
             Err(handover::HandoverError::Redis(e)) => return Err(e),
             Err(_) => return Ok(None),
+        };
+        let mut conn = app.redis.clone();
+        let (open, remaining) = gate::open_count(&mut conn, &drop.keys).await?;
+        app.breaker(Some(drop)).answered();
+        if redis_still_checked(app, drop, redis) {
+            return Ok(open.then_some(remaining));
         }
     }
-    let mut conn = app.redis.clone();
-    let (open, remaining) = gate::open_count(&mut conn, &drop.keys).await?;
-    app.breaker(Some(drop)).answered();
-    Ok(open.then_some(remaining))
+    Err(redis::RedisError::from((
+        redis::ErrorKind::Client,
+        "Redis changed while it was asked (failovers or reconnects)",
+    )))
 }
 
-/// Whether Redis was found in line with the ledger for `drop` since its last
-/// failure (or cluster change).
-fn is_verified(app: &App, drop: &Drop) -> bool {
-    drop.verified.load(std::sync::atomic::Ordering::Acquire) == app.redis_era(drop)
+/// Redis as one call found it checked against the ledger: the era (count of its
+/// failures and reconnections, see [`App::redis_era`]) it was in line at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Checked(u64);
+
+/// Held by a call from just before its gate script is sent until its reply was
+/// judged (and what an unchecked reply prepared taken back): no check of Redis
+/// against the ledger reads Redis meanwhile (see [`Drop::checking`]).
+async fn judging(drop: &Drop) -> Judging<'_> {
+    drop.checking.read().await
 }
 
-/// Whether the drop's Redis is still as it was last checked against the ledger:
-/// no connection failure or reconnection under it since (any call's). Asked once
-/// a gate script answered: a failure of another call between this call's check
-/// and its script made the client reconnect, and the reply may be a promoted
-/// replica's that missed the last writes. Nothing such a reply decided stands:
-/// its caller takes back what it prepared and checks Redis again
-/// ([`Turn::Recheck`]). (It tells "not since the drop's last check", which a
-/// peer call may have renewed meanwhile; a write is then still fenced by the
-/// gate's epoch in the ledger.)
-fn redis_still_checked(app: &App, drop: &Drop) -> bool {
-    is_verified(app, drop)
+/// A call's hold on [`Drop::checking`] (see [`judging`]).
+type Judging<'a> = tokio::sync::RwLockReadGuard<'a, ()>;
+
+/// Redis checked against the ledger for `drop`: at once when it was found in line
+/// since its last failure or reconnection, else by checking it now; the check's
+/// verdict when it is not in line.
+async fn check_redis(
+    app: &App,
+    drop: &Drop,
+) -> Result<Result<Checked, handover::Verified>, handover::HandoverError> {
+    let era = app.redis_era(drop);
+    if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
+        return Ok(Ok(Checked(era)));
+    }
+    Ok(match handover::verify(app, drop).await? {
+        // The era the check began in: a change since fails the reply's test.
+        handover::Verified::InLine => Ok(Checked(
+            drop.verified.load(std::sync::atomic::Ordering::Acquire),
+        )),
+        other => Err(other),
+    })
 }
 
-/// Whether Redis may act for `drop` on its own (the sweeper's expiries and
+/// Whether the drop's Redis is still the one this call checked: no connection
+/// failure or reconnection under it since. Asked once a gate script answered: a
+/// failure of another call between this call's check and its script made the
+/// client reconnect, and the reply may be a promoted replica's that missed the
+/// last writes. Nothing such a reply decided stands: its caller takes back what
+/// it prepared and checks Redis again ([`Turn::Recheck`]). The era is this
+/// call's, not the drop's latest check: a reply sent into the new Redis before
+/// another call found it in line (or rebuilt it) was read from it unchecked.
+pub(crate) fn redis_still_checked(app: &App, drop: &Drop, checked: Checked) -> bool {
+    app.redis_era(drop) == checked.0
+}
+
+/// Redis for `drop` when it may act on its own (the sweeper's expiries and
 /// resolutions): checked against the ledger since its last failure, checking it
 /// now if not. A Redis that answers after a failover may be a replica that missed
-/// writes; an expiry it made of a hold the ledger has confirmed would stand.
-pub(crate) async fn redis_in_line(app: &App, drop: &Drop) -> bool {
-    is_verified(app, drop)
-        || matches!(
-            handover::verify(app, drop).await,
-            Ok(handover::Verified::InLine)
-        )
+/// writes; an expiry it made of a hold the ledger has confirmed would stand. What
+/// it then answers counts only while [`redis_still_checked`] holds.
+pub(crate) async fn redis_checked(app: &App, drop: &Drop) -> Option<Checked> {
+    check_redis(app, drop).await.ok()?.ok()
 }
 
 /// Before Redis answers for a drop after a failure (the Redis answering may be a
 /// replica promoted in a failover, one that missed writes), it is checked against
-/// the ledger: `None` to go on, else the turn to take (reopen it, or go elsewhere).
-async fn checked<T>(app: &App, drop: &Drop, config: &DropConfig) -> Option<Turn<T>> {
-    if is_verified(app, drop) {
-        return None;
-    }
-    match handover::verify(app, drop).await {
-        Ok(handover::Verified::InLine) => None,
-        Ok(handover::Verified::Behind) => Some(Turn::Reopen { suspect: true }),
-        Ok(handover::Verified::NotOpen) => Some(Turn::Reopen { suspect: false }),
+/// the ledger: the Redis to go on with, else the turn to take (reopen it, or go
+/// elsewhere).
+async fn checked<T>(app: &App, drop: &Drop, config: &DropConfig) -> Result<Checked, Turn<T>> {
+    match check_redis(app, drop).await {
+        Ok(Ok(redis)) => Ok(redis),
+        Ok(Err(handover::Verified::Behind)) => Err(Turn::Reopen { suspect: true }),
+        Ok(Err(_)) => Err(Turn::Reopen { suspect: false }),
         Err(handover::HandoverError::Redis(e)) => {
-            Some(Turn::Reroute(redis_failed(app, drop, config, &e)))
+            Err(Turn::Reroute(redis_failed(app, drop, config, &e)))
         }
-        Err(other) => Some(Turn::Done(Err(Failure::retry(format!(
+        Err(other) => Err(Turn::Done(Err(Failure::retry(format!(
             "drop {} could not be checked against the ledger ({other}): nothing was changed; retry",
             drop.name
         ))))),
@@ -530,12 +559,12 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
         let config = drop.config();
         let turn = match (choose(app, drop, &config), call) {
             (Choice::Gate, call) => match checked(app, drop, &config).await {
-                Some(turn) => turn,
-                None => {
+                Err(turn) => turn,
+                Ok(redis) => {
                     if crate::faults::check(crate::faults::Fault::PauseAfterCheck).is_err() {
                         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
                     }
-                    on_gate(app, drop, &config, call).await
+                    on_gate(app, drop, &config, redis, call).await
                 }
             },
             (other, _) => Turn::Reroute(other),
@@ -599,11 +628,19 @@ fn redis_changed(drop: &Drop) -> Failure {
 
 /// One attempt at a call on the Redis gate, once Redis was checked against the
 /// ledger.
-async fn on_gate(app: &App, drop: &Drop, config: &DropConfig, call: Call<'_>) -> Turn<Outcome> {
+async fn on_gate(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    redis: Checked,
+    call: Call<'_>,
+) -> Turn<Outcome> {
     match call {
-        Call::Reserve(request) => admit::on_gate(app, drop, config, request, false).await,
-        Call::Settle(key, settle) => settle::on_gate(app, drop, config, key, settle).await,
-        Call::Buyer(user, limit) => settle::buyer_on_gate(app, drop, config, user, limit).await,
+        Call::Reserve(request) => admit::on_gate(app, drop, config, redis, request, false).await,
+        Call::Settle(key, settle) => settle::on_gate(app, drop, config, redis, key, settle).await,
+        Call::Buyer(user, limit) => {
+            settle::buyer_on_gate(app, drop, config, redis, user, limit).await
+        }
     }
 }
 

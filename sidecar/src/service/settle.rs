@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use super::handover::{self, Opening, Reason};
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::{
-    Backoff, Call, Failure, IN_FLIGHT_GRACE, Served, Throttled, Turn, decide, foreign_ledger,
-    on_ledger, pending_bound_ms, redis_failed,
+    Backoff, Call, Checked, Failure, IN_FLIGHT_GRACE, Served, Throttled, Turn, decide,
+    foreign_ledger, on_ledger, pending_bound_ms, redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -154,6 +154,7 @@ pub(super) async fn buyer_on_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
+    redis: Checked,
     user: &str,
     limit: usize,
 ) -> Turn<Outcome> {
@@ -166,7 +167,7 @@ pub(super) async fn buyer_on_gate(
         Err(e) => return Turn::Reroute(redis_failed(app, drop, config, &e)),
     }
     match gate::keys_of_buyer(&mut conn, &drop.keys, user, limit).await {
-        Ok(_) if !super::redis_still_checked(app, drop) => Turn::Recheck,
+        Ok(_) if !super::redis_still_checked(app, drop, redis) => Turn::Recheck,
         Ok(keys) => {
             app.breaker(Some(drop)).answered();
             Turn::Done(Ok(Outcome::Listed(keys)))
@@ -265,22 +266,26 @@ pub(super) async fn on_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
+    redis: Checked,
     key: &str,
     settle: Settle,
 ) -> Turn<Outcome> {
-    match settle {
-        Settle::Lookup => lookup_on_gate(app, drop, config, key).await,
-        Settle::Confirm { quantity } => {
-            change_on_gate(app, drop, config, key, Settling::Confirm { quantity }).await
-        }
-        Settle::Cancel => change_on_gate(app, drop, config, key, Settling::Cancel).await,
-        Settle::Extend { until_ms } => {
-            change_on_gate(app, drop, config, key, Settling::Extend { until_ms }).await
-        }
-    }
+    let settling = match settle {
+        Settle::Lookup => return lookup_on_gate(app, drop, config, redis, key).await,
+        Settle::Confirm { quantity } => Settling::Confirm { quantity },
+        Settle::Cancel => Settling::Cancel,
+        Settle::Extend { until_ms } => Settling::Extend { until_ms },
+    };
+    change_on_gate(app, drop, config, redis, key, settling).await
 }
 
-async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) -> Turn<Outcome> {
+async fn lookup_on_gate(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    redis: Checked,
+    key: &str,
+) -> Turn<Outcome> {
     let mut conn = app.redis.clone();
     let settle_by = Instant::now() + unresolved_bound(config);
     let mut backoff = Backoff::new();
@@ -314,9 +319,12 @@ async fn lookup_on_gate(app: &App, drop: &Drop, config: &DropConfig, key: &str) 
         }
         backoff.wait(settle_by).await;
     };
+    if crate::faults::check(crate::faults::Fault::PauseAfterReply).is_err() {
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    }
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
     // admit::after_gate.)
-    if !super::redis_still_checked(app, drop) {
+    if !super::redis_still_checked(app, drop, redis) {
         return Turn::Recheck;
     }
     match reply.outcome {
@@ -370,6 +378,7 @@ async fn change_on_gate(
     app: &App,
     drop: &Drop,
     config: &DropConfig,
+    redis: Checked,
     key: &str,
     settling: Settling,
 ) -> Turn<Outcome> {
@@ -387,7 +396,9 @@ async fn change_on_gate(
     let attempt = format!("{:016x}", rand::random::<u64>());
     let settle_by = Instant::now() + unresolved_bound(config);
     let mut backoff = Backoff::new();
-    let prepared = loop {
+    let (prepared, judging) = loop {
+        // Held until a preparation is judged (and aborted if it must be).
+        let judging = super::judging(drop).await;
         let prepared = match gate::prepare(
             &mut conn,
             &drop.keys,
@@ -407,14 +418,17 @@ async fn change_on_gate(
             Prepare::Answered(reply)
                 if reply.outcome == Outcome::Pending && Instant::now() < settle_by =>
             {
+                std::mem::drop(judging);
                 backoff.wait(settle_by).await;
             }
-            _ => break prepared,
+            _ => break (prepared, judging),
         }
     };
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
     // admit::after_gate.)
-    if !super::redis_still_checked(app, drop) {
+    if !super::redis_still_checked(app, drop, redis) {
+        // Aborted before the hold on the drop's checks is let go: a check of the
+        // new Redis must not see the preparation.
         if let Prepare::Prepared { .. } = prepared
             && let Err(error) =
                 gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
@@ -423,6 +437,7 @@ async fn change_on_gate(
         }
         return Turn::Recheck;
     }
+    std::mem::drop(judging);
     let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let (view, step) = match prepared {
         Prepare::Answered(reply) => return answered(app, drop, config, key, settling, reply).await,

@@ -14,8 +14,8 @@ use dropgate_api::{DropConfig, Mode};
 
 use super::handover::{self, HandoverError, Opening};
 use super::{
-    Choice, Failure, Turn, admit, being_rebuilt, checked, choose, find_drop, foreign_ledger,
-    pending_bound_ms, redis_changed, redis_failed, redis_still_checked,
+    Checked, Choice, Failure, Turn, admit, being_rebuilt, check_redis, checked, choose, find_drop,
+    foreign_ledger, pending_bound_ms, redis_changed, redis_failed, redis_still_checked,
 };
 use crate::app::App;
 use crate::drops::Drop;
@@ -90,8 +90,9 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
     let mut resolved = false;
     let mut rechecked = false;
     loop {
-        let config = ready(app, &drop).await?;
+        let (config, redis) = ready(app, &drop).await?;
         let mut conn = app.redis.clone();
+        let judging = super::judging(&drop).await;
         let said = line::join(
             &mut conn,
             &drop.keys,
@@ -105,7 +106,7 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
         )
         .await
         .map_err(|e| redis_failure(app, &drop, &config, &e))?;
-        if !redis_still_checked(app, &drop) {
+        if !redis_still_checked(app, &drop, redis) {
             // Perhaps another Redis than the one checked (the client reconnected
             // meanwhile): a join placed there is taken back, and Redis is checked
             // again before the join is asked for anew.
@@ -127,6 +128,7 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
             rechecked = true;
             continue;
         }
+        std::mem::drop(judging);
         match said {
             Said::Entry(Word::Joining, entry) => {
                 return make_durable(app, &drop, &request.key, &attempt, &entry).await;
@@ -271,7 +273,11 @@ async fn offer_head(app: &App, drop: &Drop, config: &DropConfig, variant: Option
         quantity: entry.quantity,
         variant: entry.variant.clone(),
     };
-    match admit::on_gate(app, drop, config, &request, true).await {
+    // The offer stands only if made on a Redis checked against the ledger.
+    let Ok(Ok(redis)) = check_redis(app, drop).await else {
+        return false;
+    };
+    match admit::on_gate(app, drop, config, redis, &request, true).await {
         Turn::Done(Ok(Outcome::Admitted(_))) => {
             app.metrics.offered.inc();
             tracing::debug!(drop = %drop.name, key = %request.key, "offered to the waitlist's head");
@@ -441,13 +447,13 @@ async fn entry_of(app: &App, drop: &Drop, key: &str) -> Result<Option<Entry>, Fa
     let mut reopened = false;
     let mut rechecked = false;
     loop {
-        let config = ready(app, drop).await?;
+        let (config, redis) = ready(app, drop).await?;
         let mut conn = app.redis.clone();
         let said = line::look(&mut conn, &drop.keys, app.ledger.id(), key)
             .await
             .map_err(|e| redis_failure(app, drop, &config, &e))?;
         // Perhaps another Redis than the one checked: checked again, then read anew.
-        if !redis_still_checked(app, drop) {
+        if !redis_still_checked(app, drop, redis) {
             if rechecked {
                 return Err(redis_changed(drop));
             }
@@ -541,7 +547,7 @@ async fn refused(app: &App, drop: &Drop, said: Said) -> Result<Waiting, Failure>
 
 /// The config to act on once the Redis gate decides the drop and is in line with
 /// the ledger: the lines are kept there.
-async fn ready(app: &App, drop: &Drop) -> Result<DropConfig, Failure> {
+async fn ready(app: &App, drop: &Drop) -> Result<(DropConfig, Checked), Failure> {
     for _ in 0..2 {
         let config = drop.config();
         match choose(app, drop, &config) {
@@ -550,14 +556,14 @@ async fn ready(app: &App, drop: &Drop) -> Result<DropConfig, Failure> {
             Choice::Refused(failure) => return Err(failure),
         }
         match checked::<()>(app, drop, &config).await {
-            None | Some(Turn::Done(Ok(()))) => return Ok(config),
-            Some(Turn::Reopen { suspect }) => reopen(app, drop, suspect).await?,
-            // (A check never answers this; checked again all the same.)
-            Some(Turn::Recheck) => {}
-            Some(Turn::Reroute(Choice::Refused(failure))) | Some(Turn::Done(Err(failure))) => {
+            Ok(redis) => return Ok((config, redis)),
+            Err(Turn::Reopen { suspect }) => reopen(app, drop, suspect).await?,
+            // (A check answers neither of these; checked again all the same.)
+            Err(Turn::Recheck | Turn::Done(Ok(()))) => {}
+            Err(Turn::Reroute(Choice::Refused(failure)) | Turn::Done(Err(failure))) => {
                 return Err(failure);
             }
-            Some(Turn::Reroute(_)) => return Err(off_gate(drop)),
+            Err(Turn::Reroute(_)) => return Err(off_gate(drop)),
         }
     }
     Err(being_rebuilt(drop))
