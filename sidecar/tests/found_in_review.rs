@@ -1,7 +1,7 @@
 //! Interleavings a hostile review of "one authority at a time" found: each failed
 //! before its fix (per-pod ledgers, a marker past its TTL, a pod new to a sale, a
-//! drop re-created under a stale sidecar, an expiry waiting on an extension's lock)
-//! and holds now.
+//! drop re-created under a stale sidecar, an expiry waiting on an extension's lock,
+//! an expiry by a deadline the ledger has moved on from) and holds now.
 
 mod common;
 
@@ -324,5 +324,67 @@ async fn an_expiry_never_lands_on_a_hold_extended_meanwhile() {
     .await
     .expect("query");
     assert_eq!(state.as_deref(), Some("confirmed"), "{}", show(&confirmed));
+    peer.shutdown().await;
+}
+
+/// Redis expires a hold by a deadline the ledger has moved on from (an extension
+/// recorded in the ledger that Redis lost: written here straight into the ledger's
+/// row). The ledger refuses the expiry, and its record is replayed into Redis,
+/// where the hold takes its unit again: a buyer who was told the hold runs ten
+/// more minutes keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger_url = sqlite_url(&dir, "ledger.db");
+    let peer = Peer::start_custom(&redis.url(), &ledger_url, |settings| {
+        settings.sweep_ms = 200;
+    })
+    .await;
+    seed(
+        &redis.url(),
+        "held",
+        one_per_buyer(5)
+            .hold_seconds(3)
+            .acquire_timeout_ms(500)
+            .max_hold_seconds(3600),
+    )
+    .await;
+    peer.reserve("held", "h1", "hana", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let ledger = dropgate_sidecar::ledger::Ledger::open(&ledger_url)
+        .await
+        .expect("the ledger");
+    let extended = sqlx::query(
+        "UPDATE reservations SET expires_at_ms = expires_at_ms + 600000 \
+         WHERE drop_key LIKE $1 AND res_key = $2 AND state = 'active'",
+    )
+    .bind(format!("{NS}/held/%"))
+    .bind("h1")
+    .execute(ledger.pool())
+    .await
+    .expect("the extension's UPDATE");
+    assert_eq!(extended.rows_affected(), 1);
+
+    // Past Redis's deadline, the sweeper expires the hold there; the ledger
+    // refuses, and its record goes back into Redis.
+    tokio::time::sleep(Duration::from_millis(4_000)).await;
+    common::eventually("the hold to be held in Redis again", async || {
+        marker_state(&redis, "held", "h1").as_deref() == Some("active")
+    })
+    .await;
+    let looked = peer.lookup("held", "h1").await;
+    assert_eq!(looked.body["state"], "active", "{}", show(&looked));
+    assert_eq!(redis_counts(&redis, "held"), (4, 1));
+    let state: Option<String> = sqlx::query_scalar(
+        "SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2",
+    )
+    .bind(format!("{NS}/held/%"))
+    .bind("h1")
+    .fetch_optional(ledger.pool())
+    .await
+    .expect("query");
+    assert_eq!(state.as_deref(), Some("active"));
     peer.shutdown().await;
 }

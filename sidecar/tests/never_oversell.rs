@@ -125,18 +125,6 @@ async fn ledger_notes_generation(database_url: &str, drop: &str, generation: i64
     pool.close().await;
 }
 
-/// Asks `peer` to extend `key`'s hold to ten minutes from now.
-async fn extend_ten_minutes(peer: &Peer, key: &str) -> Reply {
-    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600);
-    peer.http
-        .post(
-            &format!("/v1/drops/sale/reservations/{key}/extend"),
-            &format!(r#"{{"expiresAt":"{until}"}}"#),
-        )
-        .await
-        .expect("answers")
-}
-
 /// Waits until `peer` has read `drop`'s config with `limit` (its refresh took it).
 async fn reads_limit(peer: &Peer, drop: &str, limit: i64) {
     let path = format!("/v1/drops/{drop}");
@@ -808,7 +796,7 @@ async fn a_change_redis_lost_after_the_sidecar_read_it_never_decides() {
     );
     // Nor an extension that the lost cut of maxHoldSeconds refuses and the older
     // config allows.
-    let extended = extend_ten_minutes(&sidecar, "a").await;
+    let extended = sidecar.extend("sale", "a", 600).await;
     assert_refused_on_older_config(&extended);
     let settling: Option<String> = redis::cmd("HGET")
         .arg(keys.reservation("a"))
@@ -865,7 +853,7 @@ async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
         "the lagging sidecar still has generation 1"
     );
 
-    let extended = extend_ten_minutes(&lagging, "a").await;
+    let extended = lagging.extend("sale", "a", 600).await;
     extended.assert_answer(200, "extended");
     lagging.shutdown().await;
     noting.shutdown().await;

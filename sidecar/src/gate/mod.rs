@@ -981,6 +981,8 @@ pub struct MarkerSeen {
     pub settle_seq: i64,
     /// Its state (`None`: one this sidecar does not know).
     pub state: Option<State>,
+    /// Its hold's deadline (ms; 0 when it has none).
+    pub expires_at_ms: i64,
 }
 
 /// How long past a hold's deadline Redis keeps its marker at least: the scripts
@@ -1002,15 +1004,15 @@ pub async fn standing(
         Option<i64>,
         Option<i64>,
         Option<String>,
-        (Option<i64>, Option<i64>, Option<String>),
+        (Option<i64>, Option<i64>, Option<String>, Option<i64>),
     );
-    let (gate, seq, positions, sale, (changed, prepared, state)): Read = redis::pipe()
+    let (gate, seq, positions, sale, (changed, prepared, state, expires_at)): Read = redis::pipe()
         .atomic()
         .get(keys.gate())
         .get(keys.seq())
         .get(keys.waitlist_counter())
         .hget(keys.config(), "sale")
-        .hmget(&marker, &["seq", "settleSeq", "state"])
+        .hmget(&marker, &["seq", "settleSeq", "state", "expiresAt"])
         .query_async(conn)
         .await?;
     Ok(GateStanding {
@@ -1022,6 +1024,7 @@ pub async fn standing(
             seq: changed.unwrap_or(0),
             settle_seq: prepared.unwrap_or(0),
             state: State::parse(&state),
+            expires_at_ms: expires_at.unwrap_or(0),
         }),
     })
 }

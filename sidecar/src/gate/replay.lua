@@ -28,7 +28,13 @@ local m = {false, false, false, false}
 if ours() then
   m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'variant')
 end
-if m[3] and (rank[m[3]] or 0) >= rank[target] then
+-- One exception: a hold Redis expired at a deadline the ledger has since moved on
+-- from (it extended the hold, and Redis lost the extension in a failover) was
+-- never due; the ledger's later deadline stands, and the hold takes its units
+-- again.
+local expired_early = m[3] == 'expired' and target == 'active' and not settling()
+  and tonumber(ARGV[6]) > tonumber(redis.call('HGET', K.marker, 'expiresAt') or '0')
+if m[3] and (rank[m[3]] or 0) >= rank[target] and not expired_early then
   -- Redis has the ledger's change: its marker says so by its number, which is how
   -- a check after a failover tells a Redis that has the ledger's last change.
   if tonumber(redis.call('HGET', K.marker, 'seq') or '0') < tonumber(ARGV[7]) then

@@ -1072,7 +1072,13 @@ async fn apply_gate_change(
             })
         });
     }
-    if let Some(held) = transition(tx, change, true, now, None).await? {
+    // An expiry stands only for a hold whose deadline it is: Redis expiring a hold
+    // at a deadline the ledger has moved on from (an extension it lost in a
+    // failover) is refused, and the ledger's record replayed into it. (A pending
+    // admission's expiry is at its pending bound, not the hold's.)
+    let due_at =
+        (change.state == State::Expired && !change.from_pending).then_some(change.expires_at_ms);
+    if let Some(held) = transition(tx, change, true, now, due_at).await? {
         // A partial confirm gives back what it does not keep; a cancel or expiry
         // what the ledger's row held (not what the gate's marker said: a Redis put
         // back from an older copy may hold a partial confirm's units whole).

@@ -280,8 +280,8 @@ const CLOCKS_APART_MS: i64 = 3_600_000;
 /// has every change before it. The change counter alone can be fooled: a promoted
 /// replica that missed one change hands that change's number out again, to any
 /// key, and its counter then reads as far as the ledger's. So the marker must
-/// carry the change's number in a state at least as far as the ledger's (a
-/// later number, or a change prepared at or past it, is further still). A marker
+/// carry the change's number, or a later one, in a state at least as far as the
+/// ledger's, or a change prepared at or past it. A marker
 /// Redis no longer keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`],
 /// less [`CLOCKS_APART_MS`]) tells nothing, and the counter decides alone.
 fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64) -> bool {
@@ -301,12 +301,19 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
                     .saturating_add(gate::MARKER_KEPT_MS - CLOCKS_APART_MS)
         }
         Some(marker) => {
-            marker.seq > last.seq
-                || marker.settle_seq >= last.seq
-                || (marker.seq == last.seq
-                    && marker
-                        .state
-                        .is_some_and(|state| rank(state) >= rank(last.state)))
+            // A change at or past the ledger's last one is built on it only if it
+            // left the reservation at least as far (no change moves one back):
+            // a replica that lost a confirm and then expired the hold under a
+            // later number did not build on the confirm. Nor is an expiry of a
+            // hold the ledger keeps past the deadline it expired at: the replica
+            // lost an extension, and expired the hold by its old deadline.
+            let expired_early = marker.state == Some(State::Expired)
+                && rank(last.state) == rank(State::Active)
+                && last.expires_at_ms > marker.expires_at_ms;
+            let as_far = marker
+                .state
+                .is_some_and(|state| rank(state) >= rank(last.state));
+            marker.settle_seq >= last.seq || (marker.seq >= last.seq && as_far && !expired_early)
         }
     }
 }
@@ -632,6 +639,11 @@ pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
     // judged and taken back (see Drop::checking).
     let _checking = drop.checking.write().await;
     let era = app.redis_era(drop);
+    // Checked at this era by the call that held the lock before: the calls that
+    // waited behind it need no check of their own.
+    if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
+        return Ok(Verified::InLine);
+    }
     let key = drop.ledger_key();
     let standing = standing(app, drop, &key).await?;
     if standing.redis_behind() {
@@ -718,6 +730,7 @@ mod tests {
             seq,
             settle_seq,
             state: Some(state),
+            expires_at_ms: NOW,
         }
     }
 
@@ -729,10 +742,11 @@ mod tests {
             Some(&marker(10, 0, State::Cancelled)),
             NOW
         ));
-        // Changed again since, or a change prepared at or past it.
+        // Changed again since (a refund of a confirmed hold), or a change
+        // prepared at or past it.
         assert!(has_change(
-            &cancelled,
-            Some(&marker(11, 0, State::Active)),
+            &last(State::Confirmed),
+            Some(&marker(11, 0, State::Cancelled)),
             NOW
         ));
         assert!(has_change(
@@ -760,6 +774,24 @@ mod tests {
         assert!(!has_change(
             &cancelled,
             Some(&marker(10, 0, State::Expired)),
+            NOW
+        ));
+        // It lost an extension of the hold, and expired it by its old deadline
+        // under the extension's number.
+        let extended = LastChange {
+            expires_at_ms: NOW + 600_000,
+            ..last(State::Active)
+        };
+        assert!(!has_change(
+            &extended,
+            Some(&marker(10, 0, State::Expired)),
+            NOW
+        ));
+        // It lost a confirm, handed its number to another key, and expired the
+        // hold under the next one.
+        assert!(!has_change(
+            &last(State::Confirmed),
+            Some(&marker(11, 0, State::Expired)),
             NOW
         ));
         // It never saw the key at all.

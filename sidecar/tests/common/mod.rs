@@ -110,6 +110,18 @@ impl Peer {
             .expect("answers")
     }
 
+    /// Asks to extend `key`'s hold to `seconds` from now.
+    pub async fn extend(&self, drop: &str, key: &str, seconds: i64) -> Reply {
+        let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(seconds);
+        self.http
+            .post(
+                &format!("/v1/drops/{drop}/reservations/{key}/extend"),
+                &format!(r#"{{"expiresAt":"{until}"}}"#),
+            )
+            .await
+            .expect("answers")
+    }
+
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
