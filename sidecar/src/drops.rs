@@ -40,15 +40,6 @@ pub struct Drop {
     /// Redis was last found in line with the ledger for this drop; `u64::MAX`: not
     /// yet by this process.
     pub verified: std::sync::atomic::AtomicU64,
-    /// Read-held by a call whose gate script may prepare a change (an admission,
-    /// a confirm, cancel or extension, a waitlist join) from just before the
-    /// script until its reply was judged against the Redis the call checked (and,
-    /// from an unchecked Redis, taken back); write-held by a check of Redis
-    /// against the ledger and by an opening of the gate. So no check reads a
-    /// Redis while such a change waits there: a prepare on a promoted replica,
-    /// re-using the number of the change the replica lost, would make it look in
-    /// line.
-    pub checking: tokio::sync::RwLock<()>,
     /// When asking Redis for this drop's config last failed while its breaker was
     /// open (ms since the epoch): the fallback asks again only a little later.
     pub config_unreachable_at: std::sync::atomic::AtomicI64,
@@ -68,7 +59,6 @@ impl Drop {
             openings: Openings::default(),
             breaker: crate::breaker::Breaker::default(),
             verified: std::sync::atomic::AtomicU64::new(u64::MAX),
-            checking: tokio::sync::RwLock::new(()),
             config_unreachable_at: std::sync::atomic::AtomicI64::new(0),
         }
     }

@@ -979,6 +979,8 @@ pub struct MarkerSeen {
     pub seq: i64,
     /// The number of a confirm, cancel or extension prepared on it (0 for none).
     pub settle_seq: i64,
+    /// The attempt that prepared it.
+    pub settle_attempt: Option<String>,
     /// Its state (`None`: one this sidecar does not know).
     pub state: Option<State>,
     /// Its hold's deadline (ms; 0 when it has none).
@@ -1004,17 +1006,27 @@ pub async fn standing(
         Option<i64>,
         Option<i64>,
         Option<String>,
-        (Option<i64>, Option<i64>, Option<String>, Option<i64>),
+        (
+            Option<i64>,
+            Option<i64>,
+            Option<String>,
+            Option<i64>,
+            Option<String>,
+        ),
     );
-    let (gate, seq, positions, sale, (changed, prepared, state, expires_at)): Read = redis::pipe()
-        .atomic()
-        .get(keys.gate())
-        .get(keys.seq())
-        .get(keys.waitlist_counter())
-        .hget(keys.config(), "sale")
-        .hmget(&marker, &["seq", "settleSeq", "state", "expiresAt"])
-        .query_async(conn)
-        .await?;
+    let (gate, seq, positions, sale, (changed, prepared, state, expires_at, preparer)): Read =
+        redis::pipe()
+            .atomic()
+            .get(keys.gate())
+            .get(keys.seq())
+            .get(keys.waitlist_counter())
+            .hget(keys.config(), "sale")
+            .hmget(
+                &marker,
+                &["seq", "settleSeq", "state", "expiresAt", "settleAttempt"],
+            )
+            .query_async(conn)
+            .await?;
     Ok(GateStanding {
         gate: GateKey::parse(gate)?,
         seq: seq.unwrap_or(0),
@@ -1023,6 +1035,7 @@ pub async fn standing(
         marker: state.map(|state| MarkerSeen {
             seq: changed.unwrap_or(0),
             settle_seq: prepared.unwrap_or(0),
+            settle_attempt: preparer,
             state: State::parse(&state),
             expires_at_ms: expires_at.unwrap_or(0),
         }),

@@ -888,7 +888,7 @@ async fn new_admissions(
              VALUES {} ON CONFLICT (drop_key, res_key) DO UPDATE SET \
              user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
              expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, admitted_at_ms = excluded.admitted_at_ms, \
-             replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
+             replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL, changed_by = NULL \
              WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt \
              RETURNING drop_key, res_key",
             placeholders(run.len(), 13)
@@ -1169,12 +1169,13 @@ async fn note_seq(tx: &mut Transaction<'static, Any>, change: &Change) -> Result
         return Ok(());
     };
     sqlx::query(
-        "UPDATE reservations SET seq = $1 WHERE drop_key = $2 AND res_key = $3 AND (seq IS NULL OR seq < $4)",
+        "UPDATE reservations SET seq = $1, changed_by = $5 WHERE drop_key = $2 AND res_key = $3 AND (seq IS NULL OR seq < $4)",
     )
     .bind(seq)
     .bind(&change.drop_key)
     .bind(&change.key)
     .bind(seq)
+    .bind(change.attempt.as_deref())
     .execute(&mut **tx)
     .await?;
     Ok(())
@@ -1189,7 +1190,8 @@ pub(super) async fn extend_hold(
     now: i64,
 ) -> Result<bool, sqlx::Error> {
     let moved = sqlx::query(
-        "UPDATE reservations SET expires_at_ms = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END \
+        "UPDATE reservations SET expires_at_ms = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
+         changed_by = CASE WHEN seq IS NULL OR $4 > seq THEN $8 ELSE changed_by END \
          WHERE drop_key = $5 AND res_key = $6 AND state = 'active' AND expires_at_ms < $7 \
          AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $8)",
     )
@@ -1507,7 +1509,7 @@ async fn insert_reservation(
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (drop_key, res_key) DO UPDATE SET \
          user_id = excluded.user_id, quantity = excluded.quantity, variant = excluded.variant, state = excluded.state, path = excluded.path, \
          expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms, admitted_at_ms = excluded.admitted_at_ms, \
-         replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL \
+         replayed = excluded.replayed, seq = excluded.seq, attempt = excluded.attempt, fenced_attempt = NULL, changed_by = NULL \
          WHERE reservations.state = 'abandoned' AND reservations.attempt IS DISTINCT FROM excluded.attempt",
     )
     .bind(&change.drop_key)
@@ -1548,14 +1550,14 @@ async fn transition(
         State::Active | State::Pending => return Ok(None),
         State::Confirmed | State::Expired => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
-             quantity = quantity - $8 \
+             changed_by = CASE WHEN seq IS NULL OR $4 > seq THEN $7 ELSE changed_by END, quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
              AND ($9 = 0 OR quantity = $10) AND ($11 = 0 OR expires_at_ms <= $12) RETURNING quantity"
         }
         State::Cancelled => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
-             quantity = quantity - $8 \
+             changed_by = CASE WHEN seq IS NULL OR $4 > seq THEN $7 ELSE changed_by END, quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state IN ('active', 'confirmed') \
              AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
              AND ($9 = 0 OR quantity = $10) AND ($11 = 0 OR expires_at_ms <= $12) RETURNING quantity"

@@ -8,9 +8,9 @@ use super::handover::Reason;
 use super::record::{change_key, change_of, record_expiry, replay_later};
 use super::settle::Helped;
 use super::{
-    Backoff, Call, Checked, Choice, Failure, IN_FLIGHT_GRACE, Judging, Path, Published, Served,
-    Throttled, Turn, closed, decide, foreign_ledger, handover, on_ledger, pending_bound_ms,
-    published_now, redis_failed,
+    Backoff, Call, Checked, Choice, Failure, IN_FLIGHT_GRACE, Path, Published, Served, Throttled,
+    Turn, closed, decide, foreign_ledger, handover, on_ledger, pending_bound_ms, published_now,
+    redis_failed,
 };
 use crate::app::App;
 use crate::clock::now_ms;
@@ -49,20 +49,19 @@ pub(super) async fn on_gate(
         .admit(&request.key, &terms(request), settle_by)
         .await;
     let admission = admission(config, request, &attempt, offer);
-    let (reply, judging) = match asked(app, drop, config, request, &admission, settle_by).await {
+    let reply = match asked(app, drop, config, request, &admission, settle_by).await {
         Ok(asked) => asked,
         Err(turn) => return turn,
     };
-    if !reply_stands(app, drop, redis, judging, &[(&admission, &reply)]).await {
+    if !reply_stands(app, drop, redis, &[(&admission, &reply)]).await {
         return Turn::Recheck;
     }
     after_gate(app, drop, config, &admission, reply).await
 }
 
 /// Whether gate replies came from the Redis `redis` the call checked (see
-/// [`super::redis_still_checked`]). If not, what they admitted is taken back
-/// before the call's hold on the drop's checks is let go (a check of the new
-/// Redis must not see it), and nothing else of them is kept: not even an expiry
+/// [`super::redis_still_checked`]). If not, what they admitted is taken back, and
+/// nothing else of them is kept: not even an expiry
 /// made on the way is recorded, as the ledger's answer to it would be replayed
 /// into that Redis and could make it look in line when it is not. The call
 /// checks Redis again ([`Turn::Recheck`]), which rebuilds what it lacks.
@@ -70,7 +69,6 @@ async fn reply_stands(
     app: &App,
     drop: &Drop,
     redis: Checked,
-    _judging: Option<Judging<'_>>,
     replies: &[(&gate::ReserveRequest, &gate::Reply)],
 ) -> bool {
     if super::redis_still_checked(app, drop, redis) {
@@ -175,7 +173,6 @@ pub(super) async fn lines_on_gate(
     } else {
         CartMode::Available
     };
-    let judging = super::judging(drop).await;
     let replies = match drop
         .gate
         .reserve_cart(&app.redis, app.ledger.id(), &admissions, mode)
@@ -195,7 +192,7 @@ pub(super) async fn lines_on_gate(
         })
         .collect();
     // Each line is then decided on its own, on a Redis checked anew.
-    if !reply_stands(app, drop, redis, Some(judging), &made).await {
+    if !reply_stands(app, drop, redis, &made).await {
         return alone();
     }
     let config = &config;
@@ -392,31 +389,24 @@ pub(super) async fn lines_on_fallback(
 
 /// Asks the gate for `admission` until its answer is not about another attempt
 /// still in flight (or `settle_by` passes). `Err`: the turn is over.
-async fn asked<'a>(
+async fn asked(
     app: &App,
-    drop: &'a Drop,
+    drop: &Drop,
     config: &DropConfig,
     request: &Reserve,
     admission: &gate::ReserveRequest,
     settle_by: Instant,
-) -> Result<(gate::Reply, Option<Judging<'a>>), Turn<Outcome>> {
+) -> Result<gate::Reply, Turn<Outcome>> {
     let mut conn = app.redis.clone();
     let mut backoff = Backoff::new();
     let mut tried_resolving = false;
     let mut helped = 0;
     loop {
-        let judging = super::judging(drop).await;
         let reply = match drop.gate.reserve(&conn, app.ledger.id(), admission).await {
             Ok(reply) => reply,
             Err(e) => return Err(Turn::Reroute(redis_failed(app, drop, config, &e))),
         };
         app.breaker(Some(drop)).answered();
-        // An admission is judged before the hold is let go; any other reply
-        // prepared nothing, and the waits below do not hold up a check of Redis.
-        if let Outcome::Admitted(_) = reply.outcome {
-            return Ok((reply, Some(judging)));
-        }
-        std::mem::drop(judging);
         // A duplicate of a reservation whose confirm or cancel the ledger has
         // recorded: finished in Redis first, then answered as it now stands.
         if matches!(reply.outcome, Outcome::Unsettled(_)) {
@@ -443,7 +433,7 @@ async fn asked<'a>(
             continue;
         }
         if reply.outcome != Outcome::Pending || Instant::now() >= settle_by {
-            return Ok((reply, None));
+            return Ok(reply);
         }
         tracing::debug!(
             drop = %drop.name,

@@ -100,8 +100,6 @@ pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
         return Opening::Open;
     }
     let ticket = drop.openings.begin();
-    // (As for a check: see `verify`.)
-    let _checking = drop.checking.write().await;
     let era = app.redis_era(drop);
     match try_open(app, drop, suspect).await {
         Ok(Opening::Open) => {
@@ -281,7 +279,9 @@ const CLOCKS_APART_MS: i64 = 3_600_000;
 /// replica that missed one change hands that change's number out again, to any
 /// key, and its counter then reads as far as the ledger's. So the marker must
 /// carry the change's number, or a later one, in a state at least as far as the
-/// ledger's, or a change prepared at or past it. A marker
+/// ledger's, or have that change prepared by the attempt the ledger names. A
+/// change prepared past it says nothing: only a Redis that has the ledger's
+/// change numbers past it. A marker
 /// Redis no longer keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`],
 /// less [`CLOCKS_APART_MS`]) tells nothing, and the counter decides alone.
 fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64) -> bool {
@@ -313,7 +313,13 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
             let as_far = marker
                 .state
                 .is_some_and(|state| rank(state) >= rank(last.state));
-            marker.settle_seq >= last.seq || (marker.seq >= last.seq && as_far && !expired_early)
+            // The change itself, prepared and not finished yet: the ledger names
+            // the attempt that prepared it (a replica re-using the number gives
+            // it to another attempt).
+            let prepared = marker.settle_seq == last.seq
+                && last.changed_by.is_some()
+                && marker.settle_attempt == last.changed_by;
+            prepared || (marker.seq >= last.seq && as_far && !expired_early)
         }
     }
 }
@@ -635,12 +641,8 @@ pub enum Verified {
 /// How Redis stands against the ledger for `drop`; in line, the drop counts as
 /// checked for the Redis era this began in.
 pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
-    // Not while a call's change made on a Redis it did not check waits to be
-    // judged and taken back (see Drop::checking).
-    let _checking = drop.checking.write().await;
     let era = app.redis_era(drop);
-    // Checked at this era by the call that held the lock before: the calls that
-    // waited behind it need no check of their own.
+    // Checked at this era meanwhile (by another call): nothing to do again.
     if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
         return Ok(Verified::InLine);
     }
@@ -722,13 +724,16 @@ mod tests {
             seq: 10,
             state,
             expires_at_ms: NOW,
+            changed_by: Some("a".into()),
         }
     }
 
+    /// A marker with a change numbered `settle_seq` prepared by attempt "a".
     fn marker(seq: i64, settle_seq: i64, state: State) -> gate::MarkerSeen {
         gate::MarkerSeen {
             seq,
             settle_seq,
+            settle_attempt: (settle_seq > 0).then(|| "a".into()),
             state: Some(state),
             expires_at_ms: NOW,
         }
@@ -792,6 +797,18 @@ mod tests {
         assert!(!has_change(
             &last(State::Confirmed),
             Some(&marker(11, 0, State::Expired)),
+            NOW
+        ));
+        // It handed the number out again to a cancel prepared by another attempt
+        // (a retry of the cancel it lost), or prepared a change past it.
+        let retried = gate::MarkerSeen {
+            settle_attempt: Some("b".into()),
+            ..marker(9, 10, State::Active)
+        };
+        assert!(!has_change(&cancelled, Some(&retried), NOW));
+        assert!(!has_change(
+            &cancelled,
+            Some(&marker(9, 11, State::Active)),
             NOW
         ));
         // It never saw the key at all.

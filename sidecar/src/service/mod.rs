@@ -312,16 +312,6 @@ async fn gate_count(app: &App, drop: &Drop) -> redis::RedisResult<Option<gate::L
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Checked(u64);
 
-/// Held by a call from just before its gate script is sent until its reply was
-/// judged (and what an unchecked reply prepared taken back): no check of Redis
-/// against the ledger reads Redis meanwhile (see [`Drop::checking`]).
-async fn judging(drop: &Drop) -> Judging<'_> {
-    drop.checking.read().await
-}
-
-/// A call's hold on [`Drop::checking`] (see [`judging`]).
-type Judging<'a> = tokio::sync::RwLockReadGuard<'a, ()>;
-
 /// Redis checked against the ledger for `drop`: at once when it was found in line
 /// since its last failure or reconnection, else by checking it now; the check's
 /// verdict when it is not in line.

@@ -396,9 +396,7 @@ async fn change_on_gate(
     let attempt = format!("{:016x}", rand::random::<u64>());
     let settle_by = Instant::now() + unresolved_bound(config);
     let mut backoff = Backoff::new();
-    let (prepared, judging) = loop {
-        // Held until a preparation is judged (and aborted if it must be).
-        let judging = super::judging(drop).await;
+    let prepared = loop {
         let prepared = match gate::prepare(
             &mut conn,
             &drop.keys,
@@ -418,17 +416,14 @@ async fn change_on_gate(
             Prepare::Answered(reply)
                 if reply.outcome == Outcome::Pending && Instant::now() < settle_by =>
             {
-                std::mem::drop(judging);
                 backoff.wait(settle_by).await;
             }
-            _ => break (prepared, judging),
+            _ => break prepared,
         }
     };
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
     // admit::after_gate.)
     if !super::redis_still_checked(app, drop, redis) {
-        // Aborted before the hold on the drop's checks is let go: a check of the
-        // new Redis must not see the preparation.
         if let Prepare::Prepared { .. } = prepared
             && let Err(error) =
                 gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
@@ -437,7 +432,6 @@ async fn change_on_gate(
         }
         return Turn::Recheck;
     }
-    std::mem::drop(judging);
     let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let (view, step) = match prepared {
         Prepare::Answered(reply) => return answered(app, drop, config, key, settling, reply).await,

@@ -92,7 +92,6 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
     loop {
         let (config, redis) = ready(app, &drop).await?;
         let mut conn = app.redis.clone();
-        let judging = super::judging(&drop).await;
         let said = line::join(
             &mut conn,
             &drop.keys,
@@ -128,7 +127,6 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
             rechecked = true;
             continue;
         }
-        std::mem::drop(judging);
         match said {
             Said::Entry(Word::Joining, entry) => {
                 return make_durable(app, &drop, &request.key, &attempt, &entry).await;
