@@ -7,11 +7,9 @@
 
 mod common;
 
-use std::time::Duration;
-
+use common::failover::LossyFailover;
 use common::{NS, Peer, eventually, one_per_buyer, redis_counts, seed};
 use dropgate_sidecar::faults::{self, Fault};
-use dropgate_testkit::{RedisServer, TcpProxy};
 use sqlx::Row;
 
 /// The units the ledger counts available and held (active or confirmed), in the
@@ -41,28 +39,18 @@ async fn ledger_counts(database_url: &str) -> (i64, i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelled() {
-    sqlx::any::install_default_drivers();
-    let mut primary = RedisServer::start().expect("redis-server");
-    let replica = RedisServer::start_replica_of(&primary).expect("replica");
-    let proxy = TcpProxy::start(primary.port()).await.expect("proxy");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let mut redis = LossyFailover::start().await;
     // Closed: a call that meets the failover fails, and hands nothing to the ledger.
-    seed(&primary.url(), "sale", one_per_buyer(6).fail_closed()).await;
+    seed(&redis.primary.url(), "sale", one_per_buyer(6).fail_closed()).await;
     // Refreshes 3 s apart: no refresh compares the replica with the ledger first.
-    let sidecar = Peer::start_with(&proxy.redis_url(), &ledger, 3000).await;
+    let sidecar = Peer::start_with(&redis.proxy.redis_url(), &redis.ledger, 3000).await;
     for i in 0..3 {
         let key = format!("b-{i}");
         let reply = sidecar.reserve("sale", &key, &key, 1).await;
         reply.assert_answer(201, "admitted");
     }
-    eventually("the replica to catch up", async || {
-        redis_counts(&replica, "sale").1 == 3
-    })
-    .await;
-    // The replica is cut off now: it misses every write from here on, the cancel
-    // below included.
-    replica.promote().expect("REPLICAOF NO ONE");
+    // The replica is cut off now: it misses the cancel below.
+    redis.cut_off_replica_holding("sale", 3).await;
     let first = sidecar.settle("sale", "b-0", "cancel").await;
     first.assert_answer(200, "cancelled");
 
@@ -72,27 +60,17 @@ async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelle
     // b-0 is still held.
     faults::arm(Fault::PauseAfterCheck, 1);
     let again = sidecar.settle("sale", "b-0", "cancel");
-    let failover = async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        primary.stop();
-        proxy.point_to(replica.port()).await;
-        sidecar.lookup("sale", "b-1").await
-    };
-    let (again, looked) = tokio::join!(again, failover);
-    assert!(
-        looked.status == 503 || looked.body["state"] == "active",
-        "{}",
-        looked.text
-    );
+    let failover = redis.fail_over(&sidecar, "sale", "b-1");
+    let (again, _) = tokio::join!(again, failover);
     again.assert_answer(200, "already_cancelled");
 
     // Redis is brought in line with the ledger: the unit went back once.
     let looked = sidecar.lookup("sale", "b-0").await;
     assert_eq!(looked.body["state"], "cancelled", "{}", looked.text);
     eventually("Redis to hold what the ledger holds", async || {
-        redis_counts(&replica, "sale") == (4, 2)
+        redis_counts(&redis.replica, "sale") == (4, 2)
     })
     .await;
-    assert_eq!(ledger_counts(&ledger).await, (4, 2));
+    assert_eq!(ledger_counts(&redis.ledger).await, (4, 2));
     sidecar.shutdown().await;
 }

@@ -20,6 +20,20 @@ fn show(r: &Reply) -> String {
     format!("{} {}", r.status, r.text)
 }
 
+/// The state of `key`'s reservation of `drop` in `ledger` (any sale of it).
+async fn ledger_state(
+    ledger: &dropgate_sidecar::ledger::Ledger,
+    drop: &str,
+    key: &str,
+) -> Option<String> {
+    sqlx::query_scalar("SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2")
+        .bind(format!("{NS}/{drop}/%"))
+        .bind(key)
+        .fetch_optional(ledger.pool())
+        .await
+        .expect("the ledger answers")
+}
+
 /// Per-pod SQLite ledgers (two pods, one Redis): a hold admitted through pod A and
 /// confirmed through pod B (the shop's load balancer picks any pod) stayed `active`
 /// in A's ledger; past the deadline A's "ledger repair" expired it there and the
@@ -315,15 +329,12 @@ async fn an_expiry_never_lands_on_a_hold_extended_meanwhile() {
 
     let confirmed = confirm.await.expect("the confirm's task");
     confirmed.assert_answer(200, "confirmed");
-    let state: Option<String> = sqlx::query_scalar(
-        "SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2",
-    )
-    .bind(format!("{NS}/held/%"))
-    .bind("h1")
-    .fetch_optional(ledger.pool())
-    .await
-    .expect("query");
-    assert_eq!(state.as_deref(), Some("confirmed"), "{}", show(&confirmed));
+    assert_eq!(
+        ledger_state(&ledger, "held", "h1").await.as_deref(),
+        Some("confirmed"),
+        "{}",
+        show(&confirmed)
+    );
     peer.shutdown().await;
 }
 
@@ -377,14 +388,9 @@ async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again()
     let looked = peer.lookup("held", "h1").await;
     assert_eq!(looked.body["state"], "active", "{}", show(&looked));
     assert_eq!(redis_counts(&redis, "held"), (4, 1));
-    let state: Option<String> = sqlx::query_scalar(
-        "SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2",
-    )
-    .bind(format!("{NS}/held/%"))
-    .bind("h1")
-    .fetch_optional(ledger.pool())
-    .await
-    .expect("query");
-    assert_eq!(state.as_deref(), Some("active"));
+    assert_eq!(
+        ledger_state(&ledger, "held", "h1").await.as_deref(),
+        Some("active")
+    );
     peer.shutdown().await;
 }

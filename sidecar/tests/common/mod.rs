@@ -9,6 +9,8 @@ use dropgate_api::DropKeys;
 use dropgate_testkit::{DropSpec, HttpClient, RedisServer, Reply};
 use tokio::sync::oneshot;
 
+pub mod failover;
+
 pub const NS: &str = "shop";
 
 pub struct Sidecar {
