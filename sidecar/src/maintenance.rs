@@ -15,7 +15,7 @@ use crate::ledger::Holder;
 use crate::metrics::DropLabel;
 use crate::reservation::{Outcome, State};
 use crate::service::handover::{self, Reason};
-use crate::service::record::{change_of, record_expiry};
+use crate::service::record::{change_of, record_expiry, record_from_redis};
 use crate::service::{self, admit};
 
 /// Due holds expired per drop per sweep; the rest wait for the next sweep.
@@ -343,7 +343,7 @@ async fn expire_due_holds(app: &App) {
                     for key in due {
                         match gate::expire(&mut conn, &drop.keys, app.ledger.id(), &key).await {
                             Ok(step) if service::redis_still_checked(app, &drop, checked) => {
-                                record_expiry(app, &drop, &config, &key, &step).await
+                                record_expiry(app, &drop, &config, &key, &step).await;
                             }
                             // Made on a Redis not checked (the client reconnected
                             // meanwhile): not recorded; the refresh checks Redis.
@@ -584,7 +584,9 @@ async fn heal_from_redis(
         if !service::redis_still_checked(app, drop, checked) {
             return;
         }
-        record_expiry(app, drop, config, &key, &reply.step).await;
+        if !record_expiry(app, drop, config, &key, &reply.step).await {
+            continue;
+        }
         let healed = match &reply.outcome {
             Outcome::Closed => return,
             Outcome::NotFound => app
@@ -599,7 +601,9 @@ async fn heal_from_redis(
                 state @ (State::Confirmed | State::Cancelled | State::Expired) => {
                     let change =
                         change_of(drop, config, &key, &reply.step, &view.reservation, state);
-                    app.ledger.record(change).await.map_err(|e| e.to_string())
+                    // (Refused: the ledger's record was replayed into Redis.)
+                    record_from_redis(app, drop, &reply.step, &key, change).await;
+                    Ok(())
                 }
                 State::Pending | State::Active => Ok(()),
             },

@@ -460,7 +460,13 @@ async fn after_gate(
     // may not begin later (a sweeper resolves the key by then, and its claim of the
     // key in the ledger refuses a commit of this attempt still in flight).
     let deadline = now_ms() + pending_bound_ms(config) as i64;
-    record_expiry(app, drop, config, &request.key, &reply.step).await;
+    if !record_expiry(app, drop, config, &request.key, &reply.step).await {
+        // The ledger keeps the hold: Redis has it back, and is asked again.
+        if let Outcome::Admitted(_) = reply.outcome {
+            let _ = undo(app, drop, &request.key, attempt).await;
+        }
+        return Turn::Recheck;
+    }
     let admitted = match reply.outcome {
         Outcome::Admitted(_) if reply.step.sale.as_deref() != Some(config.sale.as_str()) => {
             // The drop was re-created since this sidecar read its config: never

@@ -65,14 +65,20 @@ pub fn change_key(drop: &Drop, step: &Step) -> String {
 
 /// Records an expiry a gate script made on the way (the sweeper, or a look-up,
 /// retry, confirm or cancel that found the hold past its deadline), and frees its
-/// permit at once.
-pub async fn record_expiry(app: &App, drop: &Drop, config: &DropConfig, key: &str, step: &Step) {
+/// permit at once. False when the ledger refused it (it has the hold confirmed,
+/// cancelled, or extended past the deadline Redis expired it at): Redis was
+/// brought to the ledger's record instead, and the caller asks Redis again rather
+/// than answer the expiry.
+pub async fn record_expiry(
+    app: &App,
+    drop: &Drop,
+    config: &DropConfig,
+    key: &str,
+    step: &Step,
+) -> bool {
     let Some(expiry) = &step.expired else {
-        return;
+        return true;
     };
-    app.metrics.expired.inc();
-    drop.throttle.release(key);
-    app.units_back.notify_one();
     let numbered = Step {
         seq: Some(expiry.seq),
         ..step.clone()
@@ -88,11 +94,28 @@ pub async fn record_expiry(app: &App, drop: &Drop, config: &DropConfig, key: &st
             State::Expired,
         )
     };
+    let stood = record_from_redis(app, drop, step, key, change).await;
+    if stood {
+        app.metrics.expired.inc();
+        drop.throttle.release(key);
+        app.units_back.notify_one();
+    }
+    stood
+}
+
+/// Records a change Redis made on its own (an expiry, or one the ledger repair
+/// found there). False when the ledger's record went elsewhere: Redis is brought
+/// forward to it at once, so that what Redis made does not stand. (Other failures
+/// are logged: the ledger repair asks Redis again.)
+pub async fn record_from_redis(
+    app: &App,
+    drop: &Drop,
+    step: &Step,
+    key: &str,
+    change: Change,
+) -> bool {
     match app.ledger.record(change).await {
-        Ok(()) => {}
-        // The ledger's record went elsewhere (the hold was confirmed or cancelled
-        // and Redis missed it): Redis is brought forward to it at once, so that
-        // the expiry it made does not stand.
+        Ok(()) => true,
         Err(RecordError::KeyUsed { .. }) => {
             let ledger_key = change_key(drop, step);
             match app.ledger.reservation(&ledger_key, key).await {
@@ -102,15 +125,17 @@ pub async fn record_expiry(app: &App, drop: &Drop, config: &DropConfig, key: &st
                         gate::replay(&mut conn, &drop.keys, app.ledger.id(), &row, &ledger_key)
                             .await
                     {
-                        tracing::warn!(drop = %drop.name, %error, "an expiry the ledger refused was not undone in Redis yet");
+                        tracing::warn!(drop = %drop.name, %error, "a change the ledger refused was not undone in Redis yet");
                         replay_later(app, drop, &ledger_key, key).await;
                     }
                 }
                 _ => replay_later(app, drop, &ledger_key, key).await,
             }
+            false
         }
         Err(error) => {
-            tracing::warn!(drop = %drop.name, %error, "expiry not recorded in the ledger");
+            tracing::warn!(drop = %drop.name, %error, "a change Redis made was not recorded in the ledger");
+            true
         }
     }
 }

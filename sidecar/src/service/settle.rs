@@ -339,7 +339,10 @@ async fn lookup_on_gate(
         }
         _ => {}
     }
-    record_expiry(app, drop, config, key, &reply.step).await;
+    if !record_expiry(app, drop, config, key, &reply.step).await {
+        // The ledger keeps the hold: Redis has it back, and is asked again.
+        return Turn::Recheck;
+    }
     let outcome = match reply.outcome {
         Outcome::NotFound => match from_ledger_or_not_found(app, drop, key, Settle::Lookup).await {
             Ok(outcome) => outcome,
@@ -658,7 +661,10 @@ async fn answered(
         }
         _ => {}
     }
-    record_expiry(app, drop, config, key, &reply.step).await;
+    if !record_expiry(app, drop, config, key, &reply.step).await {
+        // The ledger keeps the hold: Redis has it back, and is asked again.
+        return Turn::Recheck;
+    }
     let settle = match settling {
         Settling::Cancel => Settle::Cancel,
         Settling::Confirm { quantity } => Settle::Confirm { quantity },
