@@ -107,7 +107,7 @@ impl App {
 
     /// What a drop's check against the ledger holds for: Redis as it was after this
     /// many failures (and cluster changes); a drop checked at an older count is
-    /// checked again before Redis answers for it (see `service::verify`).
+    /// checked again before Redis answers for it (see `service::check_redis`).
     pub fn redis_era(&self, drop: &crate::drops::Drop) -> u64 {
         self.breaker(Some(drop))
             .failures()

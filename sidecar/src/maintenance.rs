@@ -346,7 +346,10 @@ async fn expire_due_holds(app: &App) {
                                 record_expiry(app, &drop, &config, &key, &step).await;
                             }
                             // Made on a Redis not checked (the client reconnected
-                            // meanwhile): not recorded; the refresh checks Redis.
+                            // meanwhile): not recorded; the refresh checks Redis,
+                            // and an expiry that stands reaches the ledger through
+                            // its repair (heal_from_redis) once the ledger's
+                            // deadline is well past.
                             Ok(_) => break,
                             Err(error) => {
                                 tracing::debug!(drop = %drop.name, %error, "expiry failed")

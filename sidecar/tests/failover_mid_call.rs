@@ -55,12 +55,12 @@ async fn a_cancel_checked_before_a_failover_and_run_after_it_is_already_cancelle
     first.assert_answer(200, "cancelled");
 
     // The cancel again, checked now and run 300 ms later: meanwhile the primary
-    // dies, and a call fails on the dead connection (the look-up below, or the
-    // sidecar's own sweep): the client reconnects, to the promoted replica, where
+    // dies, and a call fails on the dead connection (a read of the drop's page, or
+    // the sidecar's own sweep): the client reconnects, to the promoted replica, where
     // b-0 is still held.
     faults::arm(Fault::PauseAfterCheck, 1);
     let again = sidecar.settle("sale", "b-0", "cancel");
-    let failover = redis.fail_over(&sidecar, "sale", "b-1");
+    let failover = redis.fail_over(&sidecar, "sale");
     let (again, _) = tokio::join!(again, failover);
     again.assert_answer(200, "already_cancelled");
 

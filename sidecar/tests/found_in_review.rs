@@ -343,7 +343,8 @@ async fn an_expiry_never_lands_on_a_hold_extended_meanwhile() {
 /// row), in the look-up that meets it past that deadline. The ledger refuses the
 /// expiry, its record is replayed into Redis, where the hold takes its unit
 /// again, and the look-up asks again: a buyer who was told the hold runs ten more
-/// minutes keeps it, and hears so.
+/// minutes keeps it, and hears so. (The row's change number is left as it was:
+/// the check of Redis after a failover is `stale_expiry.rs`'s.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again() {
     let redis = RedisServer::start().expect("redis-server starts");

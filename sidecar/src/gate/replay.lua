@@ -5,7 +5,8 @@
 -- variant ('' for none), ARGV[10] when it was admitted (ms; '' when the ledger
 -- does not say).
 --
--- Only forward: pending < active < expired < confirmed < cancelled. A marker that
+-- Only forward (one exception: `expired_early` below): pending < active < expired <
+-- confirmed < cancelled. A marker that
 -- is as far as the ledger or further is left alone (`in_line`), so an older ledger
 -- never turns a confirmed reservation back to active, and replaying twice changes
 -- nothing. A hold expires only while active, so a ledger that has it confirmed or

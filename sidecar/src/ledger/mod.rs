@@ -1110,7 +1110,8 @@ async fn apply_gate_change(
             Ok(Ok(0))
         }
         // The ledger's record went elsewhere (it expired a hold whose confirm Redis
-        // made but could not record): the ledger's word stands.
+        // made but could not record, or extended the hold past the deadline Redis
+        // expired it at): the ledger's word stands.
         Some(row) => Ok(Err(RecordError::KeyUsed { state: row.state })),
         // A reservation this ledger never saw admitted (another pod's SQLite
         // ledger): keep its record and event, with no stock effect here. A pending

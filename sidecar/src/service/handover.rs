@@ -280,9 +280,9 @@ const CLOCKS_APART_MS: i64 = 3_600_000;
 /// key, and its counter then reads as far as the ledger's. So the marker must
 /// carry the change's number, or a later one, in a state at least as far as the
 /// ledger's, or have that change prepared by the attempt the ledger names. A
-/// change prepared past it says nothing: only a Redis that has the ledger's
-/// change numbers past it. A marker
-/// Redis no longer keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`],
+/// change prepared under a later number proves nothing: a replica that lost the
+/// change hands its number, and later ones, out again. A marker Redis no longer
+/// keeps (past its hold's deadline by [`gate::MARKER_KEPT_MS`],
 /// less [`CLOCKS_APART_MS`]) tells nothing, and the counter decides alone.
 fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64) -> bool {
     // A state's place on the way forward; an admission waiting for its activation
@@ -687,27 +687,17 @@ pub async fn check(app: &App, drop: &Drop) -> Result<(), HandoverError> {
         authority, gate, ..
     } = standing;
     let in_line = matches!((&authority, gate), (Some(a), Some(g)) if a.holder == Holder::Gate && a.epoch == g);
-    let reopen = if behind || !in_line {
-        Some(behind)
-    } else if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
-        None
-    } else {
-        // First found in line at this era: checked again, once no call's change
-        // made there waits to be judged (what was read above may include one).
-        match verify(app, drop).await? {
-            Verified::InLine => None,
-            Verified::Behind => Some(true),
-            Verified::NotOpen => Some(false),
-        }
-    };
-    if let Some(suspect) = reopen {
-        match open_gate(app, drop, suspect).await {
+    if behind || !in_line {
+        match open_gate(app, drop, behind).await {
             Opening::Refused(why) => return Err(HandoverError::NotOpened(why)),
             Opening::Awaiting => return Err(HandoverError::Awaiting(drop.name.clone())),
             _ => {}
         }
         return Ok(());
     }
+    // Standing was read after `era` began: Redis is in line for it.
+    drop.verified
+        .store(era, std::sync::atomic::Ordering::Release);
     replay_unseen(app, drop).await?;
     Ok(())
 }
@@ -747,8 +737,8 @@ mod tests {
             Some(&marker(10, 0, State::Cancelled)),
             NOW
         ));
-        // Changed again since (a refund of a confirmed hold), or a change
-        // prepared at or past it.
+        // Changed again since (a refund of a confirmed hold), or the change itself
+        // prepared by the attempt the ledger names.
         assert!(has_change(
             &last(State::Confirmed),
             Some(&marker(11, 0, State::Cancelled)),

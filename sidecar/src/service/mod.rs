@@ -324,7 +324,8 @@ async fn check_redis(
         return Ok(Ok(Checked(era)));
     }
     Ok(match handover::verify(app, drop).await? {
-        // The era the check began in: a change since fails the reply's test.
+        // The era last found in line (this check's, or a later one's): a change
+        // since fails the reply's test.
         handover::Verified::InLine => Ok(Checked(
             drop.verified.load(std::sync::atomic::Ordering::Acquire),
         )),

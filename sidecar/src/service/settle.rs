@@ -323,7 +323,7 @@ async fn lookup_on_gate(
         tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     }
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
-    // admit::after_gate.)
+    // admit::reply_stands.)
     if !super::redis_still_checked(app, drop, redis) {
         return Turn::Recheck;
     }
@@ -425,7 +425,7 @@ async fn change_on_gate(
         }
     };
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
-    // admit::after_gate.)
+    // admit::reply_stands.)
     if !super::redis_still_checked(app, drop, redis) {
         if let Prepare::Prepared { .. } = prepared
             && let Err(error) =
