@@ -538,12 +538,16 @@ async fn after_gate(
     };
 
     let Some(permit) = drop.throttle.acquire_for(&request.key, permit_wait).await else {
-        return Turn::Done(match undo(app, drop, &request.key, attempt).await {
-            Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
-            Err(e) => Err(Failure::unavailable(format!(
-                "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
-            ))),
-        });
+        // Taken back before the answer, however long Redis takes to answer within
+        // the admission's bound: a 503 leaves no pending marker counting stock.
+        return Turn::Done(
+            match undo_until(app, drop, &request.key, attempt, deadline).await {
+                Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
+                Err(e) => Err(Failure::unavailable(format!(
+                    "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
+                ))),
+            },
+        );
     };
     // A 201 means the admission is durable in the ledger: record it before the
     // reservation is activated, and take it back if that fails. The ledger refuses
@@ -805,6 +809,25 @@ async fn undo(app: &App, drop: &Drop, key: &str, attempt: &str) -> redis::RedisR
                 tokio::time::sleep(pause).await;
                 pause *= 2;
             }
+        }
+    }
+}
+
+/// [`undo`], asked again until it is done or `deadline_ms` (the admission's
+/// pending bound, past which its resolution takes it back) has passed.
+async fn undo_until(
+    app: &App,
+    drop: &Drop,
+    key: &str,
+    attempt: &str,
+    deadline_ms: i64,
+) -> redis::RedisResult<()> {
+    loop {
+        match undo(app, drop, key, attempt).await {
+            Err(_) if now_ms() + 100 < deadline_ms => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            done => return done,
         }
     }
 }
