@@ -515,7 +515,13 @@ async fn resolve_settle(
         Ok(row) => row,
         Err(error) => return Err(error.to_string()),
     };
-    let finished = if crate::service::landed(settling, row.as_ref()) {
+    // A row naming another attempt's change: this one never landed (it is fenced
+    // off now), and Redis, which prepared it beside a change the ledger recorded
+    // (a replica re-using a lost number), follows the ledger's record below.
+    let elsewhere = row
+        .as_ref()
+        .is_some_and(|row| !crate::service::made_by(row, attempt));
+    let finished = if !elsewhere && crate::service::landed(settling, row.as_ref()) {
         gate::finish(&mut conn, &drop.keys, ledger, key, attempt)
             .await
             .map(|_| {
@@ -541,8 +547,10 @@ async fn resolve_settle(
     };
     // An extension's row may hold a later deadline than the one this attempt asked
     // (another attempt, or the fallback, extended it further while this one was
-    // prepared, and a replay left the prepared marker alone): Redis follows it now.
-    if let (gate::Settling::Extend { .. }, Some(row)) = (settling, &row)
+    // prepared, and a replay left the prepared marker alone): Redis follows it now,
+    // as it follows a row another attempt's change made.
+    if let Some(row) = &row
+        && (elsewhere || matches!(settling, gate::Settling::Extend { .. }))
         && resolved.is_ok()
         && let Err(error) = gate::replay(&mut conn, &drop.keys, ledger, row, &ledger_key).await
     {

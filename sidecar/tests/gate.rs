@@ -455,6 +455,7 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
         expires_at_ms: i64::MAX / 2,
         seq: 1,
         variant: None,
+        changed_by: None,
     };
     // The replay runs as the sale's ledger (as a rebuild does).
     dropgate_sidecar::gate::claim(&mut conn, &keys, "the-sales-ledger", "the-sales-ledger")

@@ -985,6 +985,8 @@ pub struct MarkerSeen {
     pub state: Option<State>,
     /// Its hold's deadline (ms; 0 when it has none).
     pub expires_at_ms: i64,
+    /// The admission that made it.
+    pub attempt: Option<String>,
 }
 
 /// How long past a hold's deadline Redis keeps its marker at least: the scripts
@@ -1012,9 +1014,10 @@ pub async fn standing(
             Option<String>,
             Option<i64>,
             Option<String>,
+            Option<String>,
         ),
     );
-    let (gate, seq, positions, sale, (changed, prepared, state, expires_at, preparer)): Read =
+    let (gate, seq, positions, sale, (changed, prepared, state, expires_at, preparer, admission)): Read =
         redis::pipe()
             .atomic()
             .get(keys.gate())
@@ -1023,7 +1026,14 @@ pub async fn standing(
             .hget(keys.config(), "sale")
             .hmget(
                 &marker,
-                &["seq", "settleSeq", "state", "expiresAt", "settleAttempt"],
+                &[
+                    "seq",
+                    "settleSeq",
+                    "state",
+                    "expiresAt",
+                    "settleAttempt",
+                    "attempt",
+                ],
             )
             .query_async(conn)
             .await?;
@@ -1038,6 +1048,7 @@ pub async fn standing(
             settle_attempt: preparer,
             state: State::parse(&state),
             expires_at_ms: expires_at.unwrap_or(0),
+            attempt: admission,
         }),
     })
 }

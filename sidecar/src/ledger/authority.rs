@@ -288,7 +288,7 @@ impl Ledger {
     /// rows carry none).
     pub async fn last_change(&self, drop_key: &str) -> Result<Option<LastChange>, LedgerError> {
         let row = sqlx::query(
-            "SELECT res_key, seq, state, expires_at_ms, changed_by FROM reservations \
+            "SELECT res_key, seq, state, expires_at_ms, changed_by, attempt FROM reservations \
              WHERE drop_key = $1 AND state <> 'abandoned' AND seq > 0 \
              ORDER BY seq DESC LIMIT 1",
         )
@@ -309,6 +309,7 @@ impl Ledger {
             })?,
             expires_at_ms: row.try_get(3)?,
             changed_by: row.try_get(4)?,
+            attempt: row.try_get(5)?,
         }))
     }
 
@@ -407,4 +408,6 @@ pub struct LastChange {
     pub expires_at_ms: i64,
     /// The attempt that prepared it in Redis, for a confirm, cancel or extension.
     pub changed_by: Option<String>,
+    /// The admission that made the reservation.
+    pub attempt: Option<String>,
 }

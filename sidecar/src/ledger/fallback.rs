@@ -38,12 +38,17 @@ pub struct Recorded {
     /// When it was admitted (ms since the epoch; `None` for a row written before
     /// the ledger kept it).
     pub admitted_at_ms: Option<i64>,
+    /// The attempt whose prepared confirm, cancel or extension made the change
+    /// numbered `seq` (`None` for an admission, a fallback change, or a row written
+    /// before the ledger kept it): a number Redis handed out twice names the
+    /// change, the attempt tells which of the two it was.
+    pub changed_by: Option<String>,
 }
 
 /// The columns [`to_row`] reads, in its order.
 macro_rules! row_columns {
     () => {
-        "res_key, user_id, quantity, state, expires_at_ms, seq, variant, admitted_at_ms"
+        "res_key, user_id, quantity, state, expires_at_ms, seq, variant, admitted_at_ms, changed_by"
     };
 }
 
@@ -1302,6 +1307,7 @@ fn to_row(row: &sqlx::any::AnyRow) -> Result<Recorded, sqlx::Error> {
         seq: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
         variant: Some(row.try_get::<String, _>(6)?).filter(|v| !v.is_empty()),
         admitted_at_ms: row.try_get(7)?,
+        changed_by: row.try_get(8)?,
     })
 }
 

@@ -74,12 +74,17 @@ async fn reply_stands(
     if super::redis_still_checked(app, drop, redis) {
         return true;
     }
-    for (admission, reply) in replies {
-        if let Outcome::Admitted(_) = reply.outcome {
-            // (Should the undo fail, the marker goes back with its pending bound.)
-            let _ = undo(app, drop, &admission.key, &admission.attempt).await;
-        }
-    }
+    // Taken back together, each by its admission's bound (should the undo fail,
+    // the marker goes back with that bound).
+    let now = now_ms();
+    let undos = replies
+        .iter()
+        .filter(|(_, reply)| matches!(reply.outcome, Outcome::Admitted(_)))
+        .map(|(admission, _)| {
+            let deadline = now + admission.pending_bound_ms as i64;
+            undo(app, drop, &admission.key, &admission.attempt, deadline)
+        });
+    futures::future::join_all(undos).await;
     false
 }
 
@@ -463,7 +468,7 @@ async fn after_gate(
     if !record_expiry(app, drop, config, &request.key, &reply.step).await {
         // The ledger keeps the hold: Redis has it back, and is asked again.
         if let Outcome::Admitted(_) = reply.outcome {
-            let _ = undo(app, drop, &request.key, attempt).await;
+            let _ = undo(app, drop, &request.key, attempt, deadline).await;
         }
         return Turn::Recheck;
     }
@@ -473,7 +478,7 @@ async fn after_gate(
             // record under the old sale. Taken back and answered as the 503 it is
             // (the admission was seen by others meanwhile); the retry reads the new
             // sale's config.
-            let _ = undo(app, drop, &request.key, attempt).await;
+            let _ = undo(app, drop, &request.key, attempt, deadline).await;
             let _ = app.drops.refresh(&mut conn, &drop.name).await;
             return Turn::Done(Err(moved_on(drop)));
         }
@@ -481,7 +486,7 @@ async fn after_gate(
             if let Some(failure) = super::redis_lost_a_change(app, drop, config, &reply.step) =>
         {
             // (Should the undo fail, the marker goes back with its pending bound.)
-            let _ = undo(app, drop, &request.key, attempt).await;
+            let _ = undo(app, drop, &request.key, attempt, deadline).await;
             return Turn::Done(Err(failure));
         }
         // Pending until activated below.
@@ -541,7 +546,7 @@ async fn after_gate(
         // Taken back before the answer, however long Redis takes to answer within
         // the admission's bound: a 503 leaves no pending marker counting stock.
         return Turn::Done(
-            match undo_until(app, drop, &request.key, attempt, deadline).await {
+            match undo(app, drop, &request.key, attempt, deadline).await {
                 Ok(()) => Err(Failure::throttled(config, Throttled::NoPermit)),
                 Err(e) => Err(Failure::unavailable(format!(
                     "no throttle permit was free and Redis failed while taking the admission back ({e}); it expires by itself: retry the same key"
@@ -644,7 +649,7 @@ async fn after_gate(
     }
     if let Err(refusal) = recorded {
         std::mem::drop(permit);
-        let undone = undo(app, drop, &request.key, attempt).await;
+        let undone = undo(app, drop, &request.key, attempt, deadline).await;
         tracing::warn!(drop = %drop.name, %refusal, undone = undone.is_ok(), "the ledger refused an admission");
         return match refusal {
             // The gate moved to another epoch, or Redis lost writes, while this was
@@ -790,44 +795,32 @@ fn moved_on(drop: &Drop) -> Failure {
     ))
 }
 
-/// Takes the pending admission `attempt` of `key` back, asking Redis again a few
-/// times when it fails: a 503 must leave nothing held behind it. (One Redis never
-/// took back is resolved by a sweeper once it is overdue: its commit never came.)
-async fn undo(app: &App, drop: &Drop, key: &str, attempt: &str) -> redis::RedisResult<()> {
-    let mut conn = app.redis.clone();
-    let mut pause = Duration::from_millis(20);
-    let mut tries = 0;
-    loop {
-        match gate::undo(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await {
-            Ok(()) => {
-                app.units_back.notify_one();
-                return Ok(());
-            }
-            Err(error) if tries >= 4 => return Err(error),
-            Err(_) => {
-                tries += 1;
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-            }
-        }
-    }
-}
-
-/// [`undo`], asked again until it is done or `deadline_ms` (the admission's
-/// pending bound, past which its resolution takes it back) has passed.
-async fn undo_until(
+/// Takes the pending admission `attempt` of `key` back, asking Redis again until
+/// it is done or `deadline_ms` (the admission's pending bound, past which its
+/// resolution takes it back) has passed: an error answered after it must leave no
+/// pending marker counting stock while Redis is merely slow or reconnecting.
+async fn undo(
     app: &App,
     drop: &Drop,
     key: &str,
     attempt: &str,
     deadline_ms: i64,
 ) -> redis::RedisResult<()> {
+    let mut conn = app.redis.clone();
+    let mut pause = Duration::from_millis(20);
     loop {
-        match undo(app, drop, key, attempt).await {
-            Err(_) if now_ms() + 100 < deadline_ms => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+        match gate::undo(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await {
+            Ok(()) => {
+                app.units_back.notify_one();
+                return Ok(());
             }
-            done => return done,
+            Err(error) if now_ms() + pause.as_millis() as i64 >= deadline_ms => {
+                return Err(error);
+            }
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
         }
     }
 }

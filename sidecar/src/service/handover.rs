@@ -319,7 +319,13 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
             let prepared = marker.settle_seq == last.seq
                 && last.changed_by.is_some()
                 && marker.settle_attempt == last.changed_by;
-            prepared || (marker.seq >= last.seq && as_far && !expired_early)
+            // An admission waiting for its activation is the ledger's only if it
+            // is the attempt the ledger recorded: a replica that lost the
+            // admission admits a retry of its key afresh, pending, perhaps under
+            // the same number, and would read as in line until it is undone.
+            let other_admission = marker.state == Some(State::Pending)
+                && (last.attempt.is_none() || marker.attempt != last.attempt);
+            prepared || (marker.seq >= last.seq && as_far && !expired_early && !other_admission)
         }
     }
 }
@@ -715,6 +721,7 @@ mod tests {
             state,
             expires_at_ms: NOW,
             changed_by: Some("a".into()),
+            attempt: Some("admission".into()),
         }
     }
 
@@ -726,6 +733,7 @@ mod tests {
             settle_attempt: (settle_seq > 0).then(|| "a".into()),
             state: Some(state),
             expires_at_ms: NOW,
+            attempt: Some("admission".into()),
         }
     }
 
@@ -801,6 +809,13 @@ mod tests {
             Some(&marker(9, 11, State::Active)),
             NOW
         ));
+        // It lost the admission and admitted a retry of its key afresh, pending
+        // under the admission's number.
+        let readmitted = gate::MarkerSeen {
+            attempt: Some("retry".into()),
+            ..marker(10, 0, State::Pending)
+        };
+        assert!(!has_change(&last(State::Active), Some(&readmitted), NOW));
         // It never saw the key at all.
         assert!(!has_change(&cancelled, None, NOW));
     }

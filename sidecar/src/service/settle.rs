@@ -792,6 +792,14 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
     })
 }
 
+/// Whether the ledger's last change of `row` can be the one `attempt` prepared:
+/// the row names that attempt, or names none (a change recorded by a sidecar older
+/// than the ledger's `changed_by`, or one no attempt prepared, such as an expiry;
+/// then its number and state decide alone).
+pub fn made_by(row: &Recorded, attempt: &str) -> bool {
+    row.changed_by.as_deref().is_none_or(|by| by == attempt)
+}
+
 /// A confirm, cancel or extension of `key` prepared in Redis (by any sidecar's
 /// attempt), met by another call: once the ledger has recorded it, it is finished
 /// here, as its own attempt would a moment later (the later finish then changes
@@ -837,9 +845,14 @@ async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Result<bool, S
         .reservation(&drop.ledger_key_of(&sale), key)
         .await
         .map_err(|e| e.to_string())?;
-    // The row carries Redis's number for the last change it recorded: this one's,
-    // or the change is not (yet) in the ledger.
-    let recorded = row.as_ref().filter(|row| seq != 0 && row.seq == seq);
+    // The row carries Redis's number for the last change it recorded and the
+    // attempt that prepared it: this one's, or the change is not (yet) in the
+    // ledger. (A replica promoted without a recorded change hands its number out
+    // again: a stale preparation under that number is not the ledger's change,
+    // and finishing it would take the replica's word for the ledger's.)
+    let recorded = row
+        .as_ref()
+        .filter(|row| seq != 0 && row.seq == seq && made_by(row, &attempt));
     if !landed(settling, recorded) {
         return Ok(false);
     }
