@@ -573,6 +573,7 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
             + 60_000,
         seq: 100,
         variant: None,
+        changed_by: None,
     };
     let ledger_key = dropgate_api::keys::ledger_key("shop", "sale", &sale);
     gate::replay(c, &keys, "ledger-a", &row, &ledger_key)
