@@ -483,7 +483,7 @@ async fn every_script_and_command_of_a_drop_stays_in_its_slot() {
     let in_one_slot = |what: &str, error: redis::RedisError| -> ! {
         panic!("{what} failed on the cluster: {error}")
     };
-    let seq = gate::standing(c, &keys, Some("k"))
+    let seq = gate::standing(c, &keys, Some("k"), None)
         .await
         .unwrap_or_else(|e| in_one_slot("standing", e))
         .seq;

@@ -489,7 +489,7 @@ async fn a_gate_closed_for_a_later_epoch_refuses_a_stale_opening() {
         let mut conn = conn.clone();
         let keys = keys.clone();
         async move {
-            gate::standing(&mut conn, &keys, None)
+            gate::standing(&mut conn, &keys, None, None)
                 .await
                 .expect("reads")
                 .gate

@@ -970,6 +970,8 @@ pub struct GateStanding {
     pub sale: Option<String>,
     /// The marker of the key asked about, if Redis has one.
     pub marker: Option<MarkerSeen>,
+    /// The position of the waitlist entry asked about, if Redis has it.
+    pub entry_position: Option<i64>,
 }
 
 /// What a reservation's marker says of the changes it has seen.
@@ -995,12 +997,13 @@ pub struct MarkerSeen {
 pub const MARKER_KEPT_MS: i64 = 7 * 86_400_000;
 
 /// The gate key, the change counter, the waitlist's position counter and the sale
-/// they belong to, and the change number of `key`'s marker, as Redis holds them
-/// now.
+/// they belong to, what `key`'s marker has seen and where `entry` waits, as Redis
+/// holds them now.
 pub async fn standing(
     conn: &mut Connection,
     keys: &DropKeys,
     key: Option<&str>,
+    entry: Option<&str>,
 ) -> RedisResult<GateStanding> {
     let marker = keys.reservation(key.unwrap_or_default());
     type Read = (
@@ -1016,27 +1019,35 @@ pub async fn standing(
             Option<String>,
             Option<String>,
         ),
+        Option<i64>,
     );
-    let (gate, seq, positions, sale, (changed, prepared, state, expires_at, preparer, admission)): Read =
-        redis::pipe()
-            .atomic()
-            .get(keys.gate())
-            .get(keys.seq())
-            .get(keys.waitlist_counter())
-            .hget(keys.config(), "sale")
-            .hmget(
-                &marker,
-                &[
-                    "seq",
-                    "settleSeq",
-                    "state",
-                    "expiresAt",
-                    "settleAttempt",
-                    "attempt",
-                ],
-            )
-            .query_async(conn)
-            .await?;
+    let (
+        gate,
+        seq,
+        positions,
+        sale,
+        (changed, prepared, state, expires_at, preparer, admission),
+        entry_position,
+    ): Read = redis::pipe()
+        .atomic()
+        .get(keys.gate())
+        .get(keys.seq())
+        .get(keys.waitlist_counter())
+        .hget(keys.config(), "sale")
+        .hmget(
+            &marker,
+            &[
+                "seq",
+                "settleSeq",
+                "state",
+                "expiresAt",
+                "settleAttempt",
+                "attempt",
+            ],
+        )
+        .hget(keys.waitlist_entry(entry.unwrap_or_default()), "position")
+        .query_async(conn)
+        .await?;
     Ok(GateStanding {
         gate: GateKey::parse(gate)?,
         seq: seq.unwrap_or(0),
@@ -1050,6 +1061,7 @@ pub async fn standing(
             expires_at_ms: expires_at.unwrap_or(0),
             attempt: admission,
         }),
+        entry_position,
     })
 }
 

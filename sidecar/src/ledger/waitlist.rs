@@ -176,6 +176,23 @@ impl Ledger {
         Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
     }
 
+    /// The key and position of the last entry the ledger recorded joining the
+    /// drop's lines (a join given up on is none): a Redis that has every join the
+    /// ledger recorded holds that entry.
+    pub async fn last_join(&self, drop_key: &str) -> Result<Option<(String, i64)>, LedgerError> {
+        let row = sqlx::query(
+            "SELECT res_key, position FROM waitlist WHERE drop_key = $1 AND state <> 'abandoned' \
+             ORDER BY position DESC LIMIT 1",
+        )
+        .bind(drop_key)
+        .fetch_optional(self.pool())
+        .await?;
+        Ok(match row {
+            Some(row) => Some((row.try_get(0)?, row.try_get(1)?)),
+            None => None,
+        })
+    }
+
     /// The key's entry as the ledger has it.
     pub async fn waiting_entry(
         &self,

@@ -213,9 +213,8 @@ struct Standing {
     gate_floor: i64,
     /// Redis's change counter.
     redis_seq: i64,
-    /// Whether Redis's waitlist position counter is below the highest position the
-    /// ledger recorded: joins carry no change number, so this is how a Redis that
-    /// lost only joins shows.
+    /// Whether Redis lost joins the ledger recorded (see [`has_join`]): joins
+    /// carry no change number, so this is how a Redis that lost only joins shows.
     lines_behind: bool,
     /// Whether Redis lacks the last change the ledger recorded (see
     /// [`has_change`]).
@@ -243,11 +242,13 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
     let ledger_seq = app.ledger.max_seq(key).await?;
     let last_change = app.ledger.last_change(key).await?;
     let ledger_positions = app.ledger.max_position(key).await?;
+    let last_join = app.ledger.last_join(key).await?;
     let mut conn = app.redis.clone();
     let redis = gate::standing(
         &mut conn,
         &drop.keys,
         last_change.as_ref().map(|last| last.key.as_str()),
+        last_join.as_ref().map(|(entry, _)| entry.as_str()),
     )
     .await?;
     if let Some(sale) = &redis.sale
@@ -262,7 +263,12 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
         gate: redis.gate.open_at,
         gate_floor: redis.gate.floor(),
         redis_seq: redis.seq,
-        lines_behind: redis.positions < ledger_positions,
+        lines_behind: !has_join(
+            ledger_positions,
+            last_join.is_some(),
+            redis.positions,
+            redis.entry_position.is_some(),
+        ),
         last_change_missing: last_change
             .is_some_and(|last| !has_change(&last, redis.marker.as_ref(), now_ms())),
     })
@@ -328,6 +334,19 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
             prepared || (marker.seq >= last.seq && as_far && !expired_early && !other_admission)
         }
     }
+}
+
+/// Whether Redis has every join the ledger recorded: its position counter is as
+/// far as the highest position the ledger holds (`ledger_positions`, given-up joins
+/// included), and it holds an entry for the last key the ledger recorded joining
+/// (`last_join`), whatever became of it since (entries stay as long as the drop's
+/// keys). The counter alone can be fooled, as the change counter can: a promoted
+/// replica that lost a join hands its position out again (to a join then taken
+/// back, which leaves the counter where it is) and reads as far as the ledger.
+/// (Only the entry's presence is asked: the replay leaves an entry in line where
+/// it stands, so a position test it cannot make true would rebuild for ever.)
+fn has_join(ledger_positions: i64, last_join: bool, positions: i64, entry: bool) -> bool {
+    positions >= ledger_positions && (!last_join || entry)
 }
 
 /// Makes this sidecar's ledger the sale's if the sale has none yet, or finds that it
@@ -818,6 +837,19 @@ mod tests {
         assert!(!has_change(&last(State::Active), Some(&readmitted), NOW));
         // It never saw the key at all.
         assert!(!has_change(&cancelled, None, NOW));
+    }
+
+    #[test]
+    fn a_replica_that_lost_the_last_join_lacks_it() {
+        // In line: no join yet, or the last join's entry is there (and the counter
+        // as far, or further).
+        assert!(has_join(0, false, 0, false));
+        assert!(has_join(2, true, 2, true));
+        assert!(has_join(3, true, 4, true));
+        // The counter behind the ledger.
+        assert!(!has_join(2, true, 1, true));
+        // The counter as far (its position handed out again), the entry lost.
+        assert!(!has_join(2, true, 2, false));
     }
 
     #[test]
