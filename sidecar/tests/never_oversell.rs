@@ -858,3 +858,66 @@ async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
     lagging.shutdown().await;
     noting.shutdown().await;
 }
+
+/// `POST /v1/drops/sale/waitlist` through `peer`.
+async fn join_line(peer: &Peer, key: &str) -> Reply {
+    let body = serde_json::json!({"key": key, "user": key, "quantity": 1});
+    peer.http
+        .post("/v1/drops/sale/waitlist", &body.to_string())
+        .await
+        .expect("answers")
+}
+
+/// The waitlist closed (generation 2), read by one sidecar, then lost by Redis: a
+/// join is decided on the config Redis kept, which still takes joins. Neither the
+/// sidecar that read the close, nor one started since that never saw it (the
+/// ledger they share has seen generation 2) records it: 503, nothing changed.
+/// Before, both placed the buyer in a line the shop had closed (201).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_join_on_a_config_redis_lost_is_never_recorded() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("postgres");
+    common::apply(&redis.url(), &at_generation(one_per_buyer(1).waitlist(), 1)).await;
+    let mut conn = redis.connection().expect("connect");
+    let config_then = config_of(&mut conn);
+    let first = Peer::start(&redis.url(), &postgres.url()).await;
+    first
+        .reserve("sale", "a", "a", 1)
+        .await
+        .assert_answer(201, "admitted");
+
+    common::apply(&redis.url(), &at_generation(one_per_buyer(1), 2)).await;
+    eventually("the close to reach the first sidecar", async || {
+        join_line(&first, "early").await.outcome() == "waitlist_disabled"
+    })
+    .await;
+    ledger_notes_generation(&postgres.url(), "sale", 2).await;
+
+    // Redis loses the close: its config as it was.
+    redis_loses_config(&mut conn, &config_then);
+    let newcomer = Peer::start(&redis.url(), &postgres.url()).await;
+    let entry = |key: &str| DropKeys::new(NS, "sale").waitlist_entry(key);
+    for (peer, key) in [(&newcomer, "w1"), (&first, "w2")] {
+        let refused = join_line(peer, key).await;
+        assert_refused_on_older_config(&refused);
+        let kept: bool = redis::cmd("EXISTS")
+            .arg(entry(key))
+            .query(&mut conn)
+            .expect("EXISTS");
+        assert!(!kept, "the 503 left {key}'s entry in Redis");
+    }
+    assert_counted_as_decided_on_lost_config(&newcomer, 1).await;
+    assert_counted_as_decided_on_lost_config(&first, 1).await;
+    let pool = sqlx::AnyPool::connect(&postgres.url())
+        .await
+        .expect("the ledger opens");
+    let rows: i64 = sqlx::query("SELECT COUNT(*) FROM waitlist")
+        .fetch_one(&pool)
+        .await
+        .expect("counts")
+        .get(0);
+    assert_eq!(rows, 0, "the 503s recorded nothing");
+    pool.close().await;
+    first.shutdown().await;
+    newcomer.shutdown().await;
+}

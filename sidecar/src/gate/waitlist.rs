@@ -85,6 +85,8 @@ pub struct Entry {
     pub position: i64,
     /// The attempt that joined it ('' for one a rebuild put back).
     pub attempt: String,
+    /// For a join just made: the generation of the config Redis decided it on.
+    pub decided_on: Option<i64>,
 }
 
 /// What a waitlist script said.
@@ -173,6 +175,7 @@ fn parse(reply: &str) -> RedisResult<Said> {
             place: int(f[4]),
             position: int(f[8]).unwrap_or(0),
             attempt: f[9].to_string(),
+            decided_on: int(f[6]),
         })
     };
     let word = match f[0] {

@@ -193,6 +193,19 @@ impl Ledger {
         })
     }
 
+    /// The newest generation of the drop's config the ledger has seen (noted by any
+    /// sidecar sharing it; 0 for none).
+    pub async fn config_generation(&self, drop_key: &str) -> Result<i64, LedgerError> {
+        let row = sqlx::query("SELECT generation FROM stock WHERE drop_key = $1")
+            .bind(drop_key)
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(match row {
+            Some(row) => row.try_get::<Option<i64>, _>(0)?.unwrap_or(0),
+            None => 0,
+        })
+    }
+
     /// The key's entry as the ledger has it.
     pub async fn waiting_entry(
         &self,

@@ -486,9 +486,9 @@ fn redis_lost_a_change(
     )))
 }
 
-/// Counts an admission or extension taken back because Redis decided it on a
-/// config it had lost.
-fn count_decided_on_lost_config(app: &App, drop: &Drop) {
+/// Counts an admission, extension or join taken back because Redis decided it on
+/// a config it had lost.
+pub(super) fn count_decided_on_lost_config(app: &App, drop: &Drop) {
     app.metrics
         .decided_on_lost_config
         .get_or_create(&crate::metrics::DropLabel {

@@ -150,6 +150,43 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
     }
 }
 
+/// Refuses a join Redis decided on an older generation of the drop's config than
+/// this sidecar read there or the ledger has seen (a change Redis lost in a
+/// failover, a waitlist closed or a per-user limit cut perhaps), as an admission
+/// is refused: a stale view never decides. Only between generations the API
+/// server numbers (outside Kubernetes nothing publishes a lost change again).
+async fn decided_on_a_kept_config(
+    app: &App,
+    drop: &Drop,
+    drop_key: &str,
+    entry: &Entry,
+) -> Result<(), Failure> {
+    let numbered =
+        |generation: i64| generation > 0 && generation < dropgate_api::config::STAMPED_GENERATIONS;
+    let Some(decided_on) = entry.decided_on.filter(|g| numbered(*g)) else {
+        return Ok(());
+    };
+    let read_here = drop.config().generation;
+    let seen = app.ledger.config_generation(drop_key).await.map_err(|e| {
+        Failure::unavailable(format!(
+            "the ledger could not be asked for the drop's config ({e}): nothing was changed; retry the same key"
+        ))
+    })?;
+    let newest = [read_here, seen]
+        .into_iter()
+        .filter(|g| numbered(*g))
+        .max()
+        .unwrap_or(0);
+    if decided_on >= newest {
+        return Ok(());
+    }
+    super::count_decided_on_lost_config(app, drop);
+    Err(Failure::retry(format!(
+        "Redis decided this join on an older config of drop {} (generation {decided_on}) than generation {newest}: it lost that change, and the operator publishes it again; nothing was changed: retry the same request",
+        drop.name
+    )))
+}
+
 /// The entry of `key` as it stands: its place, its reservation once served.
 pub async fn look(app: &App, drop_name: &str, key: &str) -> Result<Waiting, Failure> {
     let drop = find_drop(app, drop_name).await?;
@@ -351,6 +388,14 @@ async fn make_durable(
     entry: &Entry,
 ) -> Result<Waiting, Failure> {
     let drop_key = drop.ledger_key();
+    if let Err(failure) = decided_on_a_kept_config(app, drop, &drop_key, entry).await {
+        let mut conn = app.redis.clone();
+        if let Err(error) = line::unjoin(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await
+        {
+            tracing::warn!(drop = %drop.name, %error, "a join decided on a lost config is still in Redis; it is resolved past its bound");
+        }
+        return Err(failure);
+    }
     let join = Join {
         key,
         user: &entry.user,

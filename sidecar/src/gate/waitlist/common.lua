@@ -22,8 +22,9 @@ local function wl_reply(outcome, user, quantity, state, place, variant, detail, 
     .. '\n' .. (position or '') .. '\n' .. (attempt or '')
 end
 
--- KEY's entry in this sale as it stands, with its place while it is in line.
-local function entry_reply(outcome)
+-- KEY's entry in this sale as it stands, with its place while it is in line (and
+-- `detail`, for a join the config generation it was decided on).
+local function entry_reply(outcome, detail)
   local e = redis.call('HMGET', wl_entry(KEY), 'user', 'quantity', 'state', 'variant', 'position',
     'attempt', 'sale')
   if not e[3] or e[7] ~= SALE then
@@ -36,7 +37,7 @@ local function entry_reply(outcome)
       place = tostring(rank + 1)
     end
   end
-  return wl_reply(outcome, e[1], e[2], e[3], place, e[4], '', e[5], e[6])
+  return wl_reply(outcome, e[1], e[2], e[3], place, e[4], detail, e[5], e[6])
 end
 
 -- What every waitlist call is answered before it looks at an entry: a closed gate,

@@ -8,7 +8,7 @@
 -- units together), the line's length; then the entry joins the end of its line as
 -- 'joining' with the next position, its units counted as waiting.
 local cfg = redis.call('HMGET', K.config, 'mode', 'perUserLimit', 'startsAt', 'endsAt', 'waitlist',
-  'variants', 'expireAt')
+  'variants', 'expireAt', 'generation')
 if not cfg[1] then
   return wl_reply('not_found')
 end
@@ -79,4 +79,6 @@ if cfg[7] and cfg[7] ~= '' then
     redis.call('PEXPIREAT', key, at)
   end
 end
-return entry_reply('joining')
+-- With the config's generation: a join decided on a config Redis lost is not
+-- recorded (service::waitlist::make_durable).
+return entry_reply('joining', cfg[8] or '')
