@@ -970,8 +970,8 @@ pub struct GateStanding {
     pub sale: Option<String>,
     /// The marker of the key asked about, if Redis has one.
     pub marker: Option<MarkerSeen>,
-    /// The position of the waitlist entry asked about, if Redis has it.
-    pub entry_position: Option<i64>,
+    /// The sale of the waitlist entry asked about, if Redis has one.
+    pub entry_sale: Option<String>,
 }
 
 /// What a reservation's marker says of the changes it has seen.
@@ -1019,7 +1019,7 @@ pub async fn standing(
             Option<String>,
             Option<String>,
         ),
-        Option<i64>,
+        (Option<i64>, Option<String>),
     );
     let (
         gate,
@@ -1027,7 +1027,7 @@ pub async fn standing(
         positions,
         sale,
         (changed, prepared, state, expires_at, preparer, admission),
-        entry_position,
+        (entry_position, entry_sale),
     ): Read = redis::pipe()
         .atomic()
         .get(keys.gate())
@@ -1045,7 +1045,10 @@ pub async fn standing(
                 "attempt",
             ],
         )
-        .hget(keys.waitlist_entry(entry.unwrap_or_default()), "position")
+        .hmget(
+            keys.waitlist_entry(entry.unwrap_or_default()),
+            &["position", "sale"],
+        )
         .query_async(conn)
         .await?;
     Ok(GateStanding {
@@ -1061,7 +1064,8 @@ pub async fn standing(
             expires_at_ms: expires_at.unwrap_or(0),
             attempt: admission,
         }),
-        entry_position,
+        // (An entry without a position is a remnant, not a join.)
+        entry_sale: entry_position.and(entry_sale),
     })
 }
 

@@ -267,7 +267,7 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
             ledger_positions,
             last_join.is_some(),
             redis.positions,
-            redis.entry_position.is_some(),
+            redis.entry_sale.as_deref() == Some(dropgate_api::keys::ledger_sale(key)),
         ),
         last_change_missing: last_change
             .is_some_and(|last| !has_change(&last, redis.marker.as_ref(), now_ms())),
@@ -338,13 +338,15 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
 
 /// Whether Redis has every join the ledger recorded: its position counter is as
 /// far as the highest position the ledger holds (`ledger_positions`, given-up joins
-/// included), and it holds an entry for the last key the ledger recorded joining
-/// (`last_join`), whatever became of it since (entries stay as long as the drop's
-/// keys). The counter alone can be fooled, as the change counter can: a promoted
-/// replica that lost a join hands its position out again (to a join then taken
-/// back, which leaves the counter where it is) and reads as far as the ledger.
-/// (Only the entry's presence is asked: the replay leaves an entry in line where
-/// it stands, so a position test it cannot make true would rebuild for ever.)
+/// included), and it holds this sale's entry for the last key the ledger recorded
+/// joining (`last_join`), whatever became of it since. The counter alone can be
+/// fooled, as the change counter can: a promoted replica that lost a join hands
+/// its position out again (to a join then taken back, which leaves the counter
+/// where it is) and reads as far as the ledger. (Only the entry's presence is
+/// asked: the replay leaves an entry in line where it stands, so a position test it
+/// cannot make true would rebuild for ever. A position handed out again to a join
+/// the ledger is asked to record is refused there, see
+/// `service::waitlist::make_durable`.)
 fn has_join(ledger_positions: i64, last_join: bool, positions: i64, entry: bool) -> bool {
     positions >= ledger_positions && (!last_join || entry)
 }

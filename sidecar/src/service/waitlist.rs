@@ -22,7 +22,7 @@ use crate::drops::Drop;
 use crate::gate::waitlist::{self as line, Entry, EntryState, Said, Word};
 use crate::input::Reserve;
 use crate::ledger::waitlist::Join;
-use crate::ledger::{WaitRow, WaitState};
+use crate::ledger::{LedgerError, WaitRow, WaitState};
 use crate::reservation::{Outcome, Settle, VariantRefusal, View};
 
 /// Offers made per line per sweep; the rest wait for the next sweep.
@@ -410,6 +410,24 @@ async fn make_durable(
     }
     let row = match app.ledger.join(&drop_key, join).await {
         Ok(row) => Some(row),
+        // Another key holds this place in the ledger: Redis handed it out twice
+        // (a promoted replica that lost that join). Nothing was written; the entry
+        // leaves Redis, which is rebuilt from the ledger (the lost join with it)
+        // before the buyer's retry is placed.
+        Err(LedgerError::Sql(sqlx::Error::Database(db))) if db.is_unique_violation() => {
+            let mut conn = app.redis.clone();
+            if let Err(error) =
+                line::unjoin(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await
+            {
+                tracing::warn!(drop = %drop.name, %error, "a join at a place the ledger gave another is still in Redis; it is resolved past its bound");
+            }
+            tracing::warn!(drop = %drop.name, position = entry.position, "Redis handed out a place in line the ledger holds for another join: rebuilding it");
+            let _ = handover::open_gate(app, drop, true).await;
+            return Err(Failure::retry(format!(
+                "Redis handed out place {} of drop {}'s line twice (it lost a join the ledger has) and is brought in line with the ledger: nothing was changed; retry the same key",
+                entry.position, drop.name
+            )));
+        }
         // The write may have landed: the key is claimed for this attempt, so it
         // cannot land later, and the row says which way it went.
         Err(error) => {
@@ -426,6 +444,14 @@ async fn make_durable(
             match line::joined(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await {
                 Ok(Said::Entry(_, now)) if now.state != EntryState::Joining => {
                     Ok(Waiting::Joined(place_of(&now)))
+                }
+                // Redis no longer has the entry the ledger just recorded: it lost
+                // it (a failover since the join was placed), and is rebuilt from
+                // the ledger, this join with it.
+                Ok(Said::NoEntry) => {
+                    tracing::warn!(drop = %drop.name, key, "a durable join is gone from Redis: rebuilding it");
+                    let _ = handover::open_gate(app, drop, true).await;
+                    Ok(Waiting::Joined(place_of(entry)))
                 }
                 // Durable all the same: Redis is told when the entry is met past
                 // its bound (a retry of the key, or the line's head).
