@@ -135,13 +135,20 @@ pub enum ConfigError {
 /// from Redis's clock: seed.lua's `STAMPED`), below it the API server's.
 pub const STAMPED_GENERATIONS: i64 = 1_000_000_000_000;
 
+/// Whether `generation` is one the API server numbered (see
+/// [`DropConfig::published_by_operator`]): only such generations are compared to
+/// tell a config Redis lost.
+pub fn numbered_by_api_server(generation: i64) -> bool {
+    generation > 0 && generation < STAMPED_GENERATIONS
+}
+
 impl DropConfig {
     /// Whether the API server numbered this config's generation, so that the
     /// operator publishes a newer one again at its next reconcile should Redis lose
     /// it (outside Kubernetes nothing does, and a new seed's time may even be lower
     /// on another host's clock).
     pub fn published_by_operator(&self) -> bool {
-        self.generation > 0 && self.generation < STAMPED_GENERATIONS
+        numbered_by_api_server(self.generation)
     }
 
     /// The hash's fields, in the order they are written.

@@ -271,6 +271,9 @@ pub struct Openings {
     /// last hand-over), and of the last one that also rebuilt a suspect Redis.
     open: std::sync::atomic::AtomicU64,
     open_suspect: std::sync::atomic::AtomicU64,
+    /// The first ticket whose rebuild clears a suspicion raised on this drop's
+    /// Redis (see [`Openings::suspect`]); 0: none.
+    suspected: std::sync::atomic::AtomicU64,
 }
 
 impl Openings {
@@ -304,10 +307,50 @@ impl Openings {
         }
     }
 
+    /// Redis was found to have lost a write outside a check (a join the ledger
+    /// recorded, gone from it): until an opening begun after now rebuilds it,
+    /// every check finds it behind ([`Openings::still_suspect`]), so that a
+    /// rebuild that fails or is refused now is made by the next check.
+    pub fn suspect(&self) {
+        use std::sync::atomic::Ordering;
+        let next = self.begun.load(Ordering::Acquire) + 1;
+        self.suspected.fetch_max(next, Ordering::AcqRel);
+    }
+
+    /// Whether a suspicion raised by [`Openings::suspect`] still waits for its
+    /// rebuild.
+    pub fn still_suspect(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.open_suspect.load(Ordering::Acquire) < self.suspected.load(Ordering::Acquire)
+    }
+
     /// The drop was handed to the ledger: no earlier opening says the gate is open.
     pub fn forget(&self) {
         use std::sync::atomic::Ordering;
         self.open.store(0, Ordering::Release);
         self.open_suspect.store(0, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Openings;
+
+    #[test]
+    fn a_suspicion_waits_for_a_rebuild_begun_after_it() {
+        let openings = Openings::default();
+        assert!(!openings.still_suspect());
+        // A rebuild in flight when the loss was found read Redis before it.
+        let earlier = openings.begin();
+        openings.suspect();
+        openings.opened(earlier, true);
+        assert!(openings.still_suspect());
+        // An opening that did not rebuild clears nothing.
+        let plain = openings.begin();
+        openings.opened(plain, false);
+        assert!(openings.still_suspect());
+        let rebuild = openings.begin();
+        openings.opened(rebuild, true);
+        assert!(!openings.still_suspect());
     }
 }

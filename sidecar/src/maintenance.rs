@@ -518,10 +518,10 @@ async fn resolve_settle(
     // A row naming another attempt's change: this one never landed (it is fenced
     // off now), and Redis, which prepared it beside a change the ledger recorded
     // (a replica re-using a lost number), follows the ledger's record below.
-    let elsewhere = row
+    let another_attempts_change = row
         .as_ref()
-        .is_some_and(|row| !crate::service::made_by(row, attempt));
-    let finished = if !elsewhere && crate::service::landed(settling, row.as_ref()) {
+        .is_some_and(|row| crate::service::made_by_another(row, attempt));
+    let finished = if !another_attempts_change && crate::service::landed(settling, row.as_ref()) {
         gate::finish(&mut conn, &drop.keys, ledger, key, attempt)
             .await
             .map(|_| {
@@ -550,7 +550,7 @@ async fn resolve_settle(
     // prepared, and a replay left the prepared marker alone): Redis follows it now,
     // as it follows a row another attempt's change made.
     if let Some(row) = &row
-        && (elsewhere || matches!(settling, gate::Settling::Extend { .. }))
+        && (another_attempts_change || matches!(settling, gate::Settling::Extend { .. }))
         && resolved.is_ok()
         && let Err(error) = gate::replay(&mut conn, &drop.keys, ledger, row, &ledger_key).await
     {

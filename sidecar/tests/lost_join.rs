@@ -5,35 +5,16 @@
 mod common;
 
 use common::failover::LossyFailover;
-use common::{NS, Peer, eventually, one_per_buyer, seed};
+use common::{
+    NS, Peer, eventually, has_waitlist_entry as has_entry, join_line, ledger_key_in, look_line,
+    one_per_buyer, seed,
+};
 use dropgate_api::DropKeys;
 use dropgate_testkit::{RedisServer, Reply};
-use serde_json::json;
 
-/// `POST /v1/drops/{drop}/waitlist`.
+/// `key` (a buyer of its own name) waits for one unit of `drop`.
 async fn join(peer: &Peer, drop: &str, key: &str) -> Reply {
-    let body = json!({"key": key, "user": key, "quantity": 1});
-    peer.http
-        .post(&format!("/v1/drops/{drop}/waitlist"), &body.to_string())
-        .await
-        .expect("answers")
-}
-
-/// `GET /v1/drops/{drop}/waitlist/{key}`.
-async fn look(peer: &Peer, drop: &str, key: &str) -> Reply {
-    peer.http
-        .get(&format!("/v1/drops/{drop}/waitlist/{key}"))
-        .await
-        .expect("answers")
-}
-
-/// Whether `redis` holds `key`'s entry in `drop`'s lines.
-fn has_entry(redis: &RedisServer, drop: &str, key: &str) -> bool {
-    let mut conn = redis.connection().expect("connect");
-    redis::cmd("EXISTS")
-        .arg(DropKeys::new(NS, drop).waitlist_entry(key))
-        .query(&mut conn)
-        .expect("EXISTS")
+    join_line(&peer.http, drop, key, key, 1).await
 }
 
 /// A replica promoted without the last join the ledger recorded, whose position
@@ -43,7 +24,7 @@ fn has_entry(redis: &RedisServer, drop: &str, key: &str) -> bool {
 /// must not then pass for in line with the ledger (before: the counter decided
 /// alone, and the entry was gone for good).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_join_a_replica_lost_behind_a_counter_as_far_keeps_its_place() {
+async fn a_join_lost_by_a_replica_whose_counter_caught_up_keeps_its_place() {
     let mut redis = LossyFailover::start().await;
     seed(
         &redis.primary.url(),
@@ -58,6 +39,7 @@ async fn a_join_a_replica_lost_behind_a_counter_as_far_keeps_its_place() {
         settings.sweep_ms = 60_000;
     })
     .await;
+    // k0 holds the only unit: buyers wait in line.
     sidecar
         .reserve("sale", "k0", "k0", 1)
         .await
@@ -83,11 +65,11 @@ async fn a_join_a_replica_lost_behind_a_counter_as_far_keeps_its_place() {
     assert_eq!(joined.body["position"], 2, "{}", joined.text);
 
     redis.fail_over(&sidecar, "sale").await;
-    let mut looked = look(&sidecar, "sale", "w2").await;
+    let mut looked = look_line(&sidecar.http, "sale", "w2").await;
     if looked.status == 503 {
         // (Answered while the breaker was open; asked again past it.)
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-        looked = look(&sidecar, "sale", "w2").await;
+        looked = look_line(&sidecar.http, "sale", "w2").await;
     }
     looked.assert_answer(200, "waiting");
     assert_eq!(looked.body["position"], 2, "{}", looked.text);
@@ -107,7 +89,12 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    seed(&redis.url(), "sale", one_per_buyer(1).waitlist().fail_closed()).await;
+    seed(
+        &redis.url(),
+        "sale",
+        one_per_buyer(1).waitlist().fail_closed(),
+    )
+    .await;
     // No check of Redis by the refresh in the meantime: only the calls below run.
     let sidecar = Peer::start_custom(&redis.url(), &ledger_url, |settings| {
         settings.refresh_ms = 3000;
@@ -124,12 +111,6 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
     let ledger = dropgate_sidecar::ledger::Ledger::open(&ledger_url)
         .await
         .expect("the ledger");
-    let mut conn = redis.connection().expect("connect");
-    let sale: String = redis::cmd("HGET")
-        .arg(DropKeys::new(NS, "sale").config())
-        .arg("sale")
-        .query(&mut conn)
-        .expect("HGET sale");
     let lost = dropgate_sidecar::ledger::waitlist::Join {
         key: "lost",
         user: "lost",
@@ -139,18 +120,81 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
         attempt: "late",
     };
     ledger
-        .join(&dropgate_api::keys::ledger_key(NS, "sale", &sale), lost)
+        .join(&ledger_key_in(&redis, "sale"), lost)
         .await
         .expect("the late join's write");
 
     let twice = join(&sidecar, "sale", "w3").await;
     twice.assert_answer(503, "unavailable");
-    assert!(twice.text.contains("twice"), "{}", twice.text);
+    assert!(twice.text.contains("lost a recent join"), "{}", twice.text);
     let joined = join(&sidecar, "sale", "w3").await;
     joined.assert_answer(201, "waiting");
     assert_eq!(joined.body["position"], 3, "{}", joined.text);
-    let kept = look(&sidecar, "sale", "lost").await;
+    let kept = look_line(&sidecar.http, "sale", "lost").await;
     kept.assert_answer(200, "waiting");
     assert_eq!(kept.body["position"], 2, "{}", kept.text);
+    sidecar.shutdown().await;
+}
+
+/// The ledger's highest position is a join given up on (its sidecar never wrote
+/// it; written here straight into the ledger, as `give_up_join` does), which a
+/// rebuild does not replay. The rebuild raises Redis's position counter past it
+/// all the same: Redis is then in line, and rebuilt once. Before, the counter
+/// stayed below the ledger's highest position, and every check rebuilt Redis
+/// again (the gate's epoch moved at each refresh, each rebuild a closed gate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    seed(&redis.url(), "sale", one_per_buyer(1).waitlist()).await;
+    let sidecar = Peer::start(&redis.url(), &ledger_url).await;
+    sidecar
+        .reserve("sale", "k0", "k0", 1)
+        .await
+        .assert_answer(201, "admitted");
+    join(&sidecar, "sale", "w1")
+        .await
+        .assert_answer(201, "waiting");
+    let ledger = dropgate_sidecar::ledger::Ledger::open(&ledger_url)
+        .await
+        .expect("the ledger");
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn = redis.connection().expect("connect");
+    let given_up = dropgate_sidecar::ledger::waitlist::Join {
+        key: "w2",
+        user: "w2",
+        quantity: 1,
+        variant: None,
+        position: 2,
+        attempt: "dead",
+    };
+    ledger
+        .give_up_join(&ledger_key_in(&redis, "sale"), "w2", "dead", given_up)
+        .await
+        .expect("the claim of the dead join");
+
+    let counter = |conn: &mut redis::Connection| -> i64 {
+        redis::cmd("GET")
+            .arg(keys.waitlist_counter())
+            .query::<Option<i64>>(conn)
+            .expect("GET")
+            .unwrap_or(0)
+    };
+    let gate = |conn: &mut redis::Connection| -> Option<String> {
+        redis::cmd("GET").arg(keys.gate()).query(conn).expect("GET")
+    };
+    eventually(
+        "the rebuild to raise the counter past the given-up join",
+        async || counter(&mut conn) == 2,
+    )
+    .await;
+    // Ten refreshes later (one every 100 ms here): no rebuild since.
+    let opened = gate(&mut conn);
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    assert_eq!(gate(&mut conn), opened, "Redis was rebuilt again");
+    join(&sidecar, "sale", "w3")
+        .await
+        .assert_answer(201, "waiting");
     sidecar.shutdown().await;
 }

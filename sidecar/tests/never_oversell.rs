@@ -859,15 +859,6 @@ async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
     noting.shutdown().await;
 }
 
-/// `POST /v1/drops/sale/waitlist` through `peer`.
-async fn join_line(peer: &Peer, key: &str) -> Reply {
-    let body = serde_json::json!({"key": key, "user": key, "quantity": 1});
-    peer.http
-        .post("/v1/drops/sale/waitlist", &body.to_string())
-        .await
-        .expect("answers")
-}
-
 /// The waitlist closed (generation 2), read by one sidecar, then lost by Redis: a
 /// join is decided on the config Redis kept, which still takes joins. Neither the
 /// sidecar that read the close, nor one started since that never saw it (the
@@ -887,24 +878,20 @@ async fn a_join_on_a_config_redis_lost_is_never_recorded() {
         .assert_answer(201, "admitted");
 
     common::apply(&redis.url(), &at_generation(one_per_buyer(1), 2)).await;
-    eventually("the close to reach the first sidecar", async || {
-        join_line(&first, "early").await.outcome() == "waitlist_disabled"
-    })
-    .await;
+    // The first sidecar's refresh (every 100 ms here) reads the close and notes
+    // it in the ledger.
     ledger_notes_generation(&postgres.url(), "sale", 2).await;
 
     // Redis loses the close: its config as it was.
     redis_loses_config(&mut conn, &config_then);
     let newcomer = Peer::start(&redis.url(), &postgres.url()).await;
-    let entry = |key: &str| DropKeys::new(NS, "sale").waitlist_entry(key);
     for (peer, key) in [(&newcomer, "w1"), (&first, "w2")] {
-        let refused = join_line(peer, key).await;
+        let refused = common::join_line(&peer.http, "sale", key, key, 1).await;
         assert_refused_on_older_config(&refused);
-        let kept: bool = redis::cmd("EXISTS")
-            .arg(entry(key))
-            .query(&mut conn)
-            .expect("EXISTS");
-        assert!(!kept, "the 503 left {key}'s entry in Redis");
+        assert!(
+            !common::has_waitlist_entry(&redis, "sale", key),
+            "the 503 left {key}'s entry in Redis"
+        );
     }
     assert_counted_as_decided_on_lost_config(&newcomer, 1).await;
     assert_counted_as_decided_on_lost_config(&first, 1).await;

@@ -17,21 +17,12 @@ use sqlx::Row;
 
 /// `POST /v1/drops/{drop}/waitlist`.
 async fn join(sidecar: &Sidecar, drop: &str, key: &str, user: &str, quantity: i64) -> Reply {
-    let body = json!({"key": key, "user": user, "quantity": quantity});
-    sidecar
-        .http
-        .post(&format!("/v1/drops/{drop}/waitlist"), &body.to_string())
-        .await
-        .expect("answers")
+    common::join_line(&sidecar.http, drop, key, user, quantity).await
 }
 
 /// `GET /v1/drops/{drop}/waitlist/{key}`.
 async fn look(sidecar: &Sidecar, drop: &str, key: &str) -> Reply {
-    sidecar
-        .http
-        .get(&format!("/v1/drops/{drop}/waitlist/{key}"))
-        .await
-        .expect("answers")
+    common::look_line(&sidecar.http, drop, key).await
 }
 
 /// `POST /v1/drops/{drop}/waitlist/{key}/cancel`.

@@ -970,8 +970,9 @@ pub struct GateStanding {
     pub sale: Option<String>,
     /// The marker of the key asked about, if Redis has one.
     pub marker: Option<MarkerSeen>,
-    /// The sale of the waitlist entry asked about, if Redis has one.
-    pub entry_sale: Option<String>,
+    /// The sale of the waitlist entry asked about (the ledger's last join), if
+    /// Redis has one.
+    pub last_join_sale: Option<String>,
 }
 
 /// What a reservation's marker says of the changes it has seen.
@@ -987,7 +988,8 @@ pub struct MarkerSeen {
     pub state: Option<State>,
     /// Its hold's deadline (ms; 0 when it has none).
     pub expires_at_ms: i64,
-    /// The admission that made it.
+    /// The attempt id of the admission that made the reservation (Redis field
+    /// `attempt`).
     pub attempt: Option<String>,
 }
 
@@ -997,8 +999,8 @@ pub struct MarkerSeen {
 pub const MARKER_KEPT_MS: i64 = 7 * 86_400_000;
 
 /// The gate key, the change counter, the waitlist's position counter and the sale
-/// they belong to, what `key`'s marker has seen and where `entry` waits, as Redis
-/// holds them now.
+/// they belong to, what `key`'s marker has seen, and the sale of `entry`'s waitlist
+/// entry, as Redis holds them now.
 pub async fn standing(
     conn: &mut Connection,
     keys: &DropKeys,
@@ -1026,7 +1028,7 @@ pub async fn standing(
         seq,
         positions,
         sale,
-        (changed, prepared, state, expires_at, preparer, admission),
+        (changed, prepared, state, expires_at, settle_attempt, attempt),
         (entry_position, entry_sale),
     ): Read = redis::pipe()
         .atomic()
@@ -1059,13 +1061,14 @@ pub async fn standing(
         marker: state.map(|state| MarkerSeen {
             seq: changed.unwrap_or(0),
             settle_seq: prepared.unwrap_or(0),
-            settle_attempt: preparer,
+            settle_attempt,
             state: State::parse(&state),
             expires_at_ms: expires_at.unwrap_or(0),
-            attempt: admission,
+            attempt,
         }),
-        // (An entry without a position is a remnant, not a join.)
-        entry_sale: entry_position.and(entry_sale),
+        // (An entry hash without a position holds only a state, written by a
+        // script that met a key Redis had lost: not a join.)
+        last_join_sale: entry_position.and(entry_sale),
     })
 }
 

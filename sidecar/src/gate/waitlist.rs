@@ -38,6 +38,7 @@ static LEAVE: LazyLock<GateScript> = waitlist_script!("leave");
 static LOOK: LazyLock<GateScript> = waitlist_script!("look");
 static HEAD: LazyLock<GateScript> = waitlist_script!("head");
 static REPLAY: LazyLock<GateScript> = waitlist_script!("replay");
+static POSITIONS: LazyLock<GateScript> = waitlist_script!("positions");
 
 /// Where an entry stands (see `waitlist/common.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,8 +86,9 @@ pub struct Entry {
     pub position: i64,
     /// The attempt that joined it ('' for one a rebuild put back).
     pub attempt: String,
-    /// For a join just made: the generation of the config Redis decided it on.
-    pub decided_on: Option<i64>,
+    /// For a join just made (`join.lua`'s answer): the generation of the config
+    /// Redis decided it on.
+    pub config_generation: Option<i64>,
 }
 
 /// What a waitlist script said.
@@ -175,7 +177,7 @@ fn parse(reply: &str) -> RedisResult<Said> {
             place: int(f[4]),
             position: int(f[8]).unwrap_or(0),
             attempt: f[9].to_string(),
-            decided_on: int(f[6]),
+            config_generation: int(f[6]),
         })
     };
     let word = match f[0] {
@@ -324,6 +326,17 @@ pub async fn head(
     variant: Option<&str>,
 ) -> RedisResult<Said> {
     call(&HEAD, conn, keys, ledger, "", &[variant.unwrap_or("")]).await
+}
+
+/// Raises the lines' position counter to `at_least` (the highest position the
+/// ledger recorded), after a rebuild replayed every entry.
+pub async fn raise_positions(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    at_least: i64,
+) -> RedisResult<Said> {
+    call(&POSITIONS, conn, keys, ledger, "", &[&at_least.to_string()]).await
 }
 
 /// Brings `key`'s entry forward to the ledger's `row`, of the sale `sale`.

@@ -408,6 +408,7 @@ pub struct LastChange {
     pub expires_at_ms: i64,
     /// The attempt that prepared it in Redis, for a confirm, cancel or extension.
     pub changed_by: Option<String>,
-    /// The admission that made the reservation.
+    /// The attempt id of the admission that made the reservation (the marker's
+    /// `attempt` in Redis).
     pub attempt: Option<String>,
 }

@@ -38,10 +38,10 @@ pub struct Recorded {
     /// When it was admitted (ms since the epoch; `None` for a row written before
     /// the ledger kept it).
     pub admitted_at_ms: Option<i64>,
-    /// The attempt whose prepared confirm, cancel or extension made the change
-    /// numbered `seq` (`None` for an admission, a fallback change, or a row written
-    /// before the ledger kept it): a number Redis handed out twice names the
-    /// change, the attempt tells which of the two it was.
+    /// Which attempt prepared the confirm, cancel or extension numbered `seq`
+    /// (`None` for an admission, a fallback change, or a row written before the
+    /// ledger kept it): a promoted replica can hand the same number out twice, so
+    /// the number alone does not say which change the ledger recorded.
     pub changed_by: Option<String>,
 }
 

@@ -106,6 +106,10 @@ pub enum LedgerError {
         "the ledger's commit failed without saying whether it landed, and the ledger cannot be asked ({0}): retry the same key to learn which"
     )]
     CommitUnknown(String),
+    /// A waitlist join at a position another join of the drop holds: Redis handed
+    /// the position out twice (it lost the other join).
+    #[error("position {0} of the drop's lines is another join's in the ledger")]
+    PositionTaken(i64),
 }
 
 /// Why a change the Redis gate made was not recorded. Each is about that change
@@ -999,8 +1003,7 @@ fn placeholders(rows: usize, columns: usize) -> String {
 /// the failover) cannot tell by itself. Only between generations the API server
 /// numbers: outside Kubernetes nothing publishes a lost change again.
 fn decided_on_a_lost_change(change: &Change, newest: i64) -> Result<(), RecordError> {
-    let numbered =
-        |generation: i64| generation > 0 && generation < dropgate_api::config::STAMPED_GENERATIONS;
+    let numbered = dropgate_api::config::numbered_by_api_server;
     // What Redis read in the step, else this sidecar's view (an extension's step
     // names no limit, so its stock is this sidecar's config).
     let generation = change.decided_on.unwrap_or(change.stock.generation);

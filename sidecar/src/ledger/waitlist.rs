@@ -88,10 +88,11 @@ impl Ledger {
     /// Writes `join` as waiting, unless the key has a row already: an abandoned one
     /// is taken over by another attempt (never by the one given up on). Returns the
     /// key's row as it stands after: the caller's join landed when it is waiting
-    /// under the caller's attempt.
+    /// under the caller's attempt. [`LedgerError::PositionTaken`] when another
+    /// join holds its position (nothing is written).
     pub async fn join(&self, drop_key: &str, join: Join<'_>) -> Result<WaitRow, LedgerError> {
         let now = now_ms();
-        sqlx::query(
+        let written = sqlx::query(
             "INSERT INTO waitlist (drop_key, res_key, user_id, quantity, variant, position, state, \
              attempt, joined_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, 'waiting', $7, $8, $9) \
              ON CONFLICT (drop_key, res_key) DO UPDATE SET user_id = excluded.user_id, \
@@ -110,7 +111,15 @@ impl Ledger {
         .bind(now)
         .bind(now)
         .execute(self.pool())
-        .await?;
+        .await;
+        match written {
+            // (The key's own row is the upsert's; the only other unique index is
+            // the position's, migration 0013.)
+            Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+                return Err(LedgerError::PositionTaken(join.position));
+            }
+            written => written?,
+        };
         self.waiting_entry(drop_key, join.key)
             .await?
             .ok_or_else(|| LedgerError::Sql(sqlx::Error::RowNotFound))
@@ -176,19 +185,19 @@ impl Ledger {
         Ok(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0))
     }
 
-    /// The key and position of the last entry the ledger recorded joining the
-    /// drop's lines (a join given up on is none): a Redis that has every join the
-    /// ledger recorded holds that entry.
-    pub async fn last_join(&self, drop_key: &str) -> Result<Option<(String, i64)>, LedgerError> {
+    /// The key of the last entry the ledger recorded joining the drop's lines (the
+    /// highest position; a join given up on is none): a Redis that has every join
+    /// the ledger recorded holds that entry.
+    pub async fn last_join(&self, drop_key: &str) -> Result<Option<String>, LedgerError> {
         let row = sqlx::query(
-            "SELECT res_key, position FROM waitlist WHERE drop_key = $1 AND state <> 'abandoned' \
+            "SELECT res_key FROM waitlist WHERE drop_key = $1 AND state <> 'abandoned' \
              ORDER BY position DESC LIMIT 1",
         )
         .bind(drop_key)
         .fetch_optional(self.pool())
         .await?;
         Ok(match row {
-            Some(row) => Some((row.try_get(0)?, row.try_get(1)?)),
+            Some(row) => Some(row.try_get(0)?),
             None => None,
         })
     }

@@ -74,8 +74,8 @@ async fn reply_stands(
     if super::redis_still_checked(app, drop, redis) {
         return true;
     }
-    // Taken back together, each by its admission's bound (should the undo fail,
-    // the marker goes back with that bound).
+    // Taken back together, each within one pending bound from now (should the
+    // undo fail, the marker goes back with its own bound).
     let now = now_ms();
     let undos = replies
         .iter()
@@ -797,8 +797,9 @@ fn moved_on(drop: &Drop) -> Failure {
 
 /// Takes the pending admission `attempt` of `key` back, asking Redis again until
 /// it is done or `deadline_ms` (the admission's pending bound, past which its
-/// resolution takes it back) has passed: an error answered after it must leave no
-/// pending marker counting stock while Redis is merely slow or reconnecting.
+/// resolution takes it back) has passed, so that a 503 answered after it leaves no
+/// pending marker counting stock while Redis is merely slow or reconnecting. (The
+/// request waits that long at most when Redis does not answer.)
 async fn undo(
     app: &App,
     drop: &Drop,

@@ -88,8 +88,9 @@ const REBUILD_BATCH: i64 = 512;
 const REPLAY_ABANDONED_MS: i64 = 10_000;
 
 /// Opens the gate of `drop` if it is closed or behind the ledger. With `suspect`
-/// (a sidecar saw Redis hand out a change number twice) Redis is rebuilt even if
-/// its counter looks in line.
+/// (a sidecar saw Redis hand out a change number or a place in line twice, or lose
+/// a join the ledger had just recorded) Redis is rebuilt even if its counters look
+/// in line.
 ///
 /// Requests that wait here together share one opening that began after they came
 /// (see [`crate::drops::Openings`]).
@@ -213,18 +214,24 @@ struct Standing {
     gate_floor: i64,
     /// Redis's change counter.
     redis_seq: i64,
-    /// Whether Redis lost joins the ledger recorded (see [`has_join`]): joins
+    /// Whether Redis lost joins the ledger recorded (see [`has_every_join`]): joins
     /// carry no change number, so this is how a Redis that lost only joins shows.
     lines_behind: bool,
     /// Whether Redis lacks the last change the ledger recorded (see
     /// [`has_change`]).
     last_change_missing: bool,
+    /// Whether a call found Redis had lost a write and its rebuild has not been
+    /// made yet (see [`crate::drops::Openings::suspect`]).
+    suspected: bool,
 }
 
 impl Standing {
     /// Whether Redis lost writes the ledger recorded.
     fn redis_behind(&self) -> bool {
-        self.redis_seq < self.ledger_seq || self.lines_behind || self.last_change_missing
+        self.redis_seq < self.ledger_seq
+            || self.lines_behind
+            || self.last_change_missing
+            || self.suspected
     }
 }
 
@@ -248,7 +255,7 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
         &mut conn,
         &drop.keys,
         last_change.as_ref().map(|last| last.key.as_str()),
-        last_join.as_ref().map(|(entry, _)| entry.as_str()),
+        last_join.as_deref(),
     )
     .await?;
     if let Some(sale) = &redis.sale
@@ -263,14 +270,16 @@ async fn standing(app: &App, drop: &Drop, key: &str) -> Result<Standing, Handove
         gate: redis.gate.open_at,
         gate_floor: redis.gate.floor(),
         redis_seq: redis.seq,
-        lines_behind: !has_join(
+        lines_behind: !has_every_join(&Joins {
             ledger_positions,
-            last_join.is_some(),
-            redis.positions,
-            redis.entry_sale.as_deref() == Some(dropgate_api::keys::ledger_sale(key)),
-        ),
+            ledger_has_joins: last_join.is_some(),
+            redis_positions: redis.positions,
+            redis_has_last: redis.last_join_sale.as_deref()
+                == Some(dropgate_api::keys::ledger_sale(key)),
+        }),
         last_change_missing: last_change
             .is_some_and(|last| !has_change(&last, redis.marker.as_ref(), now_ms())),
+        suspected: drop.openings.still_suspect(),
     })
 }
 
@@ -347,8 +356,21 @@ fn has_change(last: &LastChange, marker: Option<&gate::MarkerSeen>, now_ms: i64)
 /// cannot make true would rebuild for ever. A position handed out again to a join
 /// the ledger is asked to record is refused there, see
 /// `service::waitlist::make_durable`.)
-fn has_join(ledger_positions: i64, last_join: bool, positions: i64, entry: bool) -> bool {
-    positions >= ledger_positions && (!last_join || entry)
+fn has_every_join(joins: &Joins) -> bool {
+    joins.redis_positions >= joins.ledger_positions
+        && (!joins.ledger_has_joins || joins.redis_has_last)
+}
+
+/// What [`has_every_join`] compares.
+struct Joins {
+    /// The highest position the ledger recorded (given-up joins included).
+    ledger_positions: i64,
+    /// Whether the ledger recorded any join (not given up on).
+    ledger_has_joins: bool,
+    /// Redis's position counter.
+    redis_positions: i64,
+    /// Whether Redis holds this sale's entry for the ledger's last join.
+    redis_has_last: bool,
 }
 
 /// Makes this sidecar's ledger the sale's if the sale has none yet, or finds that it
@@ -466,6 +488,15 @@ async fn replay_waitlist(app: &App, drop: &Drop, key: &str) -> Result<usize, Han
     loop {
         let rows = app.ledger.entries_after(key, &after, REBUILD_BATCH).await?;
         let Some(last) = rows.last() else {
+            // Past the joins given up on too, which are not replayed: the
+            // counter must read as far as every position the ledger holds.
+            let positions = app.ledger.max_position(key).await?;
+            if let gate::waitlist::Said::Foreign(ledger) =
+                gate::waitlist::raise_positions(&mut conn, &drop.keys, app.ledger.id(), positions)
+                    .await?
+            {
+                return Err(foreign(drop, ledger));
+            }
             return Ok(replayed);
         };
         after = last.key.clone();
@@ -843,15 +874,21 @@ mod tests {
 
     #[test]
     fn a_replica_that_lost_the_last_join_lacks_it() {
+        let joins = |ledger_positions, ledger_has_joins, redis_positions, redis_has_last| Joins {
+            ledger_positions,
+            ledger_has_joins,
+            redis_positions,
+            redis_has_last,
+        };
         // In line: no join yet, or the last join's entry is there (and the counter
         // as far, or further).
-        assert!(has_join(0, false, 0, false));
-        assert!(has_join(2, true, 2, true));
-        assert!(has_join(3, true, 4, true));
+        assert!(has_every_join(&joins(0, false, 0, false)));
+        assert!(has_every_join(&joins(2, true, 2, true)));
+        assert!(has_every_join(&joins(3, true, 4, true)));
         // The counter behind the ledger.
-        assert!(!has_join(2, true, 1, true));
+        assert!(!has_every_join(&joins(2, true, 1, true)));
         // The counter as far (its position handed out again), the entry lost.
-        assert!(!has_join(2, true, 2, false));
+        assert!(!has_every_join(&joins(2, true, 2, false)));
     }
 
     #[test]

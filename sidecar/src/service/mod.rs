@@ -28,7 +28,9 @@ use std::sync::Arc;
 use dropgate_api::{DropConfig, FailurePolicy, Mode};
 
 pub use admit::reserve;
-pub use settle::{BUYER_LOOKUP_MAX, Bought, landed, made_by, reservations_of, settle, settle_for};
+pub use settle::{
+    BUYER_LOOKUP_MAX, Bought, landed, made_by_another, reservations_of, settle, settle_for,
+};
 
 use crate::app::App;
 use crate::drops::{Drop, LookupError};

@@ -792,12 +792,12 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
     })
 }
 
-/// Whether the ledger's last change of `row` can be the one `attempt` prepared:
-/// the row names that attempt, or names none (a change recorded by a sidecar older
-/// than the ledger's `changed_by`, or one no attempt prepared, such as an expiry;
-/// then its number and state decide alone).
-pub fn made_by(row: &Recorded, attempt: &str) -> bool {
-    row.changed_by.as_deref().is_none_or(|by| by == attempt)
+/// Whether the ledger's row of a reservation names another attempt than `attempt`
+/// as the one that prepared its last change. A row that names none (a change
+/// recorded by a sidecar older than the ledger's `changed_by`, or one no attempt
+/// prepared, such as an expiry) names no other: its number and state decide alone.
+pub fn made_by_another(row: &Recorded, attempt: &str) -> bool {
+    row.changed_by.as_deref().is_some_and(|by| by != attempt)
 }
 
 /// A confirm, cancel or extension of `key` prepared in Redis (by any sidecar's
@@ -847,12 +847,13 @@ async fn finish_if_recorded(app: &App, drop: &Drop, key: &str) -> Result<bool, S
         .map_err(|e| e.to_string())?;
     // The row carries Redis's number for the last change it recorded and the
     // attempt that prepared it: this one's, or the change is not (yet) in the
-    // ledger. (A replica promoted without a recorded change hands its number out
-    // again: a stale preparation under that number is not the ledger's change,
-    // and finishing it would take the replica's word for the ledger's.)
+    // ledger. (A promoted replica that lost a recorded change hands its number out
+    // again: a change another attempt prepared there under that number is not the
+    // one the ledger recorded, and finishing it would apply the replica's change,
+    // not the ledger's.)
     let recorded = row
         .as_ref()
-        .filter(|row| seq != 0 && row.seq == seq && made_by(row, &attempt));
+        .filter(|row| seq != 0 && row.seq == seq && !made_by_another(row, &attempt));
     if !landed(settling, recorded) {
         return Ok(false);
     }

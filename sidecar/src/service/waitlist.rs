@@ -155,15 +155,14 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
 /// failover, a waitlist closed or a per-user limit cut perhaps), as an admission
 /// is refused: a stale view never decides. Only between generations the API
 /// server numbers (outside Kubernetes nothing publishes a lost change again).
-async fn decided_on_a_kept_config(
+async fn refuse_join_on_lost_config(
     app: &App,
     drop: &Drop,
     drop_key: &str,
     entry: &Entry,
 ) -> Result<(), Failure> {
-    let numbered =
-        |generation: i64| generation > 0 && generation < dropgate_api::config::STAMPED_GENERATIONS;
-    let Some(decided_on) = entry.decided_on.filter(|g| numbered(*g)) else {
+    let numbered = dropgate_api::config::numbered_by_api_server;
+    let Some(decided_on) = entry.config_generation.filter(|g| numbered(*g)) else {
         return Ok(());
     };
     let read_here = drop.config().generation;
@@ -182,7 +181,7 @@ async fn decided_on_a_kept_config(
     }
     super::count_decided_on_lost_config(app, drop);
     Err(Failure::retry(format!(
-        "Redis decided this join on an older config of drop {} (generation {decided_on}) than generation {newest}: it lost that change, and the operator publishes it again; nothing was changed: retry the same request",
+        "Redis decided this join on an older config of drop {} (generation {decided_on}) than generation {newest}: it lost that change, and the operator publishes it again; nothing was changed: retry the same key",
         drop.name
     )))
 }
@@ -388,12 +387,8 @@ async fn make_durable(
     entry: &Entry,
 ) -> Result<Waiting, Failure> {
     let drop_key = drop.ledger_key();
-    if let Err(failure) = decided_on_a_kept_config(app, drop, &drop_key, entry).await {
-        let mut conn = app.redis.clone();
-        if let Err(error) = line::unjoin(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await
-        {
-            tracing::warn!(drop = %drop.name, %error, "a join decided on a lost config is still in Redis; it is resolved past its bound");
-        }
+    if let Err(failure) = refuse_join_on_lost_config(app, drop, &drop_key, entry).await {
+        take_back_join(app, drop, key, attempt).await;
         return Err(failure);
     }
     let join = Join {
@@ -410,22 +405,15 @@ async fn make_durable(
     }
     let row = match app.ledger.join(&drop_key, join).await {
         Ok(row) => Some(row),
-        // Another key holds this place in the ledger: Redis handed it out twice
-        // (a promoted replica that lost that join). Nothing was written; the entry
-        // leaves Redis, which is rebuilt from the ledger (the lost join with it)
-        // before the buyer's retry is placed.
-        Err(LedgerError::Sql(sqlx::Error::Database(db))) if db.is_unique_violation() => {
-            let mut conn = app.redis.clone();
-            if let Err(error) =
-                line::unjoin(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await
-            {
-                tracing::warn!(drop = %drop.name, %error, "a join at a place the ledger gave another is still in Redis; it is resolved past its bound");
-            }
-            tracing::warn!(drop = %drop.name, position = entry.position, "Redis handed out a place in line the ledger holds for another join: rebuilding it");
-            let _ = handover::open_gate(app, drop, true).await;
+        // Another join holds this position in the ledger: Redis handed it out
+        // twice (a promoted replica that lost that join). Nothing was written.
+        Err(LedgerError::PositionTaken(position)) => {
+            take_back_join(app, drop, key, attempt).await;
+            rebuild_after_lost_join(app, drop, &format!("position {position} handed out twice"))
+                .await;
             return Err(Failure::retry(format!(
-                "Redis handed out place {} of drop {}'s line twice (it lost a join the ledger has) and is brought in line with the ledger: nothing was changed; retry the same key",
-                entry.position, drop.name
+                "drop {}'s line was just brought in line with the ledger after Redis lost a recent join: nothing was changed; retry the same key",
+                drop.name
             )));
         }
         // The write may have landed: the key is claimed for this attempt, so it
@@ -447,10 +435,10 @@ async fn make_durable(
                 }
                 // Redis no longer has the entry the ledger just recorded: it lost
                 // it (a failover since the join was placed), and is rebuilt from
-                // the ledger, this join with it.
+                // the ledger, this join with it. The 201 stands whether or not the
+                // rebuild succeeds now: the ledger has the join.
                 Ok(Said::NoEntry) => {
-                    tracing::warn!(drop = %drop.name, key, "a durable join is gone from Redis: rebuilding it");
-                    let _ = handover::open_gate(app, drop, true).await;
+                    rebuild_after_lost_join(app, drop, "a durable join is gone from Redis").await;
                     Ok(Waiting::Joined(place_of(entry)))
                 }
                 // Durable all the same: Redis is told when the entry is met past
@@ -462,11 +450,7 @@ async fn make_durable(
             }
         }
         Some(row) => {
-            if let Err(error) =
-                line::unjoin(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await
-            {
-                tracing::warn!(drop = %drop.name, %error, "a join the ledger refused is still in Redis; it is resolved past its bound");
-            }
+            take_back_join(app, drop, key, attempt).await;
             Err(Failure::unavailable(format!(
                 "the ledger did not record the place in line (its record of the key is {}): nothing was changed; retry",
                 row.state.as_str()
@@ -476,6 +460,32 @@ async fn make_durable(
             "the ledger could not record the place in line and cannot be asked now; it is settled within {} ms: retry the same key",
             pending_bound_ms(&drop.config())
         ))),
+    }
+}
+
+/// Takes the join `attempt` of `key` out of Redis's line: the ledger did not
+/// record it. (One Redis does not take back now stays `joining`, and is resolved
+/// from the ledger past its bound.)
+async fn take_back_join(app: &App, drop: &Drop, key: &str, attempt: &str) {
+    let mut conn = app.redis.clone();
+    if let Err(error) = line::unjoin(&mut conn, &drop.keys, app.ledger.id(), key, attempt).await {
+        tracing::warn!(drop = %drop.name, %error, "a join the ledger did not record is still in Redis; it is resolved past its bound");
+    }
+}
+
+/// Redis lost a join the ledger recorded (`why` says how it showed): it is rebuilt
+/// from the ledger now, within this request, before the buyer is answered, so
+/// that the retry meets the line the ledger has. Until a rebuild is made (one
+/// another sidecar runs already, or one that fails now), every call checks Redis
+/// again and finds it behind: nothing is decided on the Redis that lost the join.
+async fn rebuild_after_lost_join(app: &App, drop: &Drop, why: &str) {
+    tracing::warn!(drop = %drop.name, why, "Redis lost a join the ledger recorded: rebuilding it from the ledger");
+    drop.openings.suspect();
+    drop.verified
+        .store(u64::MAX, std::sync::atomic::Ordering::Release);
+    let opened = handover::open_gate(app, drop, true).await;
+    if opened != Opening::Open {
+        tracing::warn!(drop = %drop.name, ?opened, "the rebuild after a lost join did not end now");
     }
 }
 

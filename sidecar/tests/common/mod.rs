@@ -189,13 +189,7 @@ impl Sidecar {
 
     /// The ledger key of drop `drop`'s current sale (`shop/drop/sale`).
     pub fn ledger_key(&self, drop: &str) -> String {
-        let mut conn = self.redis.connection().expect("connect");
-        let sale: String = redis::cmd("HGET")
-            .arg(DropKeys::new(NS, drop).config())
-            .arg("sale")
-            .query(&mut conn)
-            .expect("HGET sale");
-        dropgate_api::keys::ledger_key(NS, drop, &sale)
+        ledger_key_in(&self.redis, drop)
     }
 
     pub fn remaining(&self, drop: &str) -> i64 {
@@ -293,6 +287,48 @@ pub async fn reserve(http: &HttpClient, drop: &str, key: &str, user: &str, quant
     http.post(&format!("/v1/drops/{drop}/reservations"), &body)
         .await
         .expect("reserve answers")
+}
+
+/// `POST /v1/drops/{drop}/waitlist`: `user` waits for `quantity` units under `key`.
+pub async fn join_line(
+    http: &HttpClient,
+    drop: &str,
+    key: &str,
+    user: &str,
+    quantity: i64,
+) -> Reply {
+    let body = format!(r#"{{"key":"{key}","user":"{user}","quantity":{quantity}}}"#);
+    http.post(&format!("/v1/drops/{drop}/waitlist"), &body)
+        .await
+        .expect("join answers")
+}
+
+/// `GET /v1/drops/{drop}/waitlist/{key}`.
+pub async fn look_line(http: &HttpClient, drop: &str, key: &str) -> Reply {
+    http.get(&format!("/v1/drops/{drop}/waitlist/{key}"))
+        .await
+        .expect("look-up answers")
+}
+
+/// Whether `redis` holds `key`'s entry in `drop`'s lines.
+pub fn has_waitlist_entry(redis: &RedisServer, drop: &str, key: &str) -> bool {
+    let mut conn = redis.connection().expect("connect");
+    redis::cmd("EXISTS")
+        .arg(DropKeys::new(NS, drop).waitlist_entry(key))
+        .query(&mut conn)
+        .expect("EXISTS")
+}
+
+/// The ledger key of drop `drop`'s current sale (`shop/drop/sale`), by the sale
+/// its config in `redis` names.
+pub fn ledger_key_in(redis: &RedisServer, drop: &str) -> String {
+    let mut conn = redis.connection().expect("connect");
+    let sale: String = redis::cmd("HGET")
+        .arg(DropKeys::new(NS, drop).config())
+        .arg("sale")
+        .query(&mut conn)
+        .expect("HGET sale");
+    dropgate_api::keys::ledger_key(NS, drop, &sale)
 }
 
 /// The state of reservation `key`'s marker in Redis, if it has one.
