@@ -17,6 +17,46 @@ async fn join(peer: &Peer, drop: &str, key: &str) -> Reply {
     join_line(&peer.http, drop, key, key, 1).await
 }
 
+/// k0 takes the only unit of `sale`, and w1 waits in line for one.
+async fn sell_out_and_wait(sidecar: &Peer) {
+    sidecar
+        .reserve("sale", "k0", "k0", 1)
+        .await
+        .assert_answer(201, "admitted");
+    join(sidecar, "sale", "w1")
+        .await
+        .assert_answer(201, "waiting");
+}
+
+/// A drop of one unit, sold (k0 holds it), with w1 waiting in line, served by one
+/// sidecar on its own Redis and SQLite ledger.
+struct SoldOutLine {
+    redis: RedisServer,
+    sidecar: Peer,
+    ledger_url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl SoldOutLine {
+    async fn start(
+        spec: dropgate_testkit::DropSpec,
+        customize: impl FnOnce(&mut dropgate_sidecar::Settings),
+    ) -> Self {
+        let redis = RedisServer::start().expect("redis-server");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+        seed(&redis.url(), "sale", spec).await;
+        let sidecar = Peer::start_custom(&redis.url(), &ledger_url, customize).await;
+        sell_out_and_wait(&sidecar).await;
+        Self {
+            redis,
+            sidecar,
+            ledger_url,
+            _dir: dir,
+        }
+    }
+}
+
 /// A replica promoted without the last join the ledger recorded, whose position
 /// counter reads as far as the ledger's anyway: a join that ran there unchecked
 /// took the lost join's position and was taken back, which leaves the counter
@@ -39,14 +79,7 @@ async fn a_join_lost_by_a_replica_whose_counter_caught_up_keeps_its_place() {
         settings.sweep_ms = 60_000;
     })
     .await;
-    // k0 holds the only unit: buyers wait in line.
-    sidecar
-        .reserve("sale", "k0", "k0", 1)
-        .await
-        .assert_answer(201, "admitted");
-    join(&sidecar, "sale", "w1")
-        .await
-        .assert_answer(201, "waiting");
+    sell_out_and_wait(&sidecar).await;
     eventually("the replica to hold w1's entry", async || {
         has_entry(&redis.replica, "sale", "w1")
     })
@@ -86,29 +119,14 @@ async fn a_join_lost_by_a_replica_whose_counter_caught_up_keeps_its_place() {
 /// first was lost from the line for good (404).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
-    let redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    seed(
-        &redis.url(),
-        "sale",
-        one_per_buyer(1).waitlist().fail_closed(),
-    )
-    .await;
     // No check of Redis by the refresh in the meantime: only the calls below run.
-    let sidecar = Peer::start_custom(&redis.url(), &ledger_url, |settings| {
+    let line = SoldOutLine::start(one_per_buyer(1).waitlist().fail_closed(), |settings| {
         settings.refresh_ms = 3000;
         settings.sweep_ms = 60_000;
     })
     .await;
-    sidecar
-        .reserve("sale", "k0", "k0", 1)
-        .await
-        .assert_answer(201, "admitted");
-    join(&sidecar, "sale", "w1")
-        .await
-        .assert_answer(201, "waiting");
-    let ledger = dropgate_sidecar::ledger::Ledger::open(&ledger_url)
+    let (redis, sidecar, ledger_url) = (&line.redis, &line.sidecar, &line.ledger_url);
+    let ledger = dropgate_sidecar::ledger::Ledger::open(ledger_url)
         .await
         .expect("the ledger");
     let lost = dropgate_sidecar::ledger::waitlist::Join {
@@ -120,20 +138,20 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
         attempt: "late",
     };
     ledger
-        .join(&ledger_key_in(&redis, "sale"), lost)
+        .join(&ledger_key_in(redis, "sale"), lost)
         .await
         .expect("the late join's write");
 
-    let twice = join(&sidecar, "sale", "w3").await;
+    let twice = join(sidecar, "sale", "w3").await;
     twice.assert_answer(503, "unavailable");
     assert!(twice.text.contains("lost a recent join"), "{}", twice.text);
-    let joined = join(&sidecar, "sale", "w3").await;
+    let joined = join(sidecar, "sale", "w3").await;
     joined.assert_answer(201, "waiting");
     assert_eq!(joined.body["position"], 3, "{}", joined.text);
     let kept = look_line(&sidecar.http, "sale", "lost").await;
     kept.assert_answer(200, "waiting");
     assert_eq!(kept.body["position"], 2, "{}", kept.text);
-    sidecar.shutdown().await;
+    line.sidecar.shutdown().await;
 }
 
 /// The ledger's highest position is a join given up on (its sidecar never wrote
@@ -144,19 +162,9 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
 /// again (the gate's epoch moved at each refresh, each rebuild a closed gate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
-    let redis = RedisServer::start().expect("redis-server");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    seed(&redis.url(), "sale", one_per_buyer(1).waitlist()).await;
-    let sidecar = Peer::start(&redis.url(), &ledger_url).await;
-    sidecar
-        .reserve("sale", "k0", "k0", 1)
-        .await
-        .assert_answer(201, "admitted");
-    join(&sidecar, "sale", "w1")
-        .await
-        .assert_answer(201, "waiting");
-    let ledger = dropgate_sidecar::ledger::Ledger::open(&ledger_url)
+    let line = SoldOutLine::start(one_per_buyer(1).waitlist(), |_| {}).await;
+    let (redis, sidecar, ledger_url) = (&line.redis, &line.sidecar, &line.ledger_url);
+    let ledger = dropgate_sidecar::ledger::Ledger::open(ledger_url)
         .await
         .expect("the ledger");
     let keys = DropKeys::new(NS, "sale");
@@ -170,7 +178,7 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
         attempt: "dead",
     };
     ledger
-        .give_up_join(&ledger_key_in(&redis, "sale"), "w2", "dead", given_up)
+        .give_up_join(&ledger_key_in(redis, "sale"), "w2", "dead", given_up)
         .await
         .expect("the claim of the dead join");
 
@@ -193,8 +201,8 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
     let opened = gate(&mut conn);
     tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
     assert_eq!(gate(&mut conn), opened, "Redis was rebuilt again");
-    join(&sidecar, "sale", "w3")
+    join(sidecar, "sale", "w3")
         .await
         .assert_answer(201, "waiting");
-    sidecar.shutdown().await;
+    line.sidecar.shutdown().await;
 }

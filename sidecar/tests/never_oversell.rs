@@ -645,6 +645,39 @@ fn assert_refused_on_older_config(reply: &Reply) {
     );
 }
 
+/// Drop `sale` published at generation 1 on its own Redis, one sidecar on a
+/// PostgreSQL ledger, and one unit sold through it (key `a`); the config as Redis
+/// had it then, for [`redis_loses_config`].
+struct GenerationOne {
+    redis: RedisServer,
+    postgres: PostgresServer,
+    conn: redis::Connection,
+    config_then: Vec<(String, String)>,
+    first: Peer,
+}
+
+impl GenerationOne {
+    async fn sold(spec: DropSpec) -> Self {
+        let redis = RedisServer::start().expect("redis-server");
+        let postgres = PostgresServer::start().expect("postgres");
+        common::apply(&redis.url(), &at_generation(spec, 1)).await;
+        let mut conn = redis.connection().expect("connect");
+        let config_then = config_of(&mut conn);
+        let first = Peer::start(&redis.url(), &postgres.url()).await;
+        first
+            .reserve("sale", "a", "a", 1)
+            .await
+            .assert_answer(201, "admitted");
+        Self {
+            redis,
+            postgres,
+            conn,
+            config_then,
+            first,
+        }
+    }
+}
+
 /// Checks `peer`'s `/metrics` counts `n` answers taken back as decided on a lost
 /// config (what an operator alerts on).
 async fn assert_counted_as_decided_on_lost_config(peer: &Peer, n: u64) {
@@ -666,16 +699,13 @@ async fn assert_counted_as_decided_on_lost_config(peer: &Peer, n: u64) {
 /// the pause (201).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sidecar_started_after_redis_lost_a_change_a_peer_read_decides_nothing_on_it() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("postgres");
-    common::apply(&redis.url(), &at_generation(one_per_buyer(10), 1)).await;
-    let mut conn = redis.connection().expect("connect");
-    let config_then = config_of(&mut conn);
-    let first = Peer::start(&redis.url(), &postgres.url()).await;
-    first
-        .reserve("sale", "a", "a", 1)
-        .await
-        .assert_answer(201, "admitted");
+    let GenerationOne {
+        redis,
+        postgres,
+        mut conn,
+        config_then,
+        first,
+    } = GenerationOne::sold(one_per_buyer(10)).await;
 
     common::apply(&redis.url(), &at_generation(one_per_buyer(10).paused(), 2)).await;
     eventually("the pause to reach the first sidecar", async || {
@@ -866,16 +896,13 @@ async fn a_lagging_sidecar_extends_on_the_config_redis_read() {
 /// Before, both placed the buyer in a line the shop had closed (201).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_join_on_a_config_redis_lost_is_never_recorded() {
-    let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("postgres");
-    common::apply(&redis.url(), &at_generation(one_per_buyer(1).waitlist(), 1)).await;
-    let mut conn = redis.connection().expect("connect");
-    let config_then = config_of(&mut conn);
-    let first = Peer::start(&redis.url(), &postgres.url()).await;
-    first
-        .reserve("sale", "a", "a", 1)
-        .await
-        .assert_answer(201, "admitted");
+    let GenerationOne {
+        redis,
+        postgres,
+        mut conn,
+        config_then,
+        first,
+    } = GenerationOne::sold(one_per_buyer(1).waitlist()).await;
 
     common::apply(&redis.url(), &at_generation(one_per_buyer(1), 2)).await;
     // The first sidecar's refresh (every 100 ms here) reads the close and notes
