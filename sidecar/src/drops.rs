@@ -274,6 +274,9 @@ pub struct Openings {
     /// The first ticket whose rebuild clears a suspicion raised on this drop's
     /// Redis (see [`Openings::suspect`]); 0: none.
     suspected: std::sync::atomic::AtomicU64,
+    /// The ticket of the last opening that rebuilt Redis: unlike `open_suspect`,
+    /// never forgotten (a hand-over to the ledger does not undo a rebuild).
+    rebuilt: std::sync::atomic::AtomicU64,
 }
 
 impl Openings {
@@ -304,6 +307,7 @@ impl Openings {
         self.open.store(ticket, Ordering::Release);
         if suspect {
             self.open_suspect.store(ticket, Ordering::Release);
+            self.rebuilt.fetch_max(ticket, Ordering::AcqRel);
         }
     }
 
@@ -321,7 +325,7 @@ impl Openings {
     /// rebuild.
     pub fn still_suspect(&self) -> bool {
         use std::sync::atomic::Ordering;
-        self.open_suspect.load(Ordering::Acquire) < self.suspected.load(Ordering::Acquire)
+        self.rebuilt.load(Ordering::Acquire) < self.suspected.load(Ordering::Acquire)
     }
 
     /// The drop was handed to the ledger: no earlier opening says the gate is open.
@@ -351,6 +355,9 @@ mod tests {
         assert!(openings.still_suspect());
         let rebuild = openings.begin();
         openings.opened(rebuild, true);
+        assert!(!openings.still_suspect());
+        // A hand-over to the ledger since does not undo that rebuild.
+        openings.forget();
         assert!(!openings.still_suspect());
     }
 }

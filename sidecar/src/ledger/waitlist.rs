@@ -113,9 +113,14 @@ impl Ledger {
         .execute(self.pool())
         .await;
         match written {
-            // (The key's own row is the upsert's; the only other unique index is
-            // the position's, migration 0013.)
-            Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+            // (The key's own row is the upsert's; the position's index is
+            // migration 0013's: PostgreSQL names it, SQLite names its columns.)
+            Err(sqlx::Error::Database(db))
+                if db.is_unique_violation()
+                    && (db.constraint() == Some("waitlist_position_once")
+                        || db.message().contains("waitlist_position_once")
+                        || db.message().contains("waitlist.position")) =>
+            {
                 return Err(LedgerError::PositionTaken(join.position));
             }
             written => written?,

@@ -97,6 +97,9 @@ const REPLAY_ABANDONED_MS: i64 = 10_000;
 pub async fn open_gate(app: &App, drop: &Drop, suspect: bool) -> Opening {
     let seen = drop.openings.seen();
     let _one_at_a_time = drop.handover.lock().await;
+    // A suspicion still waiting for its rebuild makes any opening one (its
+    // standing finds Redis behind), and the opening records it as one.
+    let suspect = suspect || drop.openings.still_suspect();
     if drop.openings.opened_since(seen, suspect) {
         return Opening::Open;
     }
@@ -700,8 +703,11 @@ pub enum Verified {
 /// checked for the Redis era this began in.
 pub async fn verify(app: &App, drop: &Drop) -> Result<Verified, HandoverError> {
     let era = app.redis_era(drop);
-    // Checked at this era meanwhile (by another call): nothing to do again.
-    if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
+    // Checked at this era meanwhile (by another call): nothing to do again,
+    // unless a loss was found since that waits for its rebuild.
+    if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era
+        && !drop.openings.still_suspect()
+    {
         return Ok(Verified::InLine);
     }
     let key = drop.ledger_key();

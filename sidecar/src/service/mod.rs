@@ -322,7 +322,11 @@ async fn check_redis(
     drop: &Drop,
 ) -> Result<Result<Checked, handover::Verified>, handover::HandoverError> {
     let era = app.redis_era(drop);
-    if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era {
+    // (A loss found since the last check keeps every call checking until
+    // Redis is rebuilt: see `drops::Openings::suspect`.)
+    if drop.verified.load(std::sync::atomic::Ordering::Acquire) == era
+        && !drop.openings.still_suspect()
+    {
         return Ok(Ok(Checked(era)));
     }
     Ok(match handover::verify(app, drop).await? {

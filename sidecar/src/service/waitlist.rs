@@ -412,7 +412,7 @@ async fn make_durable(
             rebuild_after_lost_join(app, drop, &format!("position {position} handed out twice"))
                 .await;
             return Err(Failure::retry(format!(
-                "drop {}'s line was just brought in line with the ledger after Redis lost a recent join: nothing was changed; retry the same key",
+                "Redis lost a recent join of drop {}'s line and is being brought in line with the ledger: nothing was changed; retry the same key",
                 drop.name
             )));
         }
