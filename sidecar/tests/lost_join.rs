@@ -206,3 +206,40 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
         .assert_answer(201, "waiting");
     line.sidecar.shutdown().await;
 }
+
+/// Either ledger refuses a second join at one position, as a position taken (the
+/// sidecar then rebuilds Redis), and writes nothing of it; a join given up on
+/// holds no position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn either_ledger_refuses_a_position_twice() {
+    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let at = |key: &'static str, position: i64| Join {
+        key,
+        user: key,
+        quantity: 1,
+        variant: None,
+        position,
+        attempt: key,
+    };
+    for url in [sqlite, postgres.url()] {
+        let ledger = Ledger::open(&url).await.expect("the ledger opens");
+        let drop_key = "shop/sale/s1";
+        ledger
+            .give_up_join(drop_key, "dead", "dead", at("dead", 1))
+            .await
+            .expect("the claim of a dead join");
+        ledger.join(drop_key, at("w1", 1)).await.expect("w1 joins");
+        match ledger.join(drop_key, at("w2", 1)).await {
+            Err(LedgerError::PositionTaken(1)) => {}
+            other => panic!("{url}: w2 at w1's position: {other:?}"),
+        }
+        assert_eq!(
+            ledger.waiting_entry(drop_key, "w2").await.expect("reads"),
+            None,
+            "{url}"
+        );
+    }
+}
