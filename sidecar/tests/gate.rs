@@ -472,6 +472,69 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
     assert_eq!(sidecar.remaining("sale"), 3);
 }
 
+/// A marker of another reservation under the key the ledger's row names (Redis lost
+/// that row's marker and another buyer re-used the key) is replaced whole by the
+/// ledger's: its units go back as it held them, the ledger's buyer holds the
+/// ledger's count. Before, the marker's buyer and count were kept with the ledger's
+/// state: bob was counted for alice's unit, and alice could buy past her limit.
+#[tokio::test]
+async fn a_replayed_row_replaces_another_buyers_marker_of_its_key() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(5).per_user_limit(3)).await;
+    assert_eq!(sidecar.reserve("sale", "k", "bob", 3).await.status, 201);
+    assert_eq!(sidecar.remaining("sale"), 2);
+    let mut conn = gate_connection(&sidecar).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    // The replay runs as the sale's ledger, the sidecar's own.
+    let ledger: String = redis::cmd("GET")
+        .arg(keys.ledger())
+        .query_async(&mut conn)
+        .await
+        .expect("the sale's ledger");
+    let row = dropgate_sidecar::ledger::Recorded {
+        admitted_at_ms: None,
+        key: "k".into(),
+        user: "alice".into(),
+        quantity: 1,
+        state: dropgate_sidecar::reservation::State::Confirmed,
+        expires_at_ms: dropgate_sidecar::clock::now_ms() + 600_000,
+        seq: 1_000,
+        variant: None,
+        changed_by: None,
+    };
+    let sale_ledger = sidecar.ledger_key("sale");
+    let reply = dropgate_sidecar::gate::replay(&mut conn, &keys, &ledger, &row, &sale_ledger)
+        .await
+        .expect("runs");
+    assert_eq!(reply, dropgate_sidecar::gate::Replay::Replayed);
+    assert_eq!(sidecar.remaining("sale"), 4, "alice's one unit is held");
+    let held: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
+        .arg(keys.buyers())
+        .query_async(&mut conn)
+        .await
+        .expect("buyers");
+    assert_eq!(held, [("alice".to_string(), 1)].into(), "held by buyer");
+    let listed: Vec<String> = redis::cmd("ZRANGE")
+        .arg(keys.by_buyer())
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .expect("by buyer");
+    assert!(
+        listed.iter().all(|entry| entry.starts_with("alice\n")),
+        "bob's listing is gone: {listed:?}"
+    );
+    let marker: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(keys.reservation("k"))
+        .query_async(&mut conn)
+        .await
+        .expect("marker");
+    assert_eq!(marker.get("user").map(String::as_str), Some("alice"));
+    assert_eq!(marker.get("quantity").map(String::as_str), Some("1"));
+    assert_eq!(marker.get("attempt"), None, "bob's attempt is not alice's");
+}
+
 /// A sidecar that began reopening the gate (its replay at epoch 2) before another
 /// handed the drop to the fallback (closing the gate for epoch 3) can no longer open
 /// it: Redis would otherwise answer look-ups while the ledger decides, without the

@@ -136,6 +136,7 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
         variant: None,
         position: 2,
         attempt: "late",
+        decided_on: None,
     };
     ledger
         .join(&ledger_key_in(redis, "sale"), lost)
@@ -176,6 +177,7 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
         variant: None,
         position: 2,
         attempt: "dead",
+        decided_on: None,
     };
     ledger
         .give_up_join(&ledger_key_in(redis, "sale"), "w2", "dead", given_up)
@@ -223,6 +225,7 @@ async fn either_ledger_refuses_a_position_twice() {
         variant: None,
         position,
         attempt: key,
+        decided_on: None,
     };
     for url in [sqlite, postgres.url()] {
         let ledger = Ledger::open(&url).await.expect("the ledger opens");
@@ -241,5 +244,63 @@ async fn either_ledger_refuses_a_position_twice() {
             None,
             "{url}"
         );
+    }
+}
+
+/// Either ledger refuses, in the join's own transaction, a join Redis decided on an
+/// older generation of the drop's config than the ledger has seen (one a peer's
+/// commit noted after this sidecar last read the config), and writes nothing of
+/// it; a join decided on the newest, or not compared, is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
+    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let on = |key: &'static str, position: i64, decided_on: Option<i64>| Join {
+        key,
+        user: key,
+        quantity: 1,
+        variant: None,
+        position,
+        attempt: key,
+        decided_on,
+    };
+    for url in [sqlite, postgres.url()] {
+        let ledger = Ledger::open(&url).await.expect("the ledger opens");
+        let drop_key = "shop/sale/s1";
+        // A peer's group commit noted generation 5.
+        sqlx::query(
+            "INSERT INTO stock (drop_key, lim, available, generation) VALUES ($1, 0, 0, 5)",
+        )
+        .bind(drop_key)
+        .execute(ledger.pool())
+        .await
+        .expect("the stock row");
+        match ledger.join(drop_key, on("stale", 1, Some(4))).await {
+            Err(LedgerError::StaleConfig(5)) => {}
+            other => panic!("{url}: a join decided on generation 4: {other:?}"),
+        }
+        assert_eq!(
+            ledger
+                .waiting_entry(drop_key, "stale")
+                .await
+                .expect("reads"),
+            None,
+            "{url}: nothing of it written"
+        );
+        for (key, decided_on) in [("current", Some(5)), ("not-compared", None)] {
+            let row = ledger
+                .join(
+                    drop_key,
+                    on(key, if key == "current" { 1 } else { 2 }, decided_on),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {key} joins: {e}"));
+            assert_eq!(
+                row.state,
+                dropgate_sidecar::ledger::waitlist::WaitState::Waiting
+            );
+        }
     }
 }

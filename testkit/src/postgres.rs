@@ -69,6 +69,12 @@ impl PostgresServer {
         self.port
     }
 
+    /// The server's log so far (its errors carry their statements: a deadlock's
+    /// entry names the queries of both sides).
+    pub fn log(&self) -> std::io::Result<String> {
+        std::fs::read_to_string(self.dir.path().join("log"))
+    }
+
     /// Stops the server at once (`pg_ctl stop -m immediate`: a crash, connections
     /// cut); [`PostgresServer::start_again`] brings it back with its data.
     pub fn stop(&self) -> std::io::Result<()> {

@@ -65,6 +65,26 @@ local before = m[3]
 if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.unresolved, KEY)) then
   before = 'active'
 end
+-- A marker of another reservation under the same key (Redis lost the ledger's, and
+-- another buyer, size or count re-used the key: an admission the ledger refuses):
+-- its units go back as it holds them, and the ledger's reservation takes its place
+-- whole, under its own buyer, size and count. (A confirm that kept fewer units than
+-- were held is the same reservation.)
+local ledger_quantity = tonumber(ARGV[4])
+local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9]
+  or (target == 'active' and quantity ~= ledger_quantity)
+  or (target == 'confirmed' and quantity < ledger_quantity))
+if another then
+  if holds_units(before) then
+    give_back(user, quantity, variant)
+  end
+  local listed = tonumber(redis.call('HGET', K.marker, 'admittedAt') or '')
+  if listed then
+    redis.call('ZREM', K.by_buyer, user .. '\n' .. string.format('%013d', listed) .. '\n' .. KEY)
+  end
+  before = nil
+  user, quantity, variant = ARGV[3], ledger_quantity, ARGV[9]
+end
 -- A confirm keeps the ledger's quantity (a partial confirm kept fewer than were
 -- held): Redis counts what it counted before, the ledger's count after.
 local kept = quantity
@@ -79,7 +99,7 @@ elseif not holds_units(before) and holds_units(target) then
   take(user, kept, variant)
 end
 quantity = kept
-if not m[3] then
+if not m[3] or another then
   redis.call('DEL', K.marker)
 end
 local admitted = tonumber(redis.call('HGET', K.marker, 'admittedAt') or ARGV[10]) or now_ms()

@@ -70,6 +70,10 @@ pub struct Join<'a> {
     pub variant: Option<&'a str>,
     pub position: i64,
     pub attempt: &'a str,
+    /// The generation of the drop's config Redis decided the join on, when the API
+    /// server numbered it: [`Ledger::join`] refuses it if the ledger has seen a
+    /// newer one (a change Redis lost). `None`: not compared.
+    pub decided_on: Option<i64>,
 }
 
 fn row_of(row: &sqlx::any::AnyRow) -> Result<WaitRow, sqlx::Error> {
@@ -92,6 +96,11 @@ impl Ledger {
     /// join holds its position (nothing is written).
     pub async fn join(&self, drop_key: &str, join: Join<'_>) -> Result<WaitRow, LedgerError> {
         let now = now_ms();
+        let mut tx = self.pool().begin().await?;
+        // The row first: from here to the commit this transaction holds SQLite's
+        // write lock, so the generation read below is the newest; on PostgreSQL
+        // that read waits for a commit noting a newer one, and such a commit waits
+        // for this one. The check and the write are one step either way.
         let written = sqlx::query(
             "INSERT INTO waitlist (drop_key, res_key, user_id, quantity, variant, position, state, \
              attempt, joined_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, 'waiting', $7, $8, $9) \
@@ -110,7 +119,7 @@ impl Ledger {
         .bind(join.attempt)
         .bind(now)
         .bind(now)
-        .execute(self.pool())
+        .execute(&mut *tx)
         .await;
         match written {
             // (The key's own row is the upsert's; the position's index is
@@ -125,6 +134,14 @@ impl Ledger {
             }
             written => written?,
         };
+        if let Some(decided_on) = join.decided_on {
+            let newest = newest_generation(&mut tx, drop_key).await?;
+            if dropgate_api::config::numbered_by_api_server(newest) && newest > decided_on {
+                // (Dropping the transaction rolls it back.)
+                return Err(LedgerError::StaleConfig(newest));
+            }
+        }
+        tx.commit().await?;
         self.waiting_entry(drop_key, join.key)
             .await?
             .ok_or_else(|| LedgerError::Sql(sqlx::Error::RowNotFound))
@@ -204,19 +221,6 @@ impl Ledger {
         Ok(match row {
             Some(row) => Some(row.try_get(0)?),
             None => None,
-        })
-    }
-
-    /// The newest generation of the drop's config the ledger has seen (noted by any
-    /// sidecar sharing it; 0 for none).
-    pub async fn config_generation(&self, drop_key: &str) -> Result<i64, LedgerError> {
-        let row = sqlx::query("SELECT generation FROM stock WHERE drop_key = $1")
-            .bind(drop_key)
-            .fetch_optional(self.pool())
-            .await?;
-        Ok(match row {
-            Some(row) => row.try_get::<Option<i64>, _>(0)?.unwrap_or(0),
-            None => 0,
         })
     }
 
@@ -354,4 +358,26 @@ pub(super) async fn set_aside(
         aside += need.min(own.unwrap_or(0)).max(0);
     }
     Ok(aside)
+}
+
+/// The newest generation of the drop's config the ledger has seen (0: none), read
+/// in `tx`: on PostgreSQL with a share lock on the stock row, which a commit that
+/// notes a newer generation takes for update.
+async fn newest_generation(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    drop_key: &str,
+) -> Result<i64, sqlx::Error> {
+    let sql = if tx.backend_name() == <sqlx::Postgres as sqlx::Database>::NAME {
+        "SELECT generation FROM stock WHERE drop_key = $1 FOR SHARE"
+    } else {
+        "SELECT generation FROM stock WHERE drop_key = $1"
+    };
+    let row = sqlx::query(sql)
+        .bind(drop_key)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(match row {
+        Some(row) => row.try_get::<Option<i64>, _>(0)?.unwrap_or(0),
+        None => 0,
+    })
 }

@@ -150,40 +150,25 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
     }
 }
 
-/// Refuses a join Redis decided on an older generation of the drop's config than
-/// this sidecar read there or the ledger has seen (a change Redis lost in a
-/// failover, a waitlist closed or a per-user limit cut perhaps), as an admission
-/// is refused: a stale view never decides. Only between generations the API
-/// server numbers (outside Kubernetes nothing publishes a lost change again).
-async fn refuse_join_on_lost_config(
-    app: &App,
-    drop: &Drop,
-    drop_key: &str,
-    entry: &Entry,
-) -> Result<(), Failure> {
-    let numbered = dropgate_api::config::numbered_by_api_server;
-    let Some(decided_on) = entry.config_generation.filter(|g| numbered(*g)) else {
-        return Ok(());
-    };
-    let read_here = drop.config().generation;
-    let seen = app.ledger.config_generation(drop_key).await.map_err(|e| {
-        Failure::unavailable(format!(
-            "the ledger could not be asked for the drop's config ({e}): nothing was changed; retry the same key"
-        ))
-    })?;
-    let newest = [read_here, seen]
-        .into_iter()
-        .filter(|g| numbered(*g))
-        .max()
-        .unwrap_or(0);
-    if decided_on >= newest {
-        return Ok(());
-    }
+/// The generation of the drop's config Redis decided `entry` on, when the API
+/// server numbered it (outside Kubernetes nothing publishes a lost change again,
+/// so there is nothing to compare).
+fn decided_on(entry: &Entry) -> Option<i64> {
+    entry
+        .config_generation
+        .filter(|g| dropgate_api::config::numbered_by_api_server(*g))
+}
+
+/// The refusal of a join Redis decided on generation `decided_on` of the drop's
+/// config when `newest` is known (this sidecar read it, or the ledger has seen it):
+/// Redis lost a change (a waitlist closed or a per-user limit cut perhaps), and a
+/// stale view never decides.
+fn decided_on_lost_config(app: &App, drop: &Drop, decided_on: i64, newest: i64) -> Failure {
     super::count_decided_on_lost_config(app, drop);
-    Err(Failure::retry(format!(
+    Failure::retry(format!(
         "Redis decided this join on an older config of drop {} (generation {decided_on}) than generation {newest}: it lost that change, and the operator publishes it again; nothing was changed: retry the same key",
         drop.name
-    )))
+    ))
 }
 
 /// The entry of `key` as it stands: its place, its reservation once served.
@@ -387,9 +372,16 @@ async fn make_durable(
     entry: &Entry,
 ) -> Result<Waiting, Failure> {
     let drop_key = drop.ledger_key();
-    if let Err(failure) = refuse_join_on_lost_config(app, drop, &drop_key, entry).await {
+    // Against this sidecar's config here; against the newest the ledger has seen
+    // inside the join's own transaction (Ledger::join).
+    let decided_on = decided_on(entry);
+    let read_here = drop.config().generation;
+    if let Some(decided_on) = decided_on
+        && dropgate_api::config::numbered_by_api_server(read_here)
+        && read_here > decided_on
+    {
         take_back_join(app, drop, key, attempt).await;
-        return Err(failure);
+        return Err(decided_on_lost_config(app, drop, decided_on, read_here));
     }
     let join = Join {
         key,
@@ -398,6 +390,7 @@ async fn make_durable(
         variant: entry.variant.as_deref(),
         position: entry.position,
         attempt,
+        decided_on,
     };
     if crate::faults::check(crate::faults::Fault::DieMidJoin).is_err() {
         tracing::error!(key, "injected fault: the process dies mid-join");
@@ -407,6 +400,13 @@ async fn make_durable(
         Ok(row) => Some(row),
         // Another join holds this position in the ledger: Redis handed it out
         // twice (a promoted replica that lost that join). Nothing was written.
+        // The ledger has seen a newer config than Redis decided on. Nothing was
+        // written.
+        Err(LedgerError::StaleConfig(newest)) => {
+            take_back_join(app, drop, key, attempt).await;
+            let decided_on = decided_on.unwrap_or_default();
+            return Err(decided_on_lost_config(app, drop, decided_on, newest));
+        }
         Err(LedgerError::PositionTaken(position)) => {
             take_back_join(app, drop, key, attempt).await;
             rebuild_after_lost_join(app, drop, &format!("position {position} handed out twice"))
@@ -499,6 +499,8 @@ async fn resolve_join(app: &App, drop: &Drop, key: &str, entry: &Entry) -> Resul
         variant: entry.variant.as_deref(),
         position: entry.position,
         attempt: &entry.attempt,
+        // (A join given up on is written as abandoned, whatever it was decided on.)
+        decided_on: None,
     };
     let row = app
         .ledger

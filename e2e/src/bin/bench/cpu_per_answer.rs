@@ -176,6 +176,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         )
         .await?;
     drop(fleet);
+    report_deadlocks(&postgres);
 
     println!();
     println!(
@@ -508,4 +509,26 @@ fn clock_ticks() -> f64 {
             .and_then(|out| String::from_utf8_lossy(&out.stdout).trim().parse().ok())
             .unwrap_or(100.0)
     })
+}
+
+/// Says on stderr how many transactions PostgreSQL failed to break a deadlock
+/// during the fleet's rows (each a group commit begun again, or refused), with the
+/// first one's entry: which statements met.
+fn report_deadlocks(postgres: &PostgresServer) {
+    let Ok(log) = postgres.log() else {
+        return;
+    };
+    let lines: Vec<&str> = log.lines().collect();
+    let found: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains("deadlock detected"))
+        .collect();
+    eprintln!(
+        "PostgreSQL broke {} deadlocks during the fleet's rows",
+        found.len()
+    );
+    if let Some(&first) = found.first() {
+        for line in lines.iter().skip(first).take(12) {
+            eprintln!("  {line}");
+        }
+    }
 }
