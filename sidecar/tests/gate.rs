@@ -5,6 +5,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::Sidecar;
+use dropgate_sidecar::reservation::State;
 use dropgate_testkit::DropSpec;
 use futures::future::join_all;
 
@@ -475,17 +476,51 @@ async fn a_row_of_another_sale_is_never_replayed_into_this_one() {
 /// A marker of another reservation under the key the ledger's row names (Redis lost
 /// that row's marker and another buyer re-used the key) is replaced whole by the
 /// ledger's: its units go back as it held them, the ledger's buyer holds the
-/// ledger's count. Before, the marker's buyer and count were kept with the ledger's
-/// state: bob was counted for alice's unit, and alice could buy past her limit.
+/// ledger's count, and her per-user limit counts it. (Kept with the marker's buyer
+/// and count, bob would be counted for alice's unit, and alice could buy past her
+/// limit.)
 #[tokio::test]
-async fn a_replayed_row_replaces_another_buyers_marker_of_its_key() {
+async fn a_replayed_row_replaces_another_buyers_marker_behind_it() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(5).per_user_limit(3)).await;
+    // bob's active hold of 3, where the ledger has alice's confirmed unit.
+    assert_eq!(sidecar.reserve("sale", "k", "bob", 3).await.status, 201);
+    assert_eq!(sidecar.remaining("sale"), 2);
+    replay_alices_row(&sidecar, State::Confirmed).await;
+    assert_only_alice_holds(&sidecar, 4).await;
+    let past_limit = sidecar.reserve("sale", "more", "alice", 3).await;
+    assert_eq!(past_limit.status, 409, "{}", past_limit.text);
+    assert!(
+        past_limit.text.contains("per_user_limit"),
+        "{}",
+        past_limit.text
+    );
+    assert_eq!(
+        sidecar.reserve("sale", "more", "alice", 2).await.status,
+        201
+    );
+}
+
+/// The same for a marker further along than the ledger's row (bob's reservation
+/// cancelled; alice's row active): before, it read as in line, and alice's hold
+/// was never counted.
+#[tokio::test]
+async fn a_replayed_row_replaces_another_buyers_marker_ahead_of_it() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", spec(5).per_user_limit(3)).await;
     assert_eq!(sidecar.reserve("sale", "k", "bob", 3).await.status, 201);
-    assert_eq!(sidecar.remaining("sale"), 2);
-    let mut conn = gate_connection(&sidecar).await;
+    let cancelled = sidecar.settle("sale", "k", "cancel").await;
+    assert_eq!(cancelled.status, 200, "{}", cancelled.text);
+    assert_eq!(sidecar.remaining("sale"), 5);
+    replay_alices_row(&sidecar, State::Active).await;
+    assert_only_alice_holds(&sidecar, 4).await;
+}
+
+/// Replays the ledger's row of key `k` as alice's reservation of one unit in
+/// `state`, as the sale's ledger (the sidecar's own) does.
+async fn replay_alices_row(sidecar: &Sidecar, state: State) {
+    let mut conn = gate_connection(sidecar).await;
     let keys = dropgate_api::DropKeys::new(common::NS, "sale");
-    // The replay runs as the sale's ledger, the sidecar's own.
     let ledger: String = redis::cmd("GET")
         .arg(keys.ledger())
         .query_async(&mut conn)
@@ -496,7 +531,7 @@ async fn a_replayed_row_replaces_another_buyers_marker_of_its_key() {
         key: "k".into(),
         user: "alice".into(),
         quantity: 1,
-        state: dropgate_sidecar::reservation::State::Confirmed,
+        state,
         expires_at_ms: dropgate_sidecar::clock::now_ms() + 600_000,
         seq: 1_000,
         variant: None,
@@ -507,8 +542,19 @@ async fn a_replayed_row_replaces_another_buyers_marker_of_its_key() {
         .await
         .expect("runs");
     assert_eq!(reply, dropgate_sidecar::gate::Replay::Replayed);
-    assert_eq!(sidecar.remaining("sale"), 4, "alice's one unit is held");
-    let held: std::collections::HashMap<String, i64> = redis::cmd("HGETALL")
+}
+
+/// Redis counts alice's one unit, and nothing of bob's: `remaining` left, the
+/// buyers' counts, the by-buyer listing and the marker of `k`.
+async fn assert_only_alice_holds(sidecar: &Sidecar, remaining: i64) {
+    let mut conn = gate_connection(sidecar).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    assert_eq!(
+        sidecar.remaining("sale"),
+        remaining,
+        "alice's one unit is held"
+    );
+    let held: HashMap<String, i64> = redis::cmd("HGETALL")
         .arg(keys.buyers())
         .query_async(&mut conn)
         .await
@@ -525,7 +571,7 @@ async fn a_replayed_row_replaces_another_buyers_marker_of_its_key() {
         listed.iter().all(|entry| entry.starts_with("alice\n")),
         "bob's listing is gone: {listed:?}"
     );
-    let marker: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+    let marker: HashMap<String, String> = redis::cmd("HGETALL")
         .arg(keys.reservation("k"))
         .query_async(&mut conn)
         .await

@@ -253,7 +253,10 @@ async fn either_ledger_refuses_a_position_twice() {
 /// it; a join decided on the newest, or not compared, is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
-    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    use dropgate_sidecar::ledger::{
+        Ledger, LedgerError,
+        waitlist::{Join, WaitState},
+    };
     let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
     let dir = tempfile::tempdir().expect("temp dir");
     let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
@@ -269,16 +272,22 @@ async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
     for url in [sqlite, postgres.url()] {
         let ledger = Ledger::open(&url).await.expect("the ledger opens");
         let drop_key = "shop/sale/s1";
-        // A peer's group commit noted generation 5.
-        sqlx::query(
-            "INSERT INTO stock (drop_key, lim, available, generation) VALUES ($1, 0, 0, 5)",
-        )
-        .bind(drop_key)
-        .execute(ledger.pool())
-        .await
-        .expect("the stock row");
+        // A peer noted generation 5 of the drop's config.
+        let stock = dropgate_sidecar::reservation::Stock {
+            limit: 0,
+            generation: 5,
+            terms: None,
+            variants: None,
+        };
+        ledger
+            .note_config(drop_key, &stock)
+            .await
+            .expect("generation 5 noted");
         match ledger.join(drop_key, on("stale", 1, Some(4))).await {
-            Err(LedgerError::StaleConfig(5)) => {}
+            Err(LedgerError::ConfigBehind {
+                decided_on: 4,
+                newest: 5,
+            }) => {}
             other => panic!("{url}: a join decided on generation 4: {other:?}"),
         }
         assert_eq!(
@@ -289,18 +298,23 @@ async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
             None,
             "{url}: nothing of it written"
         );
-        for (key, decided_on) in [("current", Some(5)), ("not-compared", None)] {
+        for (key, position, decided_on) in [("current", 1, Some(5)), ("not-compared", 2, None)] {
             let row = ledger
-                .join(
-                    drop_key,
-                    on(key, if key == "current" { 1 } else { 2 }, decided_on),
-                )
+                .join(drop_key, on(key, position, decided_on))
                 .await
                 .unwrap_or_else(|e| panic!("{url}: {key} joins: {e}"));
-            assert_eq!(
-                row.state,
-                dropgate_sidecar::ledger::waitlist::WaitState::Waiting
-            );
+            assert_eq!(row.state, WaitState::Waiting, "{url}");
         }
+        // A retry of a key the ledger has a join for writes nothing, so it is not
+        // judged: it hears of the join that stands, whatever config it was on.
+        let retry = Join {
+            attempt: "a-retry",
+            ..on("current", 1, Some(4))
+        };
+        let row = ledger
+            .join(drop_key, retry)
+            .await
+            .unwrap_or_else(|e| panic!("{url}: a retry of a durable join: {e}"));
+        assert_eq!(row.attempt, "current", "{url}");
     }
 }

@@ -51,7 +51,7 @@ impl PostgresServer {
                 .args(["-w", "-t", "30", "-D"])
                 .arg(&data)
                 .args(["-o", &opts, "-l"])
-                .arg(dir.path().join("log"))
+                .arg(log_path(&dir))
                 .arg("start");
             match run(&mut start) {
                 Ok(()) => return Ok(Self { port, dir, bin }),
@@ -72,7 +72,7 @@ impl PostgresServer {
     /// The server's log so far (its errors carry their statements: a deadlock's
     /// entry names the queries of both sides).
     pub fn log(&self) -> std::io::Result<String> {
-        std::fs::read_to_string(self.dir.path().join("log"))
+        std::fs::read_to_string(log_path(&self.dir))
     }
 
     /// Stops the server at once (`pg_ctl stop -m immediate`: a crash, connections
@@ -97,7 +97,7 @@ impl PostgresServer {
             .args(["-w", "-t", "30", "-D"])
             .arg(self.dir.path().join("data"))
             .args(["-o", &opts, "-l"])
-            .arg(self.dir.path().join("log"))
+            .arg(log_path(&self.dir))
             .arg("start");
         run(&mut start)
     }
@@ -178,4 +178,9 @@ fn run(cmd: &mut Command) -> std::io::Result<()> {
             String::from_utf8_lossy(&out.stderr)
         )))
     }
+}
+
+/// Where the server of `dir` writes its log.
+fn log_path(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("log")
 }

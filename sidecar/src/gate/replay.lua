@@ -29,13 +29,20 @@ local m = {false, false, false, false}
 if ours() then
   m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'variant')
 end
+-- A marker of another reservation under the same key: Redis lost the ledger's,
+-- and another admission re-used the key (one the ledger refuses). A reservation's
+-- buyer and size never change; nor, while its marker is behind the ledger's row,
+-- does its count (below). Such a marker is never in line, however far it went.
+local ledger_quantity = tonumber(ARGV[4])
+local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9])
 -- One exception: a hold Redis expired at a deadline the ledger has since moved on
 -- from (it extended the hold, and Redis lost the extension in a failover) was
 -- never due; the ledger's later deadline stands, and the hold takes its units
 -- again.
-local expired_early = m[3] == 'expired' and target == 'active' and not settling()
+local expired_early = not another and m[3] == 'expired' and target == 'active'
+  and not settling()
   and tonumber(ARGV[6]) > tonumber(redis.call('HGET', K.marker, 'expiresAt') or '0')
-if m[3] and (rank[m[3]] or 0) >= rank[target] and not expired_early then
+if m[3] and not another and (rank[m[3]] or 0) >= rank[target] and not expired_early then
   -- Redis has the ledger's change: its marker says so by its number, which is how
   -- a check after a failover tells a Redis that has the ledger's last change.
   if tonumber(redis.call('HGET', K.marker, 'seq') or '0') < tonumber(ARGV[7]) then
@@ -65,22 +72,25 @@ local before = m[3]
 if not before and (redis.call('ZSCORE', K.holds, KEY) or redis.call('ZSCORE', K.unresolved, KEY)) then
   before = 'active'
 end
--- A marker of another reservation under the same key (Redis lost the ledger's, and
--- another buyer, size or count re-used the key: an admission the ledger refuses):
--- its units go back as it holds them, and the ledger's reservation takes its place
--- whole, under its own buyer, size and count. (A confirm that kept fewer units than
--- were held is the same reservation.)
-local ledger_quantity = tonumber(ARGV[4])
-local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9]
-  or (target == 'active' and quantity ~= ledger_quantity)
-  or (target == 'confirmed' and quantity < ledger_quantity))
+-- Behind the ledger's row, a marker of another count is another reservation too
+-- (a confirm that kept fewer units than were held is the same one). Toward an
+-- expired or cancelled row the count does not matter: the marker gives back what
+-- it holds either way.
+another = another or (m[3] and ((target == 'active' and quantity ~= ledger_quantity)
+  or (target == 'confirmed' and quantity < ledger_quantity)))
 if another then
+  -- Its units go back as it holds them (its own size), an offer it was goes back
+  -- to its place in line, it is no reservation of its buyer's, and the ledger's
+  -- reservation takes its place whole: buyer, size and count.
   if holds_units(before) then
-    give_back(user, quantity, variant)
+    give_back(user, quantity, m[4] or '')
+  end
+  if before == 'pending' and redis.call('HEXISTS', K.marker, 'line') == 1 then
+    back_in_line(KEY)
   end
   local listed = tonumber(redis.call('HGET', K.marker, 'admittedAt') or '')
   if listed then
-    redis.call('ZREM', K.by_buyer, user .. '\n' .. string.format('%013d', listed) .. '\n' .. KEY)
+    unlist_for_buyer(user, listed)
   end
   before = nil
   user, quantity, variant = ARGV[3], ledger_quantity, ARGV[9]
@@ -89,7 +99,7 @@ end
 -- held): Redis counts what it counted before, the ledger's count after.
 local kept = quantity
 if target == 'confirmed' then
-  kept = math.min(quantity, tonumber(ARGV[4]))
+  kept = math.min(quantity, ledger_quantity)
 end
 if holds_units(before) and not holds_units(target) then
   give_back(user, quantity, variant)

@@ -23,8 +23,10 @@ macro_rules! waitlist_script {
             script: redis::Script::new(concat!(
                 include_str!("prelude.lua"),
                 include_str!("waitlist/common.lua"),
-                "begin(KEYS, ARGV)\n",
-                include_str!(concat!("waitlist/", $name, ".lua"))
+                "local function one(KEYS, ARGV)\nbegin(KEYS, ARGV)\n",
+                include_str!(concat!("waitlist/", $name, ".lua")),
+                "\nend\n",
+                include_str!("single.lua")
             )),
             span: concat!("EVALSHA waitlist ", $name),
         })

@@ -110,6 +110,12 @@ pub enum LedgerError {
     /// the position out twice (it lost the other join).
     #[error("position {0} of the drop's lines is another join's in the ledger")]
     PositionTaken(i64),
+    /// A change Redis decided on generation `decided_on` of the drop's config,
+    /// older than the newest the ledger has seen: Redis lost a change of it.
+    #[error(
+        "decided on generation {decided_on} of the drop's config, older than generation {newest} the ledger has seen"
+    )]
+    ConfigBehind { decided_on: i64, newest: i64 },
 }
 
 /// Why a change the Redis gate made was not recorded. Each is about that change

@@ -93,14 +93,24 @@ impl Ledger {
     /// is taken over by another attempt (never by the one given up on). Returns the
     /// key's row as it stands after: the caller's join landed when it is waiting
     /// under the caller's attempt. [`LedgerError::PositionTaken`] when another
-    /// join holds its position (nothing is written).
+    /// join holds its position, [`LedgerError::ConfigBehind`] when the join was
+    /// decided on an older generation of the drop's config than the ledger has seen
+    /// (`join.decided_on`); nothing is written either way.
     pub async fn join(&self, drop_key: &str, join: Join<'_>) -> Result<WaitRow, LedgerError> {
         let now = now_ms();
-        let mut tx = self.pool().begin().await?;
-        // The row first: from here to the commit this transaction holds SQLite's
-        // write lock, so the generation read below is the newest; on PostgreSQL
-        // that read waits for a commit noting a newer one, and such a commit waits
-        // for this one. The check and the write are one step either way.
+        // The newest generation is read in the join's own transaction, before its
+        // row: on PostgreSQL with a share lock on the stock row (the order in
+        // which every transaction takes a drop's rows: stock first), so a commit
+        // noting a newer generation either came first and is seen, or waits for
+        // this one; on SQLite the transaction holds the write lock from its BEGIN.
+        let mut tx = match self.backend {
+            super::Backend::Sqlite => self.pool().begin_with("BEGIN IMMEDIATE").await?,
+            super::Backend::Postgres => self.pool().begin().await?,
+        };
+        let newest = match join.decided_on {
+            Some(_) => newest_generation(&mut tx, drop_key).await?,
+            None => 0,
+        };
         let written = sqlx::query(
             "INSERT INTO waitlist (drop_key, res_key, user_id, quantity, variant, position, state, \
              attempt, joined_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, 'waiting', $7, $8, $9) \
@@ -121,7 +131,7 @@ impl Ledger {
         .bind(now)
         .execute(&mut *tx)
         .await;
-        match written {
+        let written = match written {
             // (The key's own row is the upsert's; the position's index is
             // migration 0013's: PostgreSQL names it, SQLite names its columns.)
             Err(sqlx::Error::Database(db))
@@ -134,12 +144,15 @@ impl Ledger {
             }
             written => written?,
         };
-        if let Some(decided_on) = join.decided_on {
-            let newest = newest_generation(&mut tx, drop_key).await?;
-            if dropgate_api::config::numbered_by_api_server(newest) && newest > decided_on {
-                // (Dropping the transaction rolls it back.)
-                return Err(LedgerError::StaleConfig(newest));
-            }
+        // Only a join this call wrote is judged: a key whose row was there already
+        // (an earlier attempt's) keeps it, and the caller hears of that row.
+        if let Some(decided_on) = join.decided_on
+            && written.rows_affected() == 1
+            && dropgate_api::config::numbered_by_api_server(newest)
+            && newest > decided_on
+        {
+            // (Dropping the transaction rolls it back.)
+            return Err(LedgerError::ConfigBehind { decided_on, newest });
         }
         tx.commit().await?;
         self.waiting_entry(drop_key, join.key)
@@ -362,7 +375,8 @@ pub(super) async fn set_aside(
 
 /// The newest generation of the drop's config the ledger has seen (0: none), read
 /// in `tx`: on PostgreSQL with a share lock on the stock row, which a commit that
-/// notes a newer generation takes for update.
+/// notes a newer generation takes for update. (A drop with no stock row yet has
+/// nothing to lock: a join then is not ordered against the commit that makes it.)
 async fn newest_generation(
     tx: &mut sqlx::Transaction<'static, sqlx::Any>,
     drop_key: &str,

@@ -153,17 +153,17 @@ pub async fn join(app: &App, drop_name: &str, request: &Reserve) -> Result<Waiti
 /// The generation of the drop's config Redis decided `entry` on, when the API
 /// server numbered it (outside Kubernetes nothing publishes a lost change again,
 /// so there is nothing to compare).
-fn decided_on(entry: &Entry) -> Option<i64> {
+fn compared_generation(entry: &Entry) -> Option<i64> {
     entry
         .config_generation
         .filter(|g| dropgate_api::config::numbered_by_api_server(*g))
 }
 
-/// The refusal of a join Redis decided on generation `decided_on` of the drop's
-/// config when `newest` is known (this sidecar read it, or the ledger has seen it):
-/// Redis lost a change (a waitlist closed or a per-user limit cut perhaps), and a
-/// stale view never decides.
-fn decided_on_lost_config(app: &App, drop: &Drop, decided_on: i64, newest: i64) -> Failure {
+/// Counts, and words, the refusal of a join Redis decided on generation
+/// `decided_on` of the drop's config when `newest` is known (this sidecar read it,
+/// or the ledger has seen it): Redis lost a change (a waitlist closed or a per-user
+/// limit cut perhaps), and a stale view never decides.
+fn count_refusal_on_lost_config(app: &App, drop: &Drop, decided_on: i64, newest: i64) -> Failure {
     super::count_decided_on_lost_config(app, drop);
     Failure::retry(format!(
         "Redis decided this join on an older config of drop {} (generation {decided_on}) than generation {newest}: it lost that change, and the operator publishes it again; nothing was changed: retry the same key",
@@ -374,14 +374,16 @@ async fn make_durable(
     let drop_key = drop.ledger_key();
     // Against this sidecar's config here; against the newest the ledger has seen
     // inside the join's own transaction (Ledger::join).
-    let decided_on = decided_on(entry);
+    let decided_on = compared_generation(entry);
     let read_here = drop.config().generation;
     if let Some(decided_on) = decided_on
         && dropgate_api::config::numbered_by_api_server(read_here)
         && read_here > decided_on
     {
         take_back_join(app, drop, key, attempt).await;
-        return Err(decided_on_lost_config(app, drop, decided_on, read_here));
+        return Err(count_refusal_on_lost_config(
+            app, drop, decided_on, read_here,
+        ));
     }
     let join = Join {
         key,
@@ -398,15 +400,14 @@ async fn make_durable(
     }
     let row = match app.ledger.join(&drop_key, join).await {
         Ok(row) => Some(row),
-        // Another join holds this position in the ledger: Redis handed it out
-        // twice (a promoted replica that lost that join). Nothing was written.
         // The ledger has seen a newer config than Redis decided on. Nothing was
         // written.
-        Err(LedgerError::StaleConfig(newest)) => {
+        Err(LedgerError::ConfigBehind { decided_on, newest }) => {
             take_back_join(app, drop, key, attempt).await;
-            let decided_on = decided_on.unwrap_or_default();
-            return Err(decided_on_lost_config(app, drop, decided_on, newest));
+            return Err(count_refusal_on_lost_config(app, drop, decided_on, newest));
         }
+        // Another join holds this position in the ledger: Redis handed it out
+        // twice (a promoted replica that lost that join). Nothing was written.
         Err(LedgerError::PositionTaken(position)) => {
             take_back_join(app, drop, key, attempt).await;
             rebuild_after_lost_join(app, drop, &format!("position {position} handed out twice"))

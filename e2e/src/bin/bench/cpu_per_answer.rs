@@ -511,12 +511,20 @@ fn clock_ticks() -> f64 {
     })
 }
 
-/// Says on stderr how many transactions PostgreSQL failed to break a deadlock
-/// during the fleet's rows (each a group commit begun again, or refused), with the
-/// first one's entry: which statements met.
+/// Lines of PostgreSQL's log shown for the first deadlock: its ERROR, DETAIL
+/// (both processes and what they waited for), HINT, CONTEXT and STATEMENT lines.
+const DEADLOCK_ENTRY_LINES: usize = 12;
+
+/// Says on stderr how many deadlocks PostgreSQL broke (one transaction aborted
+/// each: a group commit begun again, or refused) since the server started (the
+/// fleet's rows and their sell-out), with the first one's entry.
 fn report_deadlocks(postgres: &PostgresServer) {
-    let Ok(log) = postgres.log() else {
-        return;
+    let log = match postgres.log() {
+        Ok(log) => log,
+        Err(e) => {
+            eprintln!("PostgreSQL's log could not be read for deadlocks: {e}");
+            return;
+        }
     };
     let lines: Vec<&str> = log.lines().collect();
     let found: Vec<usize> = (0..lines.len())
@@ -527,7 +535,7 @@ fn report_deadlocks(postgres: &PostgresServer) {
         found.len()
     );
     if let Some(&first) = found.first() {
-        for line in lines.iter().skip(first).take(12) {
+        for line in lines.iter().skip(first).take(DEADLOCK_ENTRY_LINES) {
             eprintln!("  {line}");
         }
     }
