@@ -82,8 +82,6 @@ for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
     end
   end
 end
--- The counters every request moved, written back once (see write_counts).
-write_counts()
 if i ~= n then
   return redis.error_reply('a batch whose groups name ' .. i .. ' of its ' .. n .. ' requests')
 end

@@ -7,10 +7,7 @@
 //! `prelude.lua` holds what several scripts share (the key layout, Redis's clock,
 //! returning units, expiring a due hold, refusing a caller whose ledger is not the
 //! sale's, preparing a confirm or cancel); it is concatenated in front of each script
-//! at compile time, so each script stays one atomic EVALSHA. Each script's body runs
-//! as a function driven by `single.lua` (once) or `batch.lua` (once per request);
-//! the driver writes back the drop's counters the run moved, once (prelude.lua's
-//! `write_counts`).
+//! at compile time, so each script stays one atomic EVALSHA.
 
 use std::sync::LazyLock;
 
@@ -35,10 +32,8 @@ macro_rules! gate_script {
         LazyLock::new(|| GateScript {
             script: Script::new(concat!(
                 include_str!("prelude.lua"),
-                "local function one(KEYS, ARGV)\nbegin(KEYS, ARGV)\n",
-                include_str!(concat!($name, ".lua")),
-                "\nend\n",
-                include_str!("single.lua")
+                "begin(KEYS, ARGV)\n",
+                include_str!(concat!($name, ".lua"))
             )),
             span: concat!("EVALSHA ", $name),
         })

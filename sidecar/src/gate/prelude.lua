@@ -26,8 +26,8 @@ local LIMIT, GENERATION, VARIANTS = '', '', ''
 
 -- What every request of one script run reads alike: the config's sale, the gate
 -- and the sale's ledger (no script a batch runs, reserve or activate, writes them),
--- Redis's clock (one instant per run, as within any script) and the expiry the
--- drop's shared keys get when the run ends.
+-- Redis's clock (one instant per run, as within any script) and the expiry set on
+-- the drop's shared keys.
 local SHARED, NOW, EXPIRES_SHARED = nil, nil, nil
 -- The config's fields reserve reads (nothing a batch runs writes the config).
 local RESERVE_CONFIG = nil
@@ -65,100 +65,6 @@ local function begin(keys, argv)
   LIMIT, GENERATION, VARIANTS = '', '', ''
 end
 
--- The drop's counters as this run has them: `remaining`, `held` and `seq` (COUNTS),
--- the buyers' and the variants' counts (FIELDS). Each is read from Redis once, moved
--- here, and written back once when the run ends (`write_counts`, which every
--- script's driver calls: single.lua, batch.lua). Inside a script each redis.call
--- costs Redis more than the command itself, and a batch of a hundred admissions
--- moved each counter a hundred times. Nothing in a script reads or writes these
--- keys but through `counter` and `hash_counter` and their moves (open.lua, which
--- touches no other counter, raises `seq` itself).
-local COUNTS, COUNTS_MOVED = {}, {}
-local FIELDS, FIELDS_MOVED, EMPTIED_GO = {}, {}, {}
-
-local function counter(key)
-  local value = COUNTS[key]
-  if value == nil then
-    value = tonumber(redis.call('GET', key) or '0') or 0
-    COUNTS[key] = value
-  end
-  return value
-end
-
--- Moves counter `key` by `by`; returns its new value (as INCRBY would).
-local function move_counter(key, by)
-  local value = counter(key) + by
-  COUNTS[key] = value
-  COUNTS_MOVED[key] = true
-  return value
-end
-
-local function hash_counter(key, name)
-  local fields = FIELDS[key]
-  if not fields then
-    fields = {}
-    FIELDS[key] = fields
-  end
-  local value = fields[name]
-  if value == nil then
-    value = tonumber(redis.call('HGET', key, name) or '0') or 0
-    fields[name] = value
-  end
-  return value
-end
-
--- Moves field `name` of hash `key` by `by`; returns its new value (as HINCRBY
--- would). With `emptied_go`, a field at or below zero is deleted when written
--- back (a buyer who holds nothing is not listed).
-local function move_hash_counter(key, name, by, emptied_go)
-  local value = hash_counter(key, name) + by
-  FIELDS[key][name] = value
-  local moved = FIELDS_MOVED[key]
-  if not moved then
-    moved = {}
-    FIELDS_MOVED[key] = moved
-  end
-  moved[name] = true
-  if emptied_go then
-    EMPTIED_GO[key] = true
-  end
-  return value
-end
-
--- Writes back what the run moved (one command per key), then sets the drop's
--- shared keys to expire as the run asked (after the writes: a key this run made
--- or emptied and made again gets it too).
-local function write_counts()
-  for key in pairs(COUNTS_MOVED) do
-    redis.call('SET', key, string.format('%d', COUNTS[key]), 'KEEPTTL')
-  end
-  for key, moved in pairs(FIELDS_MOVED) do
-    local set, gone = {}, {}
-    for name in pairs(moved) do
-      local value = FIELDS[key][name]
-      if EMPTIED_GO[key] and value <= 0 then
-        gone[#gone + 1] = name
-      else
-        set[#set + 1] = name
-        set[#set + 1] = string.format('%d', value)
-      end
-    end
-    if #set > 0 then
-      redis.call('HSET', key, unpack(set))
-    end
-    if #gone > 0 then
-      redis.call('HDEL', key, unpack(gone))
-    end
-  end
-  COUNTS_MOVED, FIELDS_MOVED = {}, {}
-  if EXPIRES_SHARED then
-    for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants, K.by_buyer}) do
-      redis.call('PEXPIREAT', key, EXPIRES_SHARED)
-    end
-    EXPIRES_SHARED = nil
-  end
-end
-
 -- Redis's own clock, so that every sidecar judges deadlines alike.
 local function now_ms()
   if not NOW then
@@ -168,10 +74,15 @@ local function now_ms()
   return NOW
 end
 
--- Sets the drop's shared keys to expire at `at` when the run ends (once per run:
--- every request of a batch computes the same time; see write_counts).
+-- Sets the drop's shared keys to expire at `at` (once per run: every request of
+-- a batch computes the same time).
 local function expire_shared(at)
-  EXPIRES_SHARED = at
+  if EXPIRES_SHARED ~= at then
+    for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants, K.by_buyer}) do
+      redis.call('PEXPIREAT', key, at)
+    end
+    EXPIRES_SHARED = at
+  end
 end
 
 -- Whether KEY has a marker in this sale.
@@ -195,9 +106,9 @@ end
 -- What the drop (or one of its variants) may still admit: a variant no more than
 -- the drop as a whole (a cut or a removed variant's holds are paid back first).
 local function remaining(variant)
-  local drop = counter(K.remaining)
+  local drop = tonumber(redis.call('GET', K.remaining) or '0')
   if variant and variant ~= '' then
-    return math.min(drop, hash_counter(K.variants, 'r:' .. variant))
+    return math.min(drop, tonumber(redis.call('HGET', K.variants, 'r:' .. variant) or '0'))
   end
   return drop
 end
@@ -256,12 +167,12 @@ end
 
 -- Takes units out of the drop's (and the variant's) stock into a hold.
 local function take(user, quantity, variant)
-  move_counter(K.remaining, -quantity)
-  move_counter(K.held, quantity)
-  move_hash_counter(K.buyers, user, quantity, true)
+  redis.call('DECRBY', K.remaining, quantity)
+  redis.call('INCRBY', K.held, quantity)
+  redis.call('HINCRBY', K.buyers, user, quantity)
   if variant ~= '' then
-    move_hash_counter(K.variants, 'r:' .. variant, -quantity)
-    move_hash_counter(K.variants, 'h:' .. variant, quantity)
+    redis.call('HINCRBY', K.variants, 'r:' .. variant, -quantity)
+    redis.call('HINCRBY', K.variants, 'h:' .. variant, quantity)
   end
 end
 
@@ -269,12 +180,17 @@ end
 -- remaining may be negative after a cut), out of the held count and the buyer's;
 -- the same for its variant.
 local function give_back(user, quantity, variant)
-  move_counter(K.remaining, quantity)
-  move_counter(K.held, -quantity)
-  move_hash_counter(K.buyers, user, -quantity, true)
+  -- The buyers' hash may be emptied, so deleted: a later admission of this run
+  -- sets the expiry on its new one again.
+  EXPIRES_SHARED = nil
+  redis.call('INCRBY', K.remaining, quantity)
+  redis.call('DECRBY', K.held, quantity)
+  if redis.call('HINCRBY', K.buyers, user, -quantity) <= 0 then
+    redis.call('HDEL', K.buyers, user)
+  end
   if variant ~= '' then
-    move_hash_counter(K.variants, 'r:' .. variant, quantity)
-    move_hash_counter(K.variants, 'h:' .. variant, -quantity)
+    redis.call('HINCRBY', K.variants, 'r:' .. variant, quantity)
+    redis.call('HINCRBY', K.variants, 'h:' .. variant, -quantity)
   end
 end
 
@@ -313,7 +229,7 @@ local function set_aside(variant, before)
       if head then
         local e = redis.call('HMGET', wl_entry(head), 'state', 'quantity', 'sale', 'position')
         if e[1] == 'waiting' and e[3] == SALE and (tonumber(e[4]) or 0) < before then
-          local own = hash_counter(K.variants, 'r:' .. name)
+          local own = tonumber(redis.call('HGET', K.variants, 'r:' .. name) or '0')
           aside = aside + math.max(0, math.min(own, tonumber(e[2]) or 0))
         end
       end
@@ -339,6 +255,7 @@ end
 -- the queues, the marker itself (so that a retry of the key can be admitted). An
 -- offer to the waitlist's head goes back to its place in line.
 local function take_back(user, quantity)
+  EXPIRES_SHARED = nil
   redis.call('ZREM', K.holds, KEY)
   redis.call('ZREM', K.unresolved, KEY)
   give_back(user, quantity, marker_variant())
@@ -363,6 +280,7 @@ end
 
 -- Ends a prepared confirm or cancel's bookkeeping (finished, aborted or replayed).
 local function clear_settling()
+  EXPIRES_SHARED = nil
   redis.call('HDEL', K.marker, 'settling', 'settleAttempt', 'settleBy', 'settleSeq',
     'settleQuantity', 'settleExpiresAt')
   redis.call('ZREM', K.unresolved, KEY)
@@ -412,7 +330,7 @@ local function expire_if_due(now)
       -- An offer never made durable: the entry waits at its place again.
       back_in_line(KEY)
     end
-    EXPIRED, EXPIRED_FROM = move_counter(K.seq, 1), m[3]
+    EXPIRED, EXPIRED_FROM = redis.call('INCR', K.seq), m[3]
     redis.call('HSET', K.marker, 'seq', EXPIRED)
     return true
   end
@@ -424,7 +342,7 @@ end
 -- once it is overdue at `by`) nothing else changes the reservation, and an abort
 -- leaves it exactly as it was.
 local function prepare(target, attempt, by)
-  SEQ = move_counter(K.seq, 1)
+  SEQ = redis.call('INCR', K.seq)
   redis.call('HSET', K.marker, 'settling', target, 'settleAttempt', attempt, 'settleBy', by,
     'settleSeq', SEQ)
   redis.call('ZADD', K.unresolved, by, KEY)

@@ -23,10 +23,8 @@ macro_rules! waitlist_script {
             script: redis::Script::new(concat!(
                 include_str!("prelude.lua"),
                 include_str!("waitlist/common.lua"),
-                "local function one(KEYS, ARGV)\nbegin(KEYS, ARGV)\n",
-                include_str!(concat!("waitlist/", $name, ".lua")),
-                "\nend\n",
-                include_str!("single.lua")
+                "begin(KEYS, ARGV)\n",
+                include_str!(concat!("waitlist/", $name, ".lua"))
             )),
             span: concat!("EVALSHA waitlist ", $name),
         })

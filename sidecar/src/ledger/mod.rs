@@ -1309,7 +1309,11 @@ pub(super) async fn ensure_stock(
     .bind(drop_key)
     .execute(&mut **tx)
     .await?;
-    Ok(stock_row(tx, drop_key)
+    // Locked as the read above would have: a transaction that met another's row
+    // here (two sidecars making the drop's first commits at once) inserted nothing
+    // and so holds no lock on it; unlocked, it would take the outbox's sequence
+    // before the stock row, the order that deadlocks with the row's maker.
+    Ok(stock_row_locked(tx, drop_key)
         .await?
         .unwrap_or((generation, terms)))
 }

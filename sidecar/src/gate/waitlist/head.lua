@@ -16,12 +16,12 @@ if not e then
   redis.call('ZREM', wl_line(ARGV[3]), first)
   return wl_reply('stale', '', '', '', '', '', first)
 end
-local left = counter(K.remaining)
+local left = tonumber(redis.call('GET', K.remaining) or '0')
 if ARGV[3] ~= '' then
   -- Less what the other sizes' heads have set aside (see reserve.lua).
   VARIANTS = redis.call('HGET', K.config, 'variants') or ''
   left = math.min(left - set_aside(ARGV[3], e.position or math.huge),
-    hash_counter(K.variants, 'r:' .. ARGV[3]))
+    tonumber(redis.call('HGET', K.variants, 'r:' .. ARGV[3]) or '0'))
 end
 -- detail: what is left, whether a join is past its bound, the key.
 local overdue = '0'

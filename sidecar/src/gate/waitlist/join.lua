@@ -57,7 +57,7 @@ end
 if cfg[4] ~= '' and now >= tonumber(cfg[4]) then
   return wl_reply('ended', '', '', '', '', '', cfg[4])
 end
-local counted = hash_counter(K.buyers, user) + waiting_units(user)
+local counted = tonumber(redis.call('HGET', K.buyers, user) or '0') + waiting_units(user)
 if counted + quantity > tonumber(cfg[2]) then
   return wl_reply('per_user_limit_exceeded', user, tostring(counted), '', '', '', cfg[2])
 end
