@@ -318,3 +318,71 @@ async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
         assert_eq!(row.attempt, "current", "{url}");
     }
 }
+
+/// On PostgreSQL a join decided on generation 5 while a peer's transaction is
+/// noting generation 6 (the stock row locked, not yet committed) waits for it and
+/// is refused once it commits: read before the join's transaction, generation 5
+/// would still have been the newest, and the join recorded after 6 was noted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_waits_for_a_peer_noting_a_newer_config() {
+    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
+    let ledger = Ledger::open(&postgres.url())
+        .await
+        .expect("the ledger opens");
+    let drop_key = "shop/sale/s1";
+    let noted = |generation| dropgate_sidecar::reservation::Stock {
+        limit: 0,
+        generation,
+        terms: None,
+        variants: None,
+    };
+    ledger
+        .note_config(drop_key, &noted(5))
+        .await
+        .expect("generation 5 noted");
+    // The peer's transaction, as a group commit takes the row: locked for update.
+    let mut peer = ledger.pool().begin().await.expect("begins");
+    sqlx::query("SELECT generation FROM stock WHERE drop_key = $1 FOR UPDATE")
+        .bind(drop_key)
+        .execute(&mut *peer)
+        .await
+        .expect("locks the stock row");
+    sqlx::query("UPDATE stock SET generation = 6 WHERE drop_key = $1")
+        .bind(drop_key)
+        .execute(&mut *peer)
+        .await
+        .expect("notes generation 6");
+    let joining = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let join = Join {
+                key: "w1",
+                user: "w1",
+                quantity: 1,
+                variant: None,
+                position: 1,
+                attempt: "w1",
+                decided_on: Some(5),
+            };
+            ledger.join(drop_key, join).await
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !joining.is_finished(),
+        "the join waits for the peer's commit"
+    );
+    peer.commit().await.expect("the peer commits");
+    match joining.await.expect("the join's task") {
+        Err(LedgerError::ConfigBehind {
+            decided_on: 5,
+            newest: 6,
+        }) => {}
+        other => panic!("a join decided on generation 5 after 6 was noted: {other:?}"),
+    }
+    assert_eq!(
+        ledger.waiting_entry(drop_key, "w1").await.expect("reads"),
+        None
+    );
+}
