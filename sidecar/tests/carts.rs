@@ -359,6 +359,55 @@ async fn a_cart_that_held_a_line_and_then_failed_gives_it_back_and_says_its_key_
     sidecar.shutdown().await;
 }
 
+/// A cart whose line was cancelled through its own reservation route cannot be
+/// confirmed whole: its confirm answers 409 `expired`, the lines it still held go
+/// back, and the cart stays expired, so a retry of the confirm hears the same.
+/// (Recorded as confirmed, a retry heard 200 `already_confirmed` for a cart with no
+/// line confirmed, and the other line stayed held until its own deadline.)
+#[tokio::test]
+async fn a_cart_not_confirmable_whole_expires_and_gives_back_its_other_lines() {
+    let sidecar = Sidecar::start().await;
+    shop(&sidecar, false).await;
+    let body = cart(
+        "c1",
+        "ann",
+        &[("shirt", None, 1), ("shoe", Some("M"), 1)],
+        None,
+    );
+    post_cart(&sidecar, &body)
+        .await
+        .assert_answer(201, "reserved");
+    // Line 1 (the shirt) cancelled on its own.
+    sidecar
+        .settle("shirt", "c1:1", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+
+    let confirm = cart_call(&sidecar, "c1", "confirm").await;
+    confirm.assert_answer(409, "expired");
+    assert_eq!(
+        lines(&confirm),
+        ["shirt/- x1: cancelled", "shoe/M x1: cancelled"],
+        "{}",
+        confirm.text
+    );
+    assert_eq!(
+        left(&sidecar, "shoe", Some("M")).await,
+        6,
+        "the shoe is back"
+    );
+    assert_eq!(left(&sidecar, "shirt", None).await, 10);
+    cart_call(&sidecar, "c1", "confirm")
+        .await
+        .assert_answer(409, "expired");
+    let looked = cart_call(&sidecar, "c1", "lookup").await;
+    looked.assert_answer(200, "found");
+    assert_eq!(looked.body["state"], "expired", "{}", looked.text);
+    sidecar.assert_invariants("shoe", 18);
+    sidecar.assert_invariants("shirt", 10);
+    sidecar.shutdown().await;
+}
+
 /// Whether the ledger holds a reservation under `key` in any drop.
 async fn in_ledger(sidecar: &Sidecar, key: &str) -> bool {
     use sqlx::Row;

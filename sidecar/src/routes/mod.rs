@@ -284,7 +284,7 @@ fn failed(app: &App, failure: Failure) -> Answer {
         Failure::Unavailable { why, path, retry } => {
             let answer = match retry {
                 Retry::SameKey => Answer::unavailable(why),
-                Retry::SameKeySoon => retry_later(why),
+                Retry::SameKeySoon | Retry::SameKeyToLearn => retry_later(why),
                 // Said in the body too, so a client need not read the sentence.
                 Retry::NewKey => Answer::unavailable(why).with("keySpent", true),
             };

@@ -354,7 +354,7 @@ pub(super) async fn lines_on_fallback(
                 ));
             }
             Err(unknown @ crate::ledger::LedgerError::CommitUnknown(_)) => {
-                return every(Failure::retry(unknown.to_string()));
+                return every(Failure::outcome_unknown(unknown.to_string()));
             }
             Err(error) => {
                 return every(Failure::unavailable(format!(
@@ -598,7 +598,7 @@ async fn after_gate(
                         admitted.reservation.expires_at_ms,
                     );
                     tracing::warn!(drop = %drop.name, key = %request.key, %why, "an admission's commit has an unknown outcome: left for its resolution");
-                    return Turn::Done(Err(Failure::retry(format!(
+                    return Turn::Done(Err(Failure::outcome_unknown(format!(
                         "the ledger's commit of this reservation failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved by the ledger's record once the ledger answers again: retry the same key"
                     ))));
                 }

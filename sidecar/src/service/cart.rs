@@ -271,7 +271,7 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
             Some((row, _)) if row.user != cart.user || row.terms != terms => {
                 return Ok(CartOutcome::KeyReused);
             }
-            Some((_, true)) => return hold(app, cart, &mine, now + bound, Begun::Here).await,
+            Some((_, true)) => return hold(app, cart, &mine, now + bound, Reach::Counted).await,
             Some((row, false)) => wait_for_other(app, row, until).await?,
             None => None,
         };
@@ -309,7 +309,7 @@ pub async fn reserve(app: &App, cart: &CartReserve) -> Result<CartOutcome, Failu
             if !taken {
                 return Err(in_flight(&cart.key));
             }
-            return hold(app, cart, &mine, now + bound, Begun::TakenOver).await;
+            return hold(app, cart, &mine, now + bound, Reach::BeyondCount).await;
         }
         CartState::Refused => Ok(CartOutcome::Short(view(app, &row, false).await)),
         // Given back before it was ever answered: nothing is held, the key is
@@ -355,13 +355,17 @@ async fn hold(
     cart: &CartReserve,
     mine: &str,
     deadline_ms: i64,
-    begun: Begun,
+    reach: Reach,
 ) -> Result<CartOutcome, Failure> {
     let namespace = app.drops.namespace();
     let mut held: Vec<usize> = Vec::new();
     let mut reservations: Vec<HeldLine> = Vec::new();
     let mut short: Vec<ShortLine> = Vec::new();
     let mut stopped: Option<Stop> = None;
+    // A line whose commit may have landed unbeknown to this attempt (the ledger
+    // could not be asked): it may be held, so the cart is given back as one taken
+    // over is, every line looked up, and never forgotten.
+    let mut unresolved = false;
     let permits = Prepaid::take(app, cart, mine).await;
     // When every drop of the cart is on the ledger's gate, the ledger decides the
     // whole cart in one transaction.
@@ -430,10 +434,12 @@ async fn hold(
                         None => {}
                     },
                 },
-                Some(Err(failure)) if stopped.is_none() => {
-                    stopped = Some(Stop::Failed(failure));
+                Some(Err(failure)) => {
+                    unresolved |= failure.may_stand();
+                    if stopped.is_none() {
+                        stopped = Some(Stop::Failed(failure));
+                    }
                 }
-                Some(Err(_)) => {}
             }
         }
         // A cart that must be whole cannot be any more: holding its later drops'
@@ -446,6 +452,11 @@ async fn hold(
     held.sort_unstable();
     reservations.sort_by_key(|line| line.n);
     short.sort_by_key(|line| line.n);
+    let reach = if unresolved {
+        Reach::BeyondCount
+    } else {
+        reach
+    };
     // The permits of lines not admitted go back before anything is given back.
     std::mem::drop(permits);
     let held_json = serde_json::to_string(&held).unwrap_or_else(|_| "[]".into());
@@ -469,11 +480,11 @@ async fn hold(
     };
     match stopped {
         // A line could not be decided: the 503 must mean nothing is held. A cart
-        // begun here with nothing held yet is forgotten and its retry starts
-        // afresh; lines held are given back, which spends the key (their keys are
-        // used). So are those of a cart taken over, which its dead attempt may
-        // have held beyond the lines this one reached.
-        Some(Stop::Failed(failure)) if held.is_empty() && begun == Begun::Here => {
+        // with nothing held, as far as it is known, is forgotten and its retry
+        // starts afresh; lines held are given back, which spends the key (their
+        // keys are used). So are those of a cart held beyond its count (taken
+        // over, or a line whose commit may have landed).
+        Some(Stop::Failed(failure)) if held.is_empty() && reach == Reach::Counted => {
             if let Err(e) = app.ledger.forget_cart(namespace, &cart.key, mine).await {
                 tracing::warn!(cart = %cart.key, error = %e, "an unheld cart could not be forgotten; its sweep releases it");
             }
@@ -484,7 +495,7 @@ async fn hold(
                 app,
                 cart,
                 mine,
-                begun,
+                reach,
                 CartState::Released,
                 &held,
                 &short_json,
@@ -506,7 +517,7 @@ async fn hold(
                 app,
                 cart,
                 mine,
-                begun,
+                reach,
                 CartState::Refused,
                 &held,
                 &short_json,
@@ -525,7 +536,7 @@ async fn hold(
             app,
             cart,
             mine,
-            begun,
+            reach,
             CartState::Refused,
             &held,
             &short_json,
@@ -614,12 +625,15 @@ impl std::ops::Drop for Prepaid<'_> {
     }
 }
 
-/// Whether the cart being held was begun by this attempt or taken over from one
-/// that died (whose lines may be held beyond those this attempt reaches).
+/// Whether the lines of a cart that may be held are those its attempt counted as
+/// held, or may go beyond them: a cart taken over from an attempt that died (which
+/// may have held lines this one never reaches), or a line whose commit may have
+/// landed unbeknown to this attempt. Beyond its count, every line is looked up
+/// when the cart is given back, and the cart is never forgotten.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Begun {
-    Here,
-    TakenOver,
+enum Reach {
+    Counted,
+    BeyondCount,
 }
 
 /// Why holding a cart's lines stopped before the last.
@@ -652,14 +666,14 @@ async fn release_now(
     app: &App,
     cart: &CartReserve,
     mine: &str,
-    begun: Begun,
+    reach: Reach,
     ends_as: CartState,
     lines_held: &[usize],
     short: &str,
 ) -> Result<(), Unreleased> {
     let namespace = app.drops.namespace();
     let held = serde_json::to_string(lines_held).unwrap_or_else(|_| "[]".into());
-    if lines_held.is_empty() && begun == Begun::Here {
+    if lines_held.is_empty() && reach == Reach::Counted {
         // Nothing of it was ever held (the usual refusal in a sold-out rush): one
         // write records the end, without looking up lines to give back.
         let moved = app
@@ -1123,6 +1137,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         return Err(in_flight(&row.key));
     }
     let lines = lines_of(&row);
+    let mut confirmed = 0;
     for n in numbers(&row.held) {
         let Some(line) = lines.get(n.wrapping_sub(1)) else {
             continue;
@@ -1133,16 +1148,26 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             &line_key(&row.key, n),
             Settle::Confirm { quantity: None },
         )
-        .await?;
+        .await
+        .map_err(|failure| confirmed_so_far(&row.key, confirmed, failure))?;
         match served.outcome {
-            Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => {}
+            Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => confirmed += 1,
             // A line that lapsed or was cancelled on its own (through its
             // reservation's routes): the cart cannot be confirmed whole. What was
-            // confirmed stays so (a paid line is never taken back here); the cart
-            // is recorded as confirmed as far as it goes, and its lines say where
-            // each stands.
+            // confirmed stays so (a paid line is never taken back here); the
+            // lines still held go back, and the cart ends expired (a retry of its
+            // confirm hears the same), its lines saying where each stands.
             _ => {
-                let _ = finish_confirm(app, &row, &mine).await;
+                let confirming = CartRow {
+                    state: CartState::Confirming,
+                    attempt: mine.clone(),
+                    ..row.clone()
+                };
+                if let Err(failure) =
+                    finish_release(app, &confirming, CartState::Expired, &lines).await
+                {
+                    tracing::warn!(cart = %row.key, ?failure, "the lines of a cart not confirmed whole are left to the sweeper to give back");
+                }
                 let row = recorded(app, &row.key).await?;
                 return Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await));
             }
@@ -1153,6 +1178,22 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     }
     let row = recorded(app, &row.key).await?;
     Ok(CartOutcome::Confirmed(view(app, &row, true).await))
+}
+
+/// A cart confirm's failure at a line after `confirmed` lines were confirmed:
+/// those stay so, and the answer says it (a retry of the confirm, or the sweeper
+/// past the confirm's bound, goes on with the rest).
+fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
+    match failure {
+        Failure::Unavailable { why, path, retry } if confirmed > 0 => Failure::Unavailable {
+            why: format!(
+                "{why} (cart {key}: {confirmed} of its lines are confirmed already; retry the confirm to go on with the rest)"
+            ),
+            path,
+            retry,
+        },
+        other => other,
+    }
 }
 
 /// Records the confirm of `row` by attempt `mine` as done: whether it still was

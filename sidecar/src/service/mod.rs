@@ -116,6 +116,10 @@ pub enum Retry {
     /// With a new key: this one is spent (a cart whose held lines were given
     /// back; their keys are used).
     NewKey,
+    /// With the same key, which learns how it went: a commit failed without
+    /// saying whether it landed, and the ledger could not be asked, so the change
+    /// may stand (it is resolved from the ledger's record once it answers).
+    SameKeyToLearn,
 }
 
 impl Failure {
@@ -133,6 +137,26 @@ impl Failure {
             path: Path::Gate,
             retry: Retry::SameKeySoon,
         }
+    }
+
+    /// A commit whose outcome could not be learnt: see [`Retry::SameKeyToLearn`].
+    fn outcome_unknown(why: impl Into<String>) -> Self {
+        Failure::Unavailable {
+            why: why.into(),
+            path: Path::Gate,
+            retry: Retry::SameKeyToLearn,
+        }
+    }
+
+    /// Whether the change this failure answers may have been made after all.
+    pub fn may_stand(&self) -> bool {
+        matches!(
+            self,
+            Failure::Unavailable {
+                retry: Retry::SameKeyToLearn,
+                ..
+            }
+        )
     }
 
     fn on_fallback(self) -> Self {
@@ -667,7 +691,7 @@ where
             "the ledger holds a newer config of drop {} than this sidecar read: nothing was changed; retry",
             drop.name
         )),
-        unknown @ LedgerError::CommitUnknown(_) => Failure::retry(unknown.to_string()),
+        unknown @ LedgerError::CommitUnknown(_) => Failure::outcome_unknown(unknown.to_string()),
         other => failed(other),
     };
     match call().await {

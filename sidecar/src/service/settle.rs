@@ -521,7 +521,7 @@ async fn change_on_gate(
                     // bound the resolver fences the attempt off and finishes or undoes
                     // it by what the ledger holds.
                     tracing::warn!(drop = %drop.name, key, %why, "a confirm or cancel's commit has an unknown outcome: left for its resolution");
-                    return Turn::Done(Err(Failure::retry(format!(
+                    return Turn::Done(Err(Failure::outcome_unknown(format!(
                         "the ledger's commit of this {} failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved by the ledger's record once the ledger answers again: retry",
                         what
                     ))));
