@@ -125,13 +125,14 @@ pub struct CartMove<'a> {
     pub namespace: &'a str,
     pub key: &'a str,
     pub from: CartState,
-    /// The attempt the mover saw working on it (`""`: none): the row moves only if
-    /// that is still so.
+    /// The attempt the mover saw on it: the row moves only if that is still so.
     pub attempt: &'a str,
     pub to: CartState,
     /// What a move to `Releasing` ends as.
     pub ends_as: Option<CartState>,
-    /// The attempt that works on it from now on, and until when.
+    /// The attempt that works on it from now on, and until when (a move that ends
+    /// the work names a fresh attempt nobody works under, with deadline 0: it is
+    /// how the move is told apart from another's once made again).
     pub new_attempt: &'a str,
     pub deadline_ms: i64,
     pub expires_at_ms: i64,

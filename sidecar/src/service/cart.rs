@@ -155,6 +155,14 @@ fn attempt() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
+/// The attempt a move that ends the work on a cart names (held, or an end state):
+/// nobody works under it, and its deadline is 0, but it is this move's own, so that
+/// a move made again after a commit of unknown outcome tells its own landing from
+/// another attempt's (see `CartWrite::apply_again`).
+fn ended() -> String {
+    attempt()
+}
+
 fn ledger_down(what: &str, error: LedgerError) -> Failure {
     Failure::unavailable(format!(
         "the ledger could not {what} ({error}): nothing was changed; retry the same key"
@@ -462,22 +470,6 @@ async fn hold(
     let held_json = serde_json::to_string(&held).unwrap_or_else(|_| "[]".into());
     let short_json = serde_json::to_string(&short).unwrap_or_else(|_| "[]".into());
     let now = now_ms();
-    let moved = |to: CartState,
-                 ends_as: Option<CartState>,
-                 deadline_ms: i64,
-                 new_attempt: &'static str| CartMove {
-        namespace,
-        key: &cart.key,
-        from: CartState::Holding,
-        attempt: mine,
-        to,
-        ends_as,
-        new_attempt,
-        deadline_ms,
-        expires_at_ms: 0,
-        held: &held_json,
-        short: &short_json,
-    };
     match stopped {
         // A line could not be decided: the 503 must mean nothing is held. A cart
         // with nothing held, as far as it is known, is forgotten and its retry
@@ -555,7 +547,16 @@ async fn hold(
         .ledger
         .move_cart(CartMove {
             expires_at_ms,
-            ..moved(CartState::Held, None, 0, "")
+            namespace,
+            key: &cart.key,
+            from: CartState::Holding,
+            attempt: mine,
+            to: CartState::Held,
+            ends_as: None,
+            new_attempt: &ended(),
+            deadline_ms: 0,
+            held: &held_json,
+            short: &short_json,
         })
         .await;
     match finished {
@@ -685,7 +686,7 @@ async fn release_now(
                 attempt: mine,
                 to: ends_as,
                 ends_as: None,
-                new_attempt: "",
+                new_attempt: &ended(),
                 deadline_ms: 0,
                 expires_at_ms: 0,
                 held: "[]",
@@ -756,7 +757,7 @@ async fn release_now(
             attempt: &releasing,
             to: ends_as,
             ends_as: None,
-            new_attempt: "",
+            new_attempt: &ended(),
             deadline_ms: 0,
             expires_at_ms: 0,
             held: "[]",
@@ -1207,7 +1208,7 @@ async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Fa
             attempt: mine,
             to: CartState::Confirmed,
             ends_as: None,
-            new_attempt: "",
+            new_attempt: &ended(),
             deadline_ms: 0,
             expires_at_ms: row.expires_at_ms,
             held: &row.held,
@@ -1275,7 +1276,7 @@ async fn finish_release(
             attempt: &mine,
             to: ends_as,
             ends_as: None,
-            new_attempt: "",
+            new_attempt: &ended(),
             deadline_ms: 0,
             expires_at_ms: row.expires_at_ms,
             held: &row.held,
