@@ -1083,7 +1083,19 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
             Err(in_flight(key))
         }
         (CartSettle::Confirm, CartState::Confirmed) => {
-            Ok(CartOutcome::AlreadyConfirmed(view(app, &row, true).await))
+            let shown = view(app, &row, true).await;
+            // Confirmed as far as it went (a line lapsed before its confirm): the
+            // answer the first confirm heard.
+            let partly = shown.held.iter().any(|line| {
+                line.reservation
+                    .as_ref()
+                    .is_some_and(|r| r.state != State::Confirmed)
+            });
+            Ok(if partly {
+                CartOutcome::PartlyConfirmed(shown)
+            } else {
+                CartOutcome::AlreadyConfirmed(shown)
+            })
         }
         (CartSettle::Cancel, CartState::Cancelled) => {
             Ok(CartOutcome::AlreadyCancelled(view(app, &row, true).await))
@@ -1143,42 +1155,74 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         let Some(line) = lines.get(n.wrapping_sub(1)) else {
             continue;
         };
-        let served = super::settle(
-            app,
-            &line.drop,
-            &line_key(&row.key, n),
-            Settle::Confirm { quantity: None },
-        )
-        .await
-        .map_err(|failure| confirmed_so_far(&row.key, confirmed, failure))?;
-        match served.outcome {
-            Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => confirmed += 1,
-            // A line that lapsed or was cancelled on its own (through its
-            // reservation's routes): the cart cannot be confirmed whole. What was
-            // confirmed stays so (a paid line is never taken back here); the
-            // lines still held go back, and the cart ends expired (a retry of its
-            // confirm hears the same), its lines saying where each stands.
-            _ => {
-                let confirming = CartRow {
-                    state: CartState::Confirming,
-                    attempt: mine.clone(),
-                    ..row.clone()
-                };
-                if let Err(failure) =
-                    finish_release(app, &confirming, CartState::Expired, &lines).await
-                {
-                    tracing::warn!(cart = %row.key, ?failure, "the lines of a cart not confirmed whole are left to the sweeper to give back");
+        let key = line_key(&row.key, n);
+        let served = super::settle(app, &line.drop, &key, Settle::Confirm { quantity: None }).await;
+        let lapsed = match &served {
+            Ok(served) => match &served.outcome {
+                Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => {
+                    confirmed += 1;
+                    continue;
                 }
-                let row = recorded(app, &row.key).await?;
-                return Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await));
-            }
+                outcome => lapsed(outcome),
+            },
+            // The drop is gone, and its holds with it.
+            Err(Failure::UnknownDrop { .. }) => true,
+            Err(_) => false,
+        };
+        if !lapsed {
+            // Not confirmable yet (a failure, a record being made): the cart stays
+            // confirming, and a retry of its confirm, or the sweeper past its
+            // bound, goes on from here.
+            let failure = match served {
+                Err(failure) => failure,
+                Ok(_) => Failure::retry(format!(
+                    "line {key} of cart {} is still being recorded or brought in line, and cannot be confirmed yet: retry the confirm",
+                    row.key
+                )),
+            };
+            return Err(confirmed_so_far(&row.key, confirmed, failure));
         }
+        // A line that lapsed or was cancelled on its own (through its
+        // reservation's routes): the cart cannot be confirmed whole. What was
+        // confirmed stays so (a paid line is never taken back here), the lines
+        // still held go back, and the cart is confirmed as far as it goes (kept as
+        // long as its sales, see retention.rs); a retry of its confirm hears the
+        // same, its lines saying where each stands.
+        let confirming = CartRow {
+            state: CartState::Confirming,
+            attempt: mine.clone(),
+            ..row.clone()
+        };
+        if let Err(failure) = finish_release(app, &confirming, CartState::Confirmed, &lines).await {
+            tracing::warn!(cart = %row.key, ?failure, "the lines of a cart not confirmed whole are left to the sweeper to give back");
+        }
+        let row = recorded(app, &row.key).await?;
+        return Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await));
     }
     if !finish_confirm(app, &row, &mine).await? {
         return Err(in_flight(&row.key));
     }
     let row = recorded(app, &row.key).await?;
     Ok(CartOutcome::Confirmed(view(app, &row, true).await))
+}
+
+/// Whether a line's answer to its cart's confirm says it is over without being
+/// confirmed: lapsed, cancelled on its own, or gone.
+fn lapsed(outcome: &Outcome) -> bool {
+    match outcome {
+        Outcome::Expired(_)
+        | Outcome::WasCancelled(_)
+        | Outcome::Cancelled(_)
+        | Outcome::AlreadyCancelled(_)
+        | Outcome::NotFound => true,
+        Outcome::Overruled { recorded, .. } => {
+            matches!(recorded, State::Expired | State::Cancelled)
+        }
+        Outcome::RecordExpired(view) => {
+            matches!(view.reservation.state, State::Expired | State::Cancelled)
+        }
+        _ => false,
+    }
 }
 
 /// A cart confirm's failure at a line after `confirmed` lines were confirmed:
@@ -1264,7 +1308,8 @@ async fn finish_release(
         &row.key,
         &row.user,
         lines,
-        ends_as == CartState::Expired,
+        // Never a paid line, but for a cancel (a refund).
+        matches!(ends_as, CartState::Expired | CartState::Confirmed),
     )
     .await?;
     let finished = app
