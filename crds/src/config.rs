@@ -142,6 +142,13 @@ pub fn numbered_by_api_server(generation: i64) -> bool {
     generation > 0 && generation < STAMPED_GENERATIONS
 }
 
+/// Whether `newest` is a generation the API server numbered after `decided_on`
+/// (one it numbered too): a decision made on `decided_on` was made on a config
+/// Redis lost a change of.
+pub fn lost_since(decided_on: i64, newest: i64) -> bool {
+    numbered_by_api_server(decided_on) && numbered_by_api_server(newest) && newest > decided_on
+}
+
 impl DropConfig {
     /// Whether the API server numbered this config's generation, so that the
     /// operator publishes a newer one again at its next reconcile should Redis lose

@@ -265,11 +265,12 @@ local function take_back(user, quantity)
   redis.call('DEL', K.marker)
 end
 
--- Lists KEY's reservation under its buyer (see DropKeys::by_buyer), admitted at
--- `at` (ms): once it is one (activated, or replayed from the ledger).
+-- KEY's member of the by-buyer index (see DropKeys::by_buyer).
 local function by_buyer_entry(user, at)
   return user .. '\n' .. string.format('%013d', at) .. '\n' .. KEY
 end
+-- Lists KEY's reservation under its buyer, admitted at `at` (ms): once it is one
+-- (activated, or replayed from the ledger).
 local function list_for_buyer(user, at)
   redis.call('ZADD', K.by_buyer, 0, by_buyer_entry(user, at))
 end

@@ -31,7 +31,7 @@ if ours() then
 end
 -- A marker of another reservation under the same key: Redis lost the ledger's,
 -- and another admission re-used the key (one the ledger refuses). A reservation's
--- buyer and size never change; nor, while its marker is behind the ledger's row,
+-- buyer and variant never change; nor, while its marker is behind the ledger's row,
 -- does its count (below). Such a marker is never in line, however far it went.
 local ledger_quantity = tonumber(ARGV[4])
 local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9])
@@ -79,9 +79,9 @@ end
 another = another or (m[3] and ((target == 'active' and quantity ~= ledger_quantity)
   or (target == 'confirmed' and quantity < ledger_quantity)))
 if another then
-  -- Its units go back as it holds them (its own size), an offer it was goes back
+  -- Its units go back as it holds them (its own variant), an offer it was goes back
   -- to its place in line, it is no reservation of its buyer's, and the ledger's
-  -- reservation takes its place whole: buyer, size and count.
+  -- reservation takes its place whole: buyer, variant and count.
   if holds_units(before) then
     give_back(user, quantity, m[4] or '')
   end

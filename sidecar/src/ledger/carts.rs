@@ -19,7 +19,11 @@ pub enum CartState {
     Held,
     /// A sidecar confirms its lines until the row's deadline.
     Confirming,
+    /// Every line it held is confirmed.
     Confirmed,
+    /// A line lapsed (or was cancelled on its own) before the cart's confirm
+    /// reached it: the lines confirmed before stay so, the rest were given back.
+    PartlyConfirmed,
     /// Its lines are being given back, to end as the row's `ends_as`; past the
     /// deadline anyone finishes that.
     Releasing,
@@ -38,6 +42,7 @@ impl CartState {
             CartState::Held => "held",
             CartState::Confirming => "confirming",
             CartState::Confirmed => "confirmed",
+            CartState::PartlyConfirmed => "partly_confirmed",
             CartState::Releasing => "releasing",
             CartState::Refused => "refused",
             CartState::Released => "released",
@@ -52,6 +57,7 @@ impl CartState {
             "held" => CartState::Held,
             "confirming" => CartState::Confirming,
             "confirmed" => CartState::Confirmed,
+            "partly_confirmed" => CartState::PartlyConfirmed,
             "releasing" => CartState::Releasing,
             "refused" => CartState::Refused,
             "released" => CartState::Released,
@@ -178,7 +184,7 @@ impl Ledger {
 
     /// Moves a cart as `change` says, if it still is in `change.from` with
     /// `change.attempt` working on it: whether it moved. Every move names a new
-    /// attempt (or none), so a mover that read the row before another moved it
+    /// attempt, so a mover that read the row before another moved it
     /// moves nothing. Written in the writer's next group commit, as
     /// [`Ledger::begin_cart`].
     pub async fn move_cart(&self, change: CartMove<'_>) -> Result<bool, LedgerError> {

@@ -1009,15 +1009,12 @@ fn placeholders(rows: usize, columns: usize) -> String {
 /// the failover) cannot tell by itself. Only between generations the API server
 /// numbers: outside Kubernetes nothing publishes a lost change again.
 fn decided_on_a_lost_change(change: &Change, newest: i64) -> Result<(), RecordError> {
-    let numbered = dropgate_api::config::numbered_by_api_server;
     // What Redis read in the step, else this sidecar's view (an extension's step
     // names no limit, so its stock is this sidecar's config).
     let generation = change.decided_on.unwrap_or(change.stock.generation);
     if change.state == State::Active
         && change.attempt.is_some()
-        && numbered(generation)
-        && numbered(newest)
-        && generation < newest
+        && dropgate_api::config::lost_since(generation, newest)
     {
         return Err(RecordError::ConfigBehind { generation, newest });
     }

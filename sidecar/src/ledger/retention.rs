@@ -97,8 +97,9 @@ pub async fn prune(pool: &AnyPool, ended_before_ms: i64) -> Result<Pruned, sqlx:
         pruned.sales += 1;
     }
     // Carts that ended without units sold (refused, given back, cancelled,
-    // expired): nothing of them can change any more. A confirmed cart stays while
-    // its lines' sales do (a refund cancels through it).
+    // expired): nothing of them can change any more. A confirmed cart (or one
+    // confirmed as far as it went) stays while its lines' sales do (a refund
+    // cancels through it).
     pruned.rows += sqlx::query(
         "DELETE FROM carts WHERE state IN ('refused', 'released', 'cancelled', 'expired') \
          AND created_at_ms < $1 AND cart_key IN (SELECT cart_key FROM carts \

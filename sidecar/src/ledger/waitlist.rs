@@ -108,7 +108,7 @@ impl Ledger {
             super::Backend::Postgres => self.pool().begin().await?,
         };
         let newest = match join.decided_on {
-            Some(_) => newest_generation(&mut tx, drop_key).await?,
+            Some(_) => newest_generation(&mut tx, self.backend, drop_key).await?,
             None => 0,
         };
         let written = sqlx::query(
@@ -148,8 +148,7 @@ impl Ledger {
         // (an earlier attempt's) keeps it, and the caller hears of that row.
         if let Some(decided_on) = join.decided_on
             && written.rows_affected() == 1
-            && dropgate_api::config::numbered_by_api_server(newest)
-            && newest > decided_on
+            && dropgate_api::config::lost_since(decided_on, newest)
         {
             // (Dropping the transaction rolls it back.)
             return Err(LedgerError::ConfigBehind { decided_on, newest });
@@ -379,12 +378,12 @@ pub(super) async fn set_aside(
 /// nothing to lock: a join then is not ordered against the commit that makes it.)
 async fn newest_generation(
     tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    backend: super::Backend,
     drop_key: &str,
 ) -> Result<i64, sqlx::Error> {
-    let sql = if tx.backend_name() == <sqlx::Postgres as sqlx::Database>::NAME {
-        "SELECT generation FROM stock WHERE drop_key = $1 FOR SHARE"
-    } else {
-        "SELECT generation FROM stock WHERE drop_key = $1"
+    let sql = match backend {
+        super::Backend::Postgres => "SELECT generation FROM stock WHERE drop_key = $1 FOR SHARE",
+        super::Backend::Sqlite => "SELECT generation FROM stock WHERE drop_key = $1",
     };
     let row = sqlx::query(sql)
         .bind(drop_key)

@@ -155,11 +155,11 @@ fn attempt() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
-/// The attempt a move that ends the work on a cart names (held, or an end state):
-/// nobody works under it, and its deadline is 0, but it is this move's own, so that
-/// a move made again after a commit of unknown outcome tells its own landing from
-/// another attempt's (see `CartWrite::apply_again`).
-fn ended() -> String {
+/// The attempt a move that ends the work on a cart names (to held, or to an end
+/// state; its callers give it deadline 0): nobody works under it, but it is this
+/// move's own, so that a move made again after a commit of unknown outcome tells
+/// its own landing from another attempt's (see `CartWrite::apply_again`).
+fn closing_attempt() -> String {
     attempt()
 }
 
@@ -373,7 +373,7 @@ async fn hold(
     // A line whose commit may have landed unbeknown to this attempt (the ledger
     // could not be asked): it may be held, so the cart is given back as one taken
     // over is, every line looked up, and never forgotten.
-    let mut unresolved = false;
+    let mut may_hold_more = false;
     let permits = Prepaid::take(app, cart, mine).await;
     // When every drop of the cart is on the ledger's gate, the ledger decides the
     // whole cart in one transaction.
@@ -443,7 +443,7 @@ async fn hold(
                     },
                 },
                 Some(Err(failure)) => {
-                    unresolved |= failure.may_stand();
+                    may_hold_more |= failure.may_stand();
                     if stopped.is_none() {
                         stopped = Some(Stop::Failed(failure));
                     }
@@ -460,7 +460,7 @@ async fn hold(
     held.sort_unstable();
     reservations.sort_by_key(|line| line.n);
     short.sort_by_key(|line| line.n);
-    let reach = if unresolved {
+    let reach = if may_hold_more {
         Reach::BeyondCount
     } else {
         reach
@@ -553,7 +553,7 @@ async fn hold(
             attempt: mine,
             to: CartState::Held,
             ends_as: None,
-            new_attempt: &ended(),
+            new_attempt: &closing_attempt(),
             deadline_ms: 0,
             held: &held_json,
             short: &short_json,
@@ -686,7 +686,7 @@ async fn release_now(
                 attempt: mine,
                 to: ends_as,
                 ends_as: None,
-                new_attempt: &ended(),
+                new_attempt: &closing_attempt(),
                 deadline_ms: 0,
                 expires_at_ms: 0,
                 held: "[]",
@@ -757,7 +757,7 @@ async fn release_now(
             attempt: &releasing,
             to: ends_as,
             ends_as: None,
-            new_attempt: &ended(),
+            new_attempt: &closing_attempt(),
             deadline_ms: 0,
             expires_at_ms: 0,
             held: "[]",
@@ -772,7 +772,7 @@ async fn release_now(
 /// lines it held unless the cart is still being held, or is held, by the other.
 async fn abandon(app: &App, cart: &CartReserve, lines_held: &[usize]) {
     let row = app.ledger.cart(app.drops.namespace(), &cart.key).await;
-    let kept = matches!(&row, Ok(Some(row)) if matches!(row.state, CartState::Holding | CartState::Held | CartState::Confirming | CartState::Confirmed));
+    let kept = matches!(&row, Ok(Some(row)) if matches!(row.state, CartState::Holding | CartState::Held | CartState::Confirming | CartState::Confirmed | CartState::PartlyConfirmed));
     if kept {
         return;
     }
@@ -941,7 +941,7 @@ async fn reserve_line(app: &App, drop: &str, request: &Reserve) -> Result<Served
 
 /// A ledger failure after which whether the cart's change was recorded is unknown.
 fn unknown(key: &str, what: &str, error: LedgerError) -> Failure {
-    Failure::unavailable(format!(
+    Failure::outcome_unknown(format!(
         "the ledger failed while it was asked to {what} ({error}); whether it did is not known: GET /v1/carts/{key} says where the cart stands"
     ))
 }
@@ -1078,24 +1078,17 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
     match (asked, row.state) {
         (CartSettle::Lookup, _) => Ok(CartOutcome::Found(view(app, &row, true).await)),
         (_, CartState::Holding | CartState::Releasing | CartState::Confirming)
+            // (A row an older sidecar ended names no attempt.)
             if !row.attempt.is_empty() && row.deadline_ms >= now =>
         {
             Err(in_flight(key))
         }
         (CartSettle::Confirm, CartState::Confirmed) => {
-            let shown = view(app, &row, true).await;
-            // Confirmed as far as it went (a line lapsed before its confirm): the
-            // answer the first confirm heard.
-            let partly = shown.held.iter().any(|line| {
-                line.reservation
-                    .as_ref()
-                    .is_some_and(|r| r.state != State::Confirmed)
-            });
-            Ok(if partly {
-                CartOutcome::PartlyConfirmed(shown)
-            } else {
-                CartOutcome::AlreadyConfirmed(shown)
-            })
+            Ok(CartOutcome::AlreadyConfirmed(view(app, &row, true).await))
+        }
+        // The answer its first confirm heard.
+        (CartSettle::Confirm, CartState::PartlyConfirmed) => {
+            Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await))
         }
         (CartSettle::Cancel, CartState::Cancelled) => {
             Ok(CartOutcome::AlreadyCancelled(view(app, &row, true).await))
@@ -1116,6 +1109,7 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
             CartSettle::Cancel,
             CartState::Held
             | CartState::Confirmed
+            | CartState::PartlyConfirmed
             | CartState::Confirming
             | CartState::Holding
             | CartState::Releasing,
@@ -1157,19 +1151,19 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         };
         let key = line_key(&row.key, n);
         let served = super::settle(app, &line.drop, &key, Settle::Confirm { quantity: None }).await;
-        let lapsed = match &served {
+        let over = match &served {
             Ok(served) => match &served.outcome {
                 Outcome::Confirmed(_) | Outcome::AlreadyConfirmed(_) => {
                     confirmed += 1;
                     continue;
                 }
-                outcome => lapsed(outcome),
+                outcome => over_unconfirmed(outcome),
             },
             // The drop is gone, and its holds with it.
             Err(Failure::UnknownDrop { .. }) => true,
             Err(_) => false,
         };
-        if !lapsed {
+        if !over {
             // Not confirmable yet (a failure, a record being made): the cart stays
             // confirming, and a retry of its confirm, or the sweeper past its
             // bound, goes on from here.
@@ -1185,15 +1179,26 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         // A line that lapsed or was cancelled on its own (through its
         // reservation's routes): the cart cannot be confirmed whole. What was
         // confirmed stays so (a paid line is never taken back here), the lines
-        // still held go back, and the cart is confirmed as far as it goes (kept as
-        // long as its sales, see retention.rs); a retry of its confirm hears the
-        // same, its lines saying where each stands.
+        // still held go back, and the cart ends confirmed as far as it went (kept
+        // as long as its sales, see retention.rs), or expired when no line was; a
+        // retry of its confirm hears the same, its lines saying where each stands.
+        let ends_as = if confirmed == 0 {
+            CartState::Expired
+        } else {
+            CartState::PartlyConfirmed
+        };
         let confirming = CartRow {
             state: CartState::Confirming,
             attempt: mine.clone(),
             ..row.clone()
         };
-        if let Err(failure) = finish_release(app, &confirming, CartState::Confirmed, &lines).await {
+        if let Err(failure) = finish_release(app, &confirming, ends_as, &lines).await {
+            // Still confirming (its move to releasing was not recorded): a retry of
+            // the confirm goes on with it. Releasing: the sweeper finishes it.
+            let now = recorded(app, &row.key).await?;
+            if now.state != CartState::Releasing {
+                return Err(confirmed_so_far(&row.key, confirmed, failure));
+            }
             tracing::warn!(cart = %row.key, ?failure, "the lines of a cart not confirmed whole are left to the sweeper to give back");
         }
         let row = recorded(app, &row.key).await?;
@@ -1208,7 +1213,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
 
 /// Whether a line's answer to its cart's confirm says it is over without being
 /// confirmed: lapsed, cancelled on its own, or gone.
-fn lapsed(outcome: &Outcome) -> bool {
+fn over_unconfirmed(outcome: &Outcome) -> bool {
     match outcome {
         Outcome::Expired(_)
         | Outcome::WasCancelled(_)
@@ -1252,7 +1257,7 @@ async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Fa
             attempt: mine,
             to: CartState::Confirmed,
             ends_as: None,
-            new_attempt: &ended(),
+            new_attempt: &closing_attempt(),
             deadline_ms: 0,
             expires_at_ms: row.expires_at_ms,
             held: &row.held,
@@ -1309,7 +1314,7 @@ async fn finish_release(
         &row.user,
         lines,
         // Never a paid line, but for a cancel (a refund).
-        matches!(ends_as, CartState::Expired | CartState::Confirmed),
+        matches!(ends_as, CartState::Expired | CartState::PartlyConfirmed),
     )
     .await?;
     let finished = app
@@ -1321,7 +1326,7 @@ async fn finish_release(
             attempt: &mine,
             to: ends_as,
             ends_as: None,
-            new_attempt: &ended(),
+            new_attempt: &closing_attempt(),
             deadline_ms: 0,
             expires_at_ms: row.expires_at_ms,
             held: &row.held,

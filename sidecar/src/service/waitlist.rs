@@ -163,7 +163,7 @@ fn compared_generation(entry: &Entry) -> Option<i64> {
 /// `decided_on` of the drop's config when `newest` is known (this sidecar read it,
 /// or the ledger has seen it): Redis lost a change (a waitlist closed or a per-user
 /// limit cut perhaps), and a stale view never decides.
-fn count_refusal_on_lost_config(app: &App, drop: &Drop, decided_on: i64, newest: i64) -> Failure {
+fn refuse_on_lost_config(app: &App, drop: &Drop, decided_on: i64, newest: i64) -> Failure {
     super::count_decided_on_lost_config(app, drop);
     Failure::retry(format!(
         "Redis decided this join on an older config of drop {} (generation {decided_on}) than generation {newest}: it lost that change, and the operator publishes it again; nothing was changed: retry the same key",
@@ -377,13 +377,10 @@ async fn make_durable(
     let decided_on = compared_generation(entry);
     let read_here = drop.config().generation;
     if let Some(decided_on) = decided_on
-        && dropgate_api::config::numbered_by_api_server(read_here)
-        && read_here > decided_on
+        && dropgate_api::config::lost_since(decided_on, read_here)
     {
         take_back_join(app, drop, key, attempt).await;
-        return Err(count_refusal_on_lost_config(
-            app, drop, decided_on, read_here,
-        ));
+        return Err(refuse_on_lost_config(app, drop, decided_on, read_here));
     }
     let join = Join {
         key,
@@ -404,7 +401,7 @@ async fn make_durable(
         // written.
         Err(LedgerError::ConfigBehind { decided_on, newest }) => {
             take_back_join(app, drop, key, attempt).await;
-            return Err(count_refusal_on_lost_config(app, drop, decided_on, newest));
+            return Err(refuse_on_lost_config(app, drop, decided_on, newest));
         }
         // Another join holds this position in the ledger: Redis handed it out
         // twice (a promoted replica that lost that join). Nothing was written.
