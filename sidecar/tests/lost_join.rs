@@ -214,20 +214,10 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
 /// holds no position.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn either_ledger_refuses_a_position_twice() {
-    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
-    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    let at = |key: &'static str, position: i64| Join {
-        key,
-        user: key,
-        quantity: 1,
-        variant: None,
-        position,
-        attempt: key,
-        decided_on: None,
-    };
-    for url in [sqlite, postgres.url()] {
+    use dropgate_sidecar::ledger::{Ledger, LedgerError};
+    let ledgers = BothLedgers::start();
+    let at = |key: &'static str, position: i64| join_of(key, position, None);
+    for url in ledgers.urls() {
         let ledger = Ledger::open(&url).await.expect("the ledger opens");
         let drop_key = "shop/sale/s1";
         ledger
@@ -257,19 +247,9 @@ async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
         Ledger, LedgerError,
         waitlist::{Join, WaitState},
     };
-    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    let on = |key: &'static str, position: i64, decided_on: Option<i64>| Join {
-        key,
-        user: key,
-        quantity: 1,
-        variant: None,
-        position,
-        attempt: key,
-        decided_on,
-    };
-    for url in [sqlite, postgres.url()] {
+    let ledgers = BothLedgers::start();
+    let on = join_of;
+    for url in ledgers.urls() {
         let ledger = Ledger::open(&url).await.expect("the ledger opens");
         let drop_key = "shop/sale/s1";
         // A peer noted generation 5 of the drop's config.
@@ -325,7 +305,7 @@ async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
 /// would still have been the newest, and the join recorded after 6 was noted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_waits_for_a_peer_noting_a_newer_config() {
-    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    use dropgate_sidecar::ledger::{Ledger, LedgerError};
     let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
     let ledger = Ledger::open(&postgres.url())
         .await
@@ -355,18 +335,7 @@ async fn a_join_waits_for_a_peer_noting_a_newer_config() {
         .expect("notes generation 6");
     let joining = {
         let ledger = ledger.clone();
-        tokio::spawn(async move {
-            let join = Join {
-                key: "w1",
-                user: "w1",
-                quantity: 1,
-                variant: None,
-                position: 1,
-                attempt: "w1",
-                decided_on: Some(5),
-            };
-            ledger.join(drop_key, join).await
-        })
+        tokio::spawn(async move { ledger.join(drop_key, join_of("w1", 1, Some(5))).await })
     };
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(
@@ -385,4 +354,44 @@ async fn a_join_waits_for_a_peer_noting_a_newer_config() {
         ledger.waiting_entry(drop_key, "w1").await.expect("reads"),
         None
     );
+}
+
+/// A SQLite ledger file and a PostgreSQL server, for a test that runs on either.
+struct BothLedgers {
+    postgres: dropgate_testkit::PostgresServer,
+    dir: tempfile::TempDir,
+}
+
+impl BothLedgers {
+    fn start() -> Self {
+        Self {
+            postgres: dropgate_testkit::PostgresServer::start().expect("postgres"),
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    fn urls(&self) -> [String; 2] {
+        [
+            format!("sqlite://{}", self.dir.path().join("ledger.db").display()),
+            self.postgres.url(),
+        ]
+    }
+}
+
+/// Buyer `key`'s join of one unit at `position`, under attempt `key`, decided on
+/// generation `decided_on` of the drop's config.
+fn join_of(
+    key: &'static str,
+    position: i64,
+    decided_on: Option<i64>,
+) -> dropgate_sidecar::ledger::waitlist::Join<'static> {
+    dropgate_sidecar::ledger::waitlist::Join {
+        key,
+        user: key,
+        quantity: 1,
+        variant: None,
+        position,
+        attempt: key,
+        decided_on,
+    }
 }
