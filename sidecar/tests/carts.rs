@@ -408,7 +408,11 @@ async fn a_cart_not_confirmable_whole_gives_back_its_other_lines() {
         "{}",
         confirm.text
     );
-    assert_eq!(confirm.body["state"], "confirmed", "{}", confirm.text);
+    assert_eq!(
+        confirm.body["state"], "partly_confirmed",
+        "{}",
+        confirm.text
+    );
     for key in ["first-gone", "last-gone"] {
         cart_call(&sidecar, key, "confirm")
             .await
@@ -420,6 +424,37 @@ async fn a_cart_not_confirmable_whole_gives_back_its_other_lines() {
         "both shoes back"
     );
     assert_eq!(left(&sidecar, "shirt", None).await, 9, "one shirt sold");
+
+    // A line confirmed through its own route counts as confirmed too: the cart is
+    // confirmed as far as it went, not expired with a line sold.
+    post_cart(&sidecar, &cart("own-route", "bea", &lines_asked, None))
+        .await
+        .assert_answer(201, "reserved");
+    sidecar
+        .settle("shoe", "own-route:2", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    sidecar
+        .settle("shirt", "own-route:1", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    let confirm = cart_call(&sidecar, "own-route", "confirm").await;
+    confirm.assert_answer(409, "expired");
+    assert_eq!(
+        confirm.body["state"], "partly_confirmed",
+        "{}",
+        confirm.text
+    );
+
+    // A cancel of a cart confirmed as far as it went refunds what was sold.
+    cart_call(&sidecar, "last-gone", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    assert_eq!(
+        left(&sidecar, "shirt", None).await,
+        10,
+        "the shirt refunded"
+    );
     sidecar.assert_invariants("shoe", 18);
     sidecar.assert_invariants("shirt", 10);
     sidecar.shutdown().await;

@@ -98,8 +98,7 @@ pub async fn prune(pool: &AnyPool, ended_before_ms: i64) -> Result<Pruned, sqlx:
     }
     // Carts that ended without units sold (refused, given back, cancelled,
     // expired): nothing of them can change any more. A confirmed cart (or one
-    // confirmed as far as it went) stays while its lines' sales do (a refund
-    // cancels through it).
+    // confirmed as far as it went) is kept: a refund cancels through it.
     pruned.rows += sqlx::query(
         "DELETE FROM carts WHERE state IN ('refused', 'released', 'cancelled', 'expired') \
          AND created_at_ms < $1 AND cart_key IN (SELECT cart_key FROM carts \

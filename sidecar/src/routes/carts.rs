@@ -67,8 +67,10 @@ fn state_word(state: CartState) -> &'static str {
     match state {
         CartState::Holding => "pending",
         CartState::Held | CartState::Confirming => "active",
-        // (Its lines say which are.)
-        CartState::Confirmed | CartState::PartlyConfirmed => "confirmed",
+        CartState::Confirmed => "confirmed",
+        // A line lapsed before the cart's confirm reached it: its lines say which
+        // are confirmed.
+        CartState::PartlyConfirmed => "partly_confirmed",
         CartState::Releasing | CartState::Released | CartState::Cancelled => "cancelled",
         CartState::Refused => "refused",
         CartState::Expired => "expired",
@@ -103,7 +105,7 @@ fn answer(key: &str, outcome: CartOutcome) -> Answer {
         CartOutcome::PartlyConfirmed(view) => shown(StatusCode::CONFLICT, "expired", &view).with(
             "message",
             format!(
-                "a line of cart {key} expired, was cancelled or its drop deleted before it was confirmed: the cart is not confirmed whole; the lines confirmed before stay so, the rest were given back, and each line says where it stands"
+                "a line of cart {key} expired, was cancelled or its drop deleted before it was confirmed: the cart is not confirmed whole; any line confirmed stays so, the rest are given back, and each line says where it stands"
             ),
         ),
         CartOutcome::KeyReused => Answer::refusal(

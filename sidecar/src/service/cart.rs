@@ -1058,7 +1058,11 @@ async fn view(app: &App, row: &CartRow, look_up: bool) -> CartView {
     CartView {
         key: row.key.clone(),
         user: row.user.clone(),
-        state: row.state,
+        // Being given back: the state it is given back to.
+        state: match (row.state, row.ends_as) {
+            (CartState::Releasing, Some(ends_as)) => ends_as,
+            (state, _) => state,
+        },
         lines,
         held,
         short: shorts(&row.short),
@@ -1086,8 +1090,17 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
         (CartSettle::Confirm, CartState::Confirmed) => {
             Ok(CartOutcome::AlreadyConfirmed(view(app, &row, true).await))
         }
-        // The answer its first confirm heard.
+        // The answer its first confirm heard (also while its unpaid lines are
+        // still being given back).
         (CartSettle::Confirm, CartState::PartlyConfirmed) => {
+            Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await))
+        }
+        (CartSettle::Confirm, CartState::Releasing)
+            if matches!(
+                row.ends_as,
+                Some(CartState::PartlyConfirmed | CartState::Expired)
+            ) =>
+        {
             Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await))
         }
         (CartSettle::Cancel, CartState::Cancelled) => {
@@ -1180,12 +1193,20 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         // reservation's routes): the cart cannot be confirmed whole. What was
         // confirmed stays so (a paid line is never taken back here), the lines
         // still held go back, and the cart ends confirmed as far as it went (kept
-        // as long as its sales, see retention.rs), or expired when no line was; a
-        // retry of its confirm hears the same, its lines saying where each stands.
-        let ends_as = if confirmed == 0 {
-            CartState::Expired
-        } else {
+        // by retention, see retention.rs), or expired when no line is confirmed
+        // (by this pass, an earlier one, or through a line's own route: the lines
+        // are looked up); a retry of its confirm hears the same, its lines saying
+        // where each stands.
+        let any_confirmed = confirmed > 0
+            || view(app, &row, true).await.held.iter().any(|line| {
+                line.reservation
+                    .as_ref()
+                    .is_some_and(|r| r.state == State::Confirmed)
+            });
+        let ends_as = if any_confirmed {
             CartState::PartlyConfirmed
+        } else {
+            CartState::Expired
         };
         let confirming = CartRow {
             state: CartState::Confirming,
@@ -1195,8 +1216,9 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         if let Err(failure) = finish_release(app, &confirming, ends_as, &lines).await {
             // Still confirming (its move to releasing was not recorded): a retry of
             // the confirm goes on with it. Releasing: the sweeper finishes it.
+            // Ended already (its last move's answer was lost, and it landed): done.
             let now = recorded(app, &row.key).await?;
-            if now.state != CartState::Releasing {
+            if now.state != CartState::Releasing && now.state != ends_as {
                 return Err(confirmed_so_far(&row.key, confirmed, failure));
             }
             tracing::warn!(cart = %row.key, ?failure, "the lines of a cart not confirmed whole are left to the sweeper to give back");
@@ -1270,7 +1292,16 @@ async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Fa
 async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     let lines = lines_of(&row);
     finish_release(app, &row, CartState::Cancelled, &lines).await?;
-    let row = recorded(app, &row.key).await?;
+    let mut row = recorded(app, &row.key).await?;
+    // It was being given back toward another end (a confirm that found a line
+    // lapsed): that end is recorded first, and its paid lines are refunded now.
+    if matches!(
+        row.state,
+        CartState::PartlyConfirmed | CartState::Confirmed | CartState::Expired
+    ) {
+        finish_release(app, &row, CartState::Cancelled, &lines).await?;
+        row = recorded(app, &row.key).await?;
+    }
     Ok(CartOutcome::Cancelled(view(app, &row, true).await))
 }
 
