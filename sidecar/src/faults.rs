@@ -51,6 +51,10 @@ pub enum Fault {
     /// lost the race with another call's check of Redis), so that a test can bring
     /// Redis in line meanwhile.
     PauseAfterReply,
+    /// A cart's give-back waits 1.5 s between its look-up of a line and giving
+    /// the line back, so that a test can confirm the line through its own route
+    /// meanwhile.
+    PauseBeforeGiveBack,
 }
 
 impl Fault {
@@ -72,10 +76,11 @@ impl Fault {
             Fault::WatchLags => "watch-lags",
             Fault::PauseAfterCheck => "pause-after-check",
             Fault::PauseAfterReply => "pause-after-reply",
+            Fault::PauseBeforeGiveBack => "pause-before-give-back",
         }
     }
 
-    const ALL: [Fault; 15] = [
+    const ALL: [Fault; 16] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -91,6 +96,7 @@ impl Fault {
         Fault::WatchLags,
         Fault::PauseAfterCheck,
         Fault::PauseAfterReply,
+        Fault::PauseBeforeGiveBack,
     ];
 }
 
@@ -184,6 +190,18 @@ pub fn arm_times(fault: Fault, times: Times) {
     armed
         .get_or_insert_with(Default::default)
         .insert(fault, (times, 0));
+}
+
+/// Whether the passes armed for `fault` with [`arm`] are all spent (the point was
+/// passed as many times as armed): a test waits for it before acting in the pause
+/// it made.
+#[cfg(any(debug_assertions, feature = "fault-injection"))]
+pub fn spent(fault: Fault) -> bool {
+    let armed = armed::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    matches!(
+        armed.as_ref().and_then(|map| map.get(&fault)),
+        Some((Times::Next(0), _))
+    )
 }
 
 /// Fails if a test armed `fault`.

@@ -94,15 +94,17 @@ impl VariantRefusal {
 pub enum Settle {
     /// Confirms `quantity` of the units held (all when `None`); the rest go back
     /// to stock and to the buyer's count in the same step (a partial confirm).
-    Confirm {
-        quantity: Option<i64>,
-    },
+    Confirm { quantity: Option<i64> },
+    /// Cancels an active hold or a confirmed reservation (a refund).
     Cancel,
+    /// Gives back an active hold, never a confirmed one: a confirmed reservation
+    /// answers [`Outcome::AlreadyConfirmed`] and stays so. How a cart gives back
+    /// lines that must not be refunded, decided in the same atomic step as the
+    /// cancel, so a line confirmed through its own route a moment earlier is kept.
+    Release,
     /// Moves an active hold's deadline to `until_ms` (ms since the epoch), within
     /// `spec.maxHoldSeconds` from its admission.
-    Extend {
-        until_ms: i64,
-    },
+    Extend { until_ms: i64 },
     /// A look-up: changes nothing but a hold past its deadline.
     Lookup,
 }

@@ -1,5 +1,6 @@
 -- cancel: ARGV[3] attempt id, ARGV[4] the settle bound (ms): the ledger's commit
--- deadline.
+-- deadline, ARGV[5] 'held' to give back an active hold only (a confirmed one
+-- answers 'already_confirmed' and stays so: a cart's give-back never refunds).
 --
 -- Prepares the cancel of an active or confirmed reservation (a refund)
 -- ('cancelling'): its units go back only once the ledger recorded the cancel and
@@ -15,7 +16,9 @@ if expire_if_due(now) then
   return answer('expired')
 end
 local state = redis.call('HGET', K.marker, 'state')
-if state == 'active' or state == 'confirmed' then
+if state == 'confirmed' and ARGV[5] == 'held' then
+  return answer('already_confirmed')
+elseif state == 'active' or state == 'confirmed' then
   prepare('cancelled', ARGV[3], now + tonumber(ARGV[4]))
   return answer('cancelling')
 elseif state == 'cancelled' then

@@ -352,7 +352,9 @@ impl Wire {
             (Call::Extend, "extension_refused") => Outcome::ExtensionRefused(self.view()?),
             (Call::Extend, "confirmed") => Outcome::WasConfirmed(self.view()?),
             (Call::Extend, "cancelled") => Outcome::WasCancelled(self.view()?),
-            (Call::Confirm, "already_confirmed") => Outcome::AlreadyConfirmed(self.view()?),
+            (Call::Confirm | Call::Cancel, "already_confirmed") => {
+                Outcome::AlreadyConfirmed(self.view()?)
+            }
             (Call::Confirm, "cancelled") => Outcome::WasCancelled(self.view()?),
             (Call::Confirm, "above_held") => Outcome::AboveHeld {
                 held: int(&self.quantity).unwrap_or(0),

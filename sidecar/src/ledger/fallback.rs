@@ -576,6 +576,7 @@ impl Ledger {
             let target = match (settle, row.state) {
                 (Settle::Confirm { .. }, State::Active) => Some(State::Confirmed),
                 (Settle::Cancel, State::Active | State::Confirmed) => Some(State::Cancelled),
+                (Settle::Release, State::Active) => Some(State::Cancelled),
                 _ => None,
             };
             // An expiry written above is what this request changed, if anything.
@@ -610,8 +611,13 @@ impl Ledger {
                 (Settle::Extend { .. }, State::Active) => Outcome::Extended(view),
                 (Settle::Extend { .. }, State::Confirmed) => Outcome::WasConfirmed(view),
                 (Settle::Extend { .. }, State::Cancelled) => Outcome::WasCancelled(view),
-                (Settle::Cancel, State::Active | State::Confirmed) => Outcome::Cancelled(view),
-                (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
+                (Settle::Cancel, State::Active | State::Confirmed)
+                | (Settle::Release, State::Active) => Outcome::Cancelled(view),
+                (Settle::Cancel | Settle::Release, State::Cancelled) => {
+                    Outcome::AlreadyCancelled(view)
+                }
+                // A give-back never refunds.
+                (Settle::Release, State::Confirmed) => Outcome::AlreadyConfirmed(view),
                 // The ledger never records a pending admission.
                 (_, State::Pending) => Outcome::Recording,
             };

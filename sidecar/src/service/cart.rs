@@ -725,7 +725,7 @@ async fn release_now(
         abandon(app, cart, lines_held).await;
         return Err(Unreleased::Holding(in_flight(&cart.key)));
     }
-    if let Err(failure) = give_back(app, &cart.key, &cart.user, &cart.lines, false).await {
+    if let Err(failure) = give_back(app, &cart.key, &cart.user, &cart.lines, true).await {
         // Handed to the sweeper now rather than at the bound, so the units held
         // come back as soon as the gate answers again, not seconds after.
         let handed = app
@@ -790,7 +790,7 @@ async fn abandon(app: &App, cart: &CartReserve, lines_held: &[usize]) {
             ..line.clone()
         })
         .collect();
-    if let Err(failure) = give_back(app, &cart.key, &cart.user, &lines, false).await {
+    if let Err(failure) = give_back(app, &cart.key, &cart.user, &lines, true).await {
         tracing::warn!(cart = %cart.key, ?failure, "lines of a cart taken over could not be given back; they expire with their holds");
     }
 }
@@ -955,8 +955,17 @@ async fn give_back(
     key: &str,
     user: &str,
     lines: &[CartLine],
-    active_only: bool,
-) -> Result<(), Failure> {
+    refund: bool,
+) -> Result<GivenBack, Failure> {
+    let mut given = GivenBack::default();
+    // Without a refund, a line is given back only if it is still a hold, checked
+    // in the same step as the give-back (`Settle::Release`): one confirmed through
+    // its own route after the look-up below stays confirmed.
+    let how = if refund {
+        Settle::Cancel
+    } else {
+        Settle::Release
+    };
     for (i, line) in lines.iter().enumerate() {
         if line.quantity == 0 {
             continue;
@@ -975,24 +984,40 @@ async fn give_back(
             && view.reservation.quantity == line.quantity
             && view.reservation.variant == line.variant;
         let state = view.reservation.state;
-        if !ours
-            || !state.holds_units() && state != State::Pending
-            || (active_only && state == State::Confirmed)
-        {
+        if !ours {
             continue;
+        }
+        if state == State::Confirmed && !refund {
+            given.paid += 1;
+            continue;
+        }
+        if !state.holds_units() && state != State::Pending {
+            continue;
+        }
+        if faults::check(Fault::PauseBeforeGiveBack).is_err() {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
         }
         let mut pause = Duration::from_millis(50);
         let mut tries = 0;
         loop {
-            let given_back = match super::settle(app, &line.drop, &line_key, Settle::Cancel).await {
-                Ok(served) => matches!(
-                    served.outcome,
+            let given_back = match super::settle(app, &line.drop, &line_key, how).await {
+                Ok(served) => match served.outcome {
+                    // Confirmed meanwhile (a give-back without a refund): it stays so.
+                    Outcome::AlreadyConfirmed(_)
+                    | Outcome::Overruled {
+                        recorded: State::Confirmed,
+                        ..
+                    } if !refund => {
+                        given.paid += 1;
+                        true
+                    }
                     Outcome::Cancelled(_)
-                        | Outcome::AlreadyCancelled(_)
-                        | Outcome::Expired(_)
-                        | Outcome::NotFound
-                        | Outcome::Overruled { .. }
-                ),
+                    | Outcome::AlreadyCancelled(_)
+                    | Outcome::Expired(_)
+                    | Outcome::NotFound
+                    | Outcome::Overruled { .. } => true,
+                    _ => false,
+                },
                 Err(Failure::UnknownDrop { .. }) => true,
                 Err(failure) if tries >= 4 => return Err(failure),
                 Err(_) => false,
@@ -1010,7 +1035,14 @@ async fn give_back(
             pause *= 2;
         }
     }
-    Ok(())
+    Ok(given)
+}
+
+/// What a give-back found of a cart's lines.
+#[derive(Debug, Default)]
+struct GivenBack {
+    /// Lines found confirmed (paid) and kept so.
+    paid: usize,
 }
 
 async fn recorded(app: &App, key: &str) -> Result<CartRow, Failure> {
@@ -1339,15 +1371,17 @@ async fn finish_release(
     if !taken {
         return Err(in_flight(&row.key));
     }
-    give_back(
-        app,
-        &row.key,
-        &row.user,
-        lines,
-        // Never a paid line, but for a cancel (a refund).
-        matches!(ends_as, CartState::Expired | CartState::PartlyConfirmed),
-    )
-    .await?;
+    // Never a paid line, but for a cancel (a refund) or a cart never answered.
+    let refund = !matches!(ends_as, CartState::Expired | CartState::PartlyConfirmed);
+    let given = give_back(app, &row.key, &row.user, lines, refund).await?;
+    // A cart found with a paid line (confirmed through the line's own route,
+    // before or during the give-back) is confirmed as far as it went, never
+    // expired: retention keeps it, and a cancel of it refunds that line.
+    let ends_as = if ends_as == CartState::Expired && given.paid > 0 {
+        CartState::PartlyConfirmed
+    } else {
+        ends_as
+    };
     let finished = app
         .ledger
         .move_cart(CartMove {

@@ -274,6 +274,7 @@ pub(super) async fn on_gate(
         Settle::Lookup => return lookup_on_gate(app, drop, config, redis, key).await,
         Settle::Confirm { quantity } => Settling::Confirm { quantity },
         Settle::Cancel => Settling::Cancel,
+        Settle::Release => Settling::Release,
         Settle::Extend { until_ms } => Settling::Extend { until_ms },
     };
     change_on_gate(app, drop, config, redis, key, settling).await
@@ -388,11 +389,12 @@ async fn change_on_gate(
     let to = settling.state();
     let kept = match settling {
         Settling::Confirm { quantity } => quantity,
-        Settling::Cancel | Settling::Extend { .. } => None,
+        Settling::Cancel | Settling::Release | Settling::Extend { .. } => None,
     };
     let what = match settling {
         Settling::Confirm { .. } => "confirm",
         Settling::Cancel => "cancel",
+        Settling::Release => "give-back",
         Settling::Extend { .. } => "extension",
     };
     let mut conn = app.redis.clone();
@@ -667,6 +669,7 @@ async fn answered(
     }
     let settle = match settling {
         Settling::Cancel => Settle::Cancel,
+        Settling::Release => Settle::Release,
         Settling::Confirm { quantity } => Settle::Confirm { quantity },
         Settling::Extend { until_ms } => Settle::Extend { until_ms },
     };
@@ -729,8 +732,9 @@ fn from_ledger(row: Recorded, settle: Settle) -> Outcome {
         (Settle::Extend { .. }, State::Cancelled) => Outcome::WasCancelled(view),
         (_, State::Active | State::Expired) => Outcome::Expired(view),
         (Settle::Confirm { .. }, State::Confirmed) => Outcome::AlreadyConfirmed(view),
-        (Settle::Cancel, State::Cancelled) => Outcome::AlreadyCancelled(view),
+        (Settle::Cancel | Settle::Release, State::Cancelled) => Outcome::AlreadyCancelled(view),
         (Settle::Confirm { .. }, State::Cancelled) => Outcome::WasCancelled(view),
+        (Settle::Release, State::Confirmed) => Outcome::AlreadyConfirmed(view),
         (Settle::Cancel, State::Confirmed) | (_, State::Pending) => Outcome::RecordExpired(view),
     }
 }
