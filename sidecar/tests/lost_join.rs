@@ -137,6 +137,7 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
         position: 2,
         attempt: "late",
         decided_on: None,
+        known: None,
     };
     ledger
         .join(&ledger_key_in(redis, "sale"), lost)
@@ -178,6 +179,7 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
         position: 2,
         attempt: "dead",
         decided_on: None,
+        known: None,
     };
     ledger
         .give_up_join(&ledger_key_in(redis, "sale"), "w2", "dead", given_up)
@@ -356,6 +358,60 @@ async fn a_join_waits_for_a_peer_noting_a_newer_config() {
     );
 }
 
+/// On PostgreSQL a join on a drop the ledger has no stock row for yet, decided on
+/// generation 5 while a peer's transaction is making the row at generation 6 (not
+/// yet committed), waits for it and is refused once it commits. Before, with no
+/// row to lock, the join read no generation at all and was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_waits_for_a_peer_making_the_first_stock_row() {
+    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
+    let ledger = Ledger::open(&postgres.url())
+        .await
+        .expect("the ledger opens");
+    let drop_key = "shop/sale/s1";
+    // The peer's first commit of the drop, as ensure_stock makes the row.
+    let mut peer = ledger.pool().begin().await.expect("begins");
+    sqlx::query("INSERT INTO stock (drop_key, lim, available, generation) VALUES ($1, 0, 0, 6)")
+        .bind(drop_key)
+        .execute(&mut *peer)
+        .await
+        .expect("makes the stock row at generation 6");
+    let known = dropgate_sidecar::reservation::Stock {
+        limit: 0,
+        generation: 5,
+        terms: None,
+        variants: None,
+    };
+    let joining = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let join = Join {
+                known: Some(&known),
+                ..join_of("w1", 1, Some(5))
+            };
+            ledger.join(drop_key, join).await
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !joining.is_finished(),
+        "the join waits for the peer's commit"
+    );
+    peer.commit().await.expect("the peer commits");
+    match joining.await.expect("the join's task") {
+        Err(LedgerError::ConfigBehind {
+            decided_on: 5,
+            newest: 6,
+        }) => {}
+        other => panic!("a join decided on generation 5 after 6 was noted: {other:?}"),
+    }
+    assert_eq!(
+        ledger.waiting_entry(drop_key, "w1").await.expect("reads"),
+        None
+    );
+}
+
 /// A SQLite ledger file and a PostgreSQL server, for a test that runs on either.
 struct BothLedgers {
     postgres: dropgate_testkit::PostgresServer,
@@ -393,5 +449,6 @@ fn join_of(
         position,
         attempt: key,
         decided_on,
+        known: None,
     }
 }

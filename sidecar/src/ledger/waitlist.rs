@@ -74,6 +74,12 @@ pub struct Join<'a> {
     /// server numbered it: [`Ledger::join`] refuses it if the ledger has seen a
     /// newer one (a change Redis lost). `None`: not compared.
     pub decided_on: Option<i64>,
+    /// The drop's stock as the joining sidecar's config has it. A compared join on
+    /// a drop the ledger has no stock row for yet creates the row with it, as a
+    /// first commit would, so that a commit noting another generation meanwhile is
+    /// ordered with the join (it waits for the row, or the join waits for it)
+    /// rather than unseen. `None`: nothing to create the row from.
+    pub known: Option<&'a crate::reservation::Stock>,
 }
 
 fn row_of(row: &sqlx::any::AnyRow) -> Result<WaitRow, sqlx::Error> {
@@ -108,7 +114,14 @@ impl Ledger {
             super::Backend::Postgres => self.pool().begin().await?,
         };
         let newest = match join.decided_on {
-            Some(_) => newest_generation(&mut tx, self.backend, drop_key).await?,
+            Some(_) => match (
+                newest_generation(&mut tx, self.backend, drop_key).await?,
+                join.known,
+            ) {
+                (Some(newest), _) => newest,
+                (None, Some(stock)) => super::ensure_stock(&mut tx, drop_key, stock).await?.0,
+                (None, None) => 0,
+            },
             None => 0,
         };
         let written = sqlx::query(
@@ -372,15 +385,15 @@ pub(super) async fn set_aside(
     Ok(aside)
 }
 
-/// The newest generation of the drop's config the ledger has seen (0: none), read
-/// in `tx`: on PostgreSQL with a share lock on the stock row, which a commit that
-/// notes a newer generation takes for update. (A drop with no stock row yet has
-/// nothing to lock: a join then is not ordered against the commit that makes it.)
+/// The newest generation of the drop's config the ledger has seen, read in `tx`:
+/// on PostgreSQL with a share lock on the stock row, which a commit that notes a
+/// newer generation takes for update. `None`: the drop has no stock row yet (there
+/// is nothing to lock; [`Ledger::join`] then makes the row).
 async fn newest_generation(
     tx: &mut sqlx::Transaction<'static, sqlx::Any>,
     backend: super::Backend,
     drop_key: &str,
-) -> Result<i64, sqlx::Error> {
+) -> Result<Option<i64>, sqlx::Error> {
     let sql = match backend {
         super::Backend::Postgres => "SELECT generation FROM stock WHERE drop_key = $1 FOR SHARE",
         super::Backend::Sqlite => "SELECT generation FROM stock WHERE drop_key = $1",
@@ -390,7 +403,7 @@ async fn newest_generation(
         .fetch_optional(&mut **tx)
         .await?;
     Ok(match row {
-        Some(row) => row.try_get::<Option<i64>, _>(0)?.unwrap_or(0),
-        None => 0,
+        Some(row) => Some(row.try_get::<Option<i64>, _>(0)?.unwrap_or(0)),
+        None => None,
     })
 }

@@ -382,6 +382,7 @@ async fn make_durable(
         take_back_join(app, drop, key, attempt).await;
         return Err(refuse_on_lost_config(app, drop, decided_on, read_here));
     }
+    let known = crate::reservation::Stock::of(&drop.config());
     let join = Join {
         key,
         user: &entry.user,
@@ -390,6 +391,7 @@ async fn make_durable(
         position: entry.position,
         attempt,
         decided_on,
+        known: Some(&known),
     };
     if crate::faults::check(crate::faults::Fault::DieMidJoin).is_err() {
         tracing::error!(key, "injected fault: the process dies mid-join");
@@ -499,6 +501,7 @@ async fn resolve_join(app: &App, drop: &Drop, key: &str, entry: &Entry) -> Resul
         attempt: &entry.attempt,
         // (A join given up on is written as abandoned, whatever it was decided on.)
         decided_on: None,
+        known: None,
     };
     let row = app
         .ledger
