@@ -224,6 +224,7 @@ async fn a_cart_is_held_confirmed_and_cancelled_as_one(kill_switch: bool) {
         lines(&confirmed),
         ["shirt/- x1: confirmed", "shoe/M x2: confirmed"]
     );
+    assert!(confirmed.body["expiresAt"].is_null(), "{}", confirmed.text);
     cart_call(&sidecar, "c1", "confirm")
         .await
         .assert_answer(200, "already_confirmed");
@@ -400,6 +401,11 @@ async fn a_cart_not_confirmable_whole_gives_back_its_other_lines() {
         confirm.text
     );
     assert_eq!(confirm.body["state"], "expired", "{}", confirm.text);
+    assert!(
+        confirm.body["expiresAt"].is_null(),
+        "an ended cart holds nothing until any time: {}",
+        confirm.text
+    );
     let confirm = cart_call(&sidecar, "last-gone", "confirm").await;
     confirm.assert_answer(409, "expired");
     assert_eq!(

@@ -1080,13 +1080,20 @@ async fn view(app: &App, row: &CartRow, look_up: bool) -> CartView {
             reservation,
         });
     }
+    // The earliest deadline of the lines still held; the row's (its earliest
+    // line's) only for a held cart whose lines were not read. An ended cart holds
+    // nothing, and has none.
+    let read = held.iter().any(|h| h.reservation.is_some());
     let expires_at_ms = held
         .iter()
         .filter_map(|h| h.reservation.as_ref())
         .filter(|r| r.state == State::Active)
         .map(|r| r.expires_at_ms)
         .min()
-        .or((row.expires_at_ms > 0).then_some(row.expires_at_ms));
+        .or(
+            (row.state == CartState::Held && !read && row.expires_at_ms > 0)
+                .then_some(row.expires_at_ms),
+        );
     CartView {
         key: row.key.clone(),
         user: row.user.clone(),
