@@ -8,7 +8,8 @@
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
-use super::{Ledger, LedgerError};
+use super::{Ledger, LedgerError, RecordError};
+use crate::reservation::Change;
 
 /// Where a cart as a whole stands (see `migrations/0006_carts.sql`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,22 +189,50 @@ impl Ledger {
     /// moves nothing. Written in the writer's next group commit, as
     /// [`Ledger::begin_cart`].
     pub async fn move_cart(&self, change: CartMove<'_>) -> Result<bool, LedgerError> {
-        let write = CartWrite::Move {
-            namespace: change.namespace.to_string(),
-            key: change.key.to_string(),
-            from: change.from,
-            attempt: change.attempt.to_string(),
-            to: change.to,
-            ends_as: change.ends_as,
-            new_attempt: change.new_attempt.to_string(),
-            deadline_ms: change.deadline_ms,
-            expires_at_ms: change.expires_at_ms,
-            held: change.held.to_string(),
-            short: change.short.to_string(),
-        };
+        let write = CartWrite::of(change);
         match self.write_cart(write).await? {
             CartWritten::Moved(moved) => Ok(moved),
             CartWritten::Begun(_) => Err(mixed_up()),
+        }
+    }
+
+    /// Records `changes` (the confirms of a cart's lines, prepared by the Redis
+    /// gate) and the cart's move `cart` in one transaction, all or nothing: a
+    /// line the ledger refuses, or a cart another mover moved first, rolls the
+    /// whole back. `Err(LedgerError::CommitUnknown)`: the commit may have landed
+    /// (whole); fencing one line's attempt off tells which.
+    pub async fn record_with_cart(
+        &self,
+        changes: &[Change],
+        cart: CartMove<'_>,
+    ) -> Result<Whole, LedgerError> {
+        let now = crate::clock::now_ms();
+        if changes
+            .iter()
+            .any(|c| c.deadline_ms.is_some_and(|due| due <= now))
+        {
+            return Ok(Whole::Refused(RecordError::Late));
+        }
+        let write = CartWrite::of(cart);
+        let changes: Vec<&Change> = changes.iter().collect();
+        let committed =
+            super::commit_in_time(&self.pool, self.backend, &changes, &[&write], true).await;
+        match committed {
+            Ok((verdicts, written)) => {
+                if let Some(refusal) = verdicts.into_iter().find_map(Result::err) {
+                    return Ok(Whole::Refused(refusal));
+                }
+                match written.first() {
+                    Some(CartWritten::Moved(true)) => Ok(Whole::Recorded),
+                    _ => Ok(Whole::CartTaken),
+                }
+            }
+            Err(super::CommitError::Unknown(why)) => Err(LedgerError::CommitUnknown(why)),
+            Err(super::CommitError::Sql(e)) => Err(LedgerError::Sql(e)),
+            // (A confirm moves no stock.)
+            Err(super::CommitError::Overdrawn(drop_key)) => Err(LedgerError::Sql(
+                sqlx::Error::Protocol(format!("a cart's confirm overdrew the stock of {drop_key}")),
+            )),
         }
     }
 
@@ -278,6 +307,18 @@ pub(super) enum CartWrite {
     },
 }
 
+/// What [`Ledger::record_with_cart`] came to.
+#[derive(Debug)]
+pub enum Whole {
+    /// Every line's change and the cart's move committed.
+    Recorded,
+    /// Nothing committed: the ledger refused a line's change (the first refusal).
+    Refused(RecordError),
+    /// Nothing committed: the cart was not where the move expected it (another
+    /// mover came first).
+    CartTaken,
+}
+
 /// What a [`CartWrite`] came to.
 #[derive(Debug)]
 pub(super) enum CartWritten {
@@ -295,6 +336,22 @@ fn mixed_up() -> LedgerError {
 }
 
 impl CartWrite {
+    fn of(change: CartMove<'_>) -> Self {
+        CartWrite::Move {
+            namespace: change.namespace.to_string(),
+            key: change.key.to_string(),
+            from: change.from,
+            attempt: change.attempt.to_string(),
+            to: change.to,
+            ends_as: change.ends_as,
+            new_attempt: change.new_attempt.to_string(),
+            deadline_ms: change.deadline_ms,
+            expires_at_ms: change.expires_at_ms,
+            held: change.held.to_string(),
+            short: change.short.to_string(),
+        }
+    }
+
     /// The row it writes, to order a group commit's cart writes: two commits
     /// writing the same carts take their rows' locks in the same order.
     pub(super) fn row(&self) -> (&str, &str) {

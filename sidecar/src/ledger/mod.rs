@@ -529,7 +529,7 @@ async fn group_commit(
         let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
         let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| &**w).collect();
         let started = std::time::Instant::now();
-        let committed = commit_in_time(&pool, backend, &changes, &writes).await;
+        let committed = commit_in_time(&pool, backend, &changes, &writes, false).await;
         commit_seconds.observe(started.elapsed().as_secs_f64());
         match committed {
             Ok((verdicts, written)) => {
@@ -567,7 +567,8 @@ async fn group_commit(
                     }
                     number += 1;
                     name_batch(&span, number, 1);
-                    let verdict = match commit_in_time(&pool, backend, &[&change], &[]).await {
+                    let verdict = match commit_in_time(&pool, backend, &[&change], &[], false).await
+                    {
                         Ok((mut verdicts, _)) => verdicts.pop().unwrap_or(Ok(())),
                         Err(e) => Err(single_failure(&pool, &change, e).await),
                     };
@@ -575,7 +576,8 @@ async fn group_commit(
                 }
                 for (write, done) in cart_writes {
                     number += 1;
-                    let written = match commit_in_time(&pool, backend, &[], &[&*write]).await {
+                    let written = match commit_in_time(&pool, backend, &[], &[&*write], false).await
+                    {
                         Ok((_, mut written)) => written.pop().ok_or_else(|| {
                             LedgerError::Sql(sqlx::Error::Protocol(
                                 "a cart's write came back with no result".into(),
@@ -644,6 +646,7 @@ async fn commit_in_time(
     backend: Backend,
     changes: &[&Change],
     cart_writes: &[&carts::CartWrite],
+    whole: bool,
 ) -> Result<Committed, CommitError> {
     let deadline = std::time::Duration::from_millis(COMMIT_DEADLINE_MS);
     // PostgreSQL breaks a deadlock by failing one of its transactions, which it
@@ -654,7 +657,7 @@ async fn commit_in_time(
         let mut tries = 0;
         loop {
             tries += 1;
-            match commit(pool, backend, changes, cart_writes).await {
+            match commit(pool, backend, changes, cart_writes, whole).await {
                 // Not begun again past a change's own deadline (its resolver may
                 // have claimed the key in the ledger by then), nor when a try
                 // that waits for a lock could not end within the commit's: the
@@ -693,11 +696,15 @@ const DEADLOCK_DETECTED: &str = "40P01";
 /// below zero; per change, the reservation row and the outbox event; then the
 /// carts' writes. Returns each change's verdict and each cart write's result; a
 /// change from a stale epoch is refused and the rest commit.
+/// One transaction making `changes` and `cart_writes`, each change with its own
+/// verdict. `whole`: all or nothing, so that a change refused or a cart's move not
+/// made rolls everything back (the verdicts and writes returned say which).
 async fn commit(
     pool: &AnyPool,
     backend: Backend,
     changes: &[&Change],
     cart_writes: &[&carts::CartWrite],
+    whole: bool,
 ) -> Result<Committed, CommitError> {
     let now = now_ms();
     let mut tx = pool.begin().await?;
@@ -842,6 +849,15 @@ async fn commit(
     let mut written = Vec::with_capacity(cart_writes.len());
     for write in cart_writes {
         written.push(write.apply(&mut tx).await?);
+    }
+    if whole
+        && (verdicts.iter().any(Result::is_err)
+            || written
+                .iter()
+                .any(|w| matches!(w, carts::CartWritten::Moved(false))))
+    {
+        // (Dropping the transaction rolls it back.)
+        return Ok((verdicts, written));
     }
     if !changes.is_empty() {
         crate::faults::check(crate::faults::Fault::BeforeLedgerCommit)

@@ -29,6 +29,7 @@ use crate::ledger::LedgerError;
 use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
 use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
 
+use super::settle::Together;
 use super::{Failure, Path, Retry, Served, Throttled, admit, pending_bound_ms};
 
 /// Why a line of a cart was not held.
@@ -1174,6 +1175,42 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
 
 async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     let namespace = app.drops.namespace();
+    // A held cart whose lines are all active holds on the Redis gate is confirmed
+    // as one: its lines' confirms and its own move in one ledger transaction, so
+    // that a failure anywhere before it commits leaves every line as it was.
+    if row.state == CartState::Held {
+        let lines = lines_of(&row);
+        let keyed: Vec<(&str, String)> = numbers(&row.held)
+            .into_iter()
+            .filter_map(|n| {
+                let line = lines.get(n.wrapping_sub(1))?;
+                Some((line.drop.as_str(), line_key(&row.key, n)))
+            })
+            .collect();
+        let closing = closing_attempt();
+        let move_to_confirmed = CartMove {
+            namespace,
+            key: &row.key,
+            from: CartState::Held,
+            attempt: &row.attempt,
+            to: CartState::Confirmed,
+            ends_as: None,
+            new_attempt: &closing,
+            deadline_ms: 0,
+            expires_at_ms: row.expires_at_ms,
+            held: &row.held,
+            short: &row.short,
+        };
+        match super::settle::confirm_together(app, &keyed, move_to_confirmed).await {
+            Together::Confirmed => {
+                let row = recorded(app, &row.key).await?;
+                return Ok(CartOutcome::Confirmed(view(app, &row, true).await));
+            }
+            Together::Failed(failure) | Together::Unknown(failure) => return Err(failure),
+            Together::CartTaken => return Err(in_flight(&row.key)),
+            Together::Apart => {}
+        }
+    }
     let mine = attempt();
     let taken = app
         .ledger

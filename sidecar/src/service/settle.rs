@@ -930,3 +930,209 @@ async fn settle_landed(
         }
     }
 }
+
+/// How the confirm of a cart's lines as one came out (see [`confirm_together`]).
+pub(super) enum Together {
+    /// Every line confirmed, and the cart's move recorded in the same transaction.
+    Confirmed,
+    /// Nothing changed: no line confirmed, the cart not moved.
+    Failed(Failure),
+    /// The cart was not where its move expected it (another mover came first):
+    /// nothing changed.
+    CartTaken,
+    /// Not decided as one, and nothing changed: a line's drop is not on the Redis
+    /// gate now, a line is not an active hold (lapsed, cancelled, another change of
+    /// it in flight), Redis failed or changed under the call, or the ledger
+    /// refused a line. Decided line by line instead, as any confirm is.
+    Apart,
+    /// The ledger's commit failed without saying whether it landed, and the ledger
+    /// could not be asked: the lines stay prepared, and their resolution finishes
+    /// or undoes them all alike by the ledger's record.
+    Unknown(Failure),
+}
+
+/// One line of a cart prepared for its confirm on the Redis gate.
+struct PreparedLine {
+    drop: std::sync::Arc<Drop>,
+    config: DropConfig,
+    redis: Checked,
+    key: String,
+    attempt: String,
+    view: View,
+    step: gate::Step,
+}
+
+/// Confirms the cart lines `lines` (each its drop's name and its reservation key)
+/// as one: each prepared in Redis (nothing changes for anyone until it is
+/// finished), then every line's confirm and the cart's move `cart` recorded in
+/// one ledger transaction, all or nothing, then each finished in Redis. Before
+/// the commit anything that goes wrong undoes the preparations, so an answer that
+/// says the confirm failed means no line was confirmed.
+pub(super) async fn confirm_together(
+    app: &App,
+    lines: &[(&str, String)],
+    cart: crate::ledger::carts::CartMove<'_>,
+) -> Together {
+    let mut conn = app.redis.clone();
+    let mut prepared: Vec<PreparedLine> = Vec::with_capacity(lines.len());
+    let mut apart = false;
+    for (drop_name, key) in lines {
+        let Ok(drop) = super::find_drop(app, drop_name).await else {
+            apart = true;
+            break;
+        };
+        let config = drop.config();
+        if !matches!(super::choose(app, &drop, &config), super::Choice::Gate) {
+            apart = true;
+            break;
+        }
+        let Ok(redis) = super::checked::<Outcome>(app, &drop, &config).await else {
+            apart = true;
+            break;
+        };
+        let attempt = format!("{:016x}", rand::random::<u64>());
+        let settling = Settling::Confirm { quantity: None };
+        let asked = gate::prepare(
+            &mut conn,
+            &drop.keys,
+            app.ledger.id(),
+            key,
+            settling,
+            &attempt,
+            COMMIT_DEADLINE_MS,
+        )
+        .await;
+        match asked {
+            Ok(Prepare::Prepared { view, step }) => {
+                app.breaker(Some(&drop)).answered();
+                prepared.push(PreparedLine {
+                    drop,
+                    config,
+                    redis,
+                    key: key.clone(),
+                    attempt,
+                    view,
+                    step,
+                });
+            }
+            Ok(Prepare::Answered(_)) => {
+                app.breaker(Some(&drop)).answered();
+                apart = true;
+                break;
+            }
+            Err(e) => {
+                let _ = redis_failed(app, &drop, &config, &e);
+                apart = true;
+                break;
+            }
+        }
+    }
+    // (Nothing of an unchecked Redis's reply is recorded: see admit::reply_stands.)
+    if apart
+        || !prepared
+            .iter()
+            .all(|line| super::redis_still_checked(app, &line.drop, line.redis))
+    {
+        abort_all(app, &mut conn, &prepared).await;
+        return Together::Apart;
+    }
+    let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
+    let changes: Vec<Change> = prepared
+        .iter()
+        .map(|line| {
+            change_of(
+                &line.drop,
+                &line.config,
+                &line.key,
+                &line.step,
+                &line.view.reservation,
+                State::Confirmed,
+            )
+            .by(&line.attempt, deadline)
+        })
+        .collect();
+    let landed = match app.ledger.record_with_cart(&changes, cart).await {
+        Ok(crate::ledger::carts::Whole::Recorded) => true,
+        Ok(crate::ledger::carts::Whole::CartTaken) => {
+            abort_all(app, &mut conn, &prepared).await;
+            return Together::CartTaken;
+        }
+        Ok(crate::ledger::carts::Whole::Refused(refusal)) => {
+            tracing::debug!(%refusal, "a cart's lines were not confirmed as one: line by line");
+            abort_all(app, &mut conn, &prepared).await;
+            return Together::Apart;
+        }
+        // Whole or not at all: one line's row says which, once that line's attempt
+        // is fenced off (a late commit is then refused on it, and so whole).
+        Err(crate::ledger::LedgerError::CommitUnknown(why)) => {
+            let first = &prepared[0];
+            let settling = Settling::Confirm { quantity: None };
+            let ledger_key = change_key(&first.drop, &first.step);
+            match settle_landed(app, &ledger_key, &first.key, &first.attempt, settling).await {
+                Some(landed) => landed,
+                None => {
+                    tracing::warn!(%why, "a cart confirm's commit has an unknown outcome: left for its lines' resolution");
+                    return Together::Unknown(Failure::outcome_unknown(format!(
+                        "the ledger's commit of the cart's confirm failed without saying whether it landed ({why}), and the ledger cannot be asked; its lines are resolved by the ledger's record once the ledger answers again: retry"
+                    )));
+                }
+            }
+        }
+        Err(e) => {
+            abort_all(app, &mut conn, &prepared).await;
+            return Together::Failed(Failure::retry(format!(
+                "the ledger could not record the cart's confirm ({e}): nothing was changed; retry"
+            )));
+        }
+    };
+    if !landed {
+        abort_all(app, &mut conn, &prepared).await;
+        return Together::Failed(Failure::retry(
+            "the ledger's commit of the cart's confirm did not land: nothing was changed; retry",
+        ));
+    }
+    // Durable: whatever Redis does next, the lines are confirmed.
+    for line in &prepared {
+        let finished = finish_by(
+            app,
+            &line.drop,
+            &mut conn,
+            &line.key,
+            &line.attempt,
+            deadline,
+        )
+        .await;
+        if let Err(error) = finished {
+            // The resolver or the refresh's replay makes Redis follow the ledger.
+            tracing::warn!(drop = %line.drop.name, %error, "a recorded line confirm could not be finished in Redis yet");
+            replay_later(
+                app,
+                &line.drop,
+                &change_key(&line.drop, &line.step),
+                &line.key,
+            )
+            .await;
+        }
+        line.drop.throttle.release(&line.key);
+    }
+    Together::Confirmed
+}
+
+/// Undoes the preparations of `lines` (the ledger recorded none of them); one
+/// that cannot be undone now is resolved from the ledger (which has nothing) once
+/// it is overdue.
+async fn abort_all(app: &App, conn: &mut dropgate_redis::Connection, lines: &[PreparedLine]) {
+    for line in lines {
+        if let Err(error) = gate::abort(
+            conn,
+            &line.drop.keys,
+            app.ledger.id(),
+            &line.key,
+            &line.attempt,
+        )
+        .await
+        {
+            tracing::warn!(drop = %line.drop.name, %error, "a preparation could not be undone now");
+        }
+    }
+}
