@@ -51,9 +51,9 @@ pub enum Fault {
     /// lost the race with another call's check of Redis), so that a test can bring
     /// Redis in line meanwhile.
     PauseAfterReply,
-    /// A cart's give-back waits 1.5 s between its look-up of a line and giving
-    /// the line back, so that a test can confirm the line through its own route
-    /// meanwhile.
+    /// A cart's give-back waits 2.5 s between its look-up of a line it is to give
+    /// back (a hold) and giving it back, so that a test can confirm the line
+    /// through its own route meanwhile.
     PauseBeforeGiveBack,
 }
 
@@ -194,7 +194,7 @@ pub fn arm_times(fault: Fault, times: Times) {
 
 /// Whether the passes armed for `fault` with [`arm`] are all spent (the point was
 /// passed as many times as armed): a test waits for it before acting in the pause
-/// it made.
+/// it made. (Also true once a point is disarmed with `arm(fault, 0)`.)
 #[cfg(any(debug_assertions, feature = "fault-injection"))]
 pub fn spent(fault: Fault) -> bool {
     let armed = armed::ARMED.lock().unwrap_or_else(|e| e.into_inner());

@@ -101,7 +101,7 @@ pub enum Settle {
     /// answers [`Outcome::AlreadyConfirmed`] and stays so. How a cart gives back
     /// lines that must not be refunded, decided in the same atomic step as the
     /// cancel, so a line confirmed through its own route a moment earlier is kept.
-    Release,
+    CancelHold,
     /// Moves an active hold's deadline to `until_ms` (ms since the epoch), within
     /// `spec.maxHoldSeconds` from its admission.
     Extend { until_ms: i64 },
@@ -378,6 +378,9 @@ pub struct Change {
     /// the ledger has the entry waiting (it becomes `offered` in the same
     /// transaction), announced as an `offered` event.
     pub offered: bool,
+    /// A cancel that gives back an active hold only (see [`Settle::CancelHold`]):
+    /// the ledger refuses it for a reservation it has confirmed.
+    pub hold_only: bool,
 }
 
 impl Change {
@@ -409,6 +412,7 @@ impl Change {
             deadline_ms: None,
             admitted_at_ms: None,
             offered: false,
+            hold_only: false,
         }
     }
 
@@ -448,5 +452,10 @@ impl Change {
     /// The admission of an offer to a waitlist's head (see [`Change::offered`]).
     pub fn offer(self, offered: bool) -> Self {
         Self { offered, ..self }
+    }
+
+    /// A cancel of an active hold only (see [`Change::hold_only`]).
+    pub fn hold_only(self, hold_only: bool) -> Self {
+        Self { hold_only, ..self }
     }
 }

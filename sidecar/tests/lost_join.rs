@@ -137,7 +137,7 @@ async fn a_place_in_line_handed_out_twice_is_refused_and_the_lost_join_kept() {
         position: 2,
         attempt: "late",
         decided_on: None,
-        known: None,
+        stock_if_first: None,
     };
     ledger
         .join(&ledger_key_in(redis, "sale"), lost)
@@ -179,7 +179,7 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
         position: 2,
         attempt: "dead",
         decided_on: None,
-        known: None,
+        stock_if_first: None,
     };
     ledger
         .give_up_join(&ledger_key_in(redis, "sale"), "w2", "dead", given_up)
@@ -370,7 +370,8 @@ async fn a_join_waits_for_a_peer_making_the_first_stock_row() {
         .await
         .expect("the ledger opens");
     let drop_key = "shop/sale/s1";
-    // The peer's first commit of the drop, as ensure_stock makes the row.
+    // The peer's first commit of the drop, making the row (the columns
+    // ensure_stock writes that matter here: no limit, generation 6).
     let mut peer = ledger.pool().begin().await.expect("begins");
     sqlx::query("INSERT INTO stock (drop_key, lim, available, generation) VALUES ($1, 0, 0, 6)")
         .bind(drop_key)
@@ -387,12 +388,14 @@ async fn a_join_waits_for_a_peer_making_the_first_stock_row() {
         let ledger = ledger.clone();
         tokio::spawn(async move {
             let join = Join {
-                known: Some(&known),
+                stock_if_first: Some(&known),
                 ..join_of("w1", 1, Some(5))
             };
             ledger.join(drop_key, join).await
         })
     };
+    // (Without the row made in its transaction the join would not wait, and this
+    // fails; it cannot pass while the join is unordered.)
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(
         !joining.is_finished(),
@@ -449,6 +452,6 @@ fn join_of(
         position,
         attempt: key,
         decided_on,
-        known: None,
+        stock_if_first: None,
     }
 }

@@ -601,8 +601,8 @@ pub enum Settling {
         quantity: Option<i64>,
     },
     Cancel,
-    /// A cancel of an active hold only (see [`crate::reservation::Settle::Release`]).
-    Release,
+    /// A cancel of an active hold only (see [`crate::reservation::Settle::CancelHold`]).
+    CancelHold,
     /// Moves an active hold's deadline to `until_ms` (ms since the epoch).
     Extend {
         until_ms: i64,
@@ -614,7 +614,7 @@ impl Settling {
     pub fn state(self) -> State {
         match self {
             Self::Confirm { .. } => State::Confirmed,
-            Self::Cancel | Self::Release => State::Cancelled,
+            Self::Cancel | Self::CancelHold => State::Cancelled,
             Self::Extend { .. } => State::Active,
         }
     }
@@ -635,7 +635,7 @@ pub async fn prepare(
 ) -> RedisResult<Prepare> {
     let (script, call, asked) = match settling {
         Settling::Cancel => (&CANCEL, Call::Cancel, String::new()),
-        Settling::Release => (&CANCEL, Call::Cancel, "held".to_string()),
+        Settling::CancelHold => (&CANCEL, Call::Cancel, "hold_only".to_string()),
         Settling::Confirm { quantity } => (
             &CONFIRM,
             Call::Confirm,

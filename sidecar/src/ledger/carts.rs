@@ -7,6 +7,7 @@
 
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
+use tracing::Instrument;
 
 use super::{Ledger, LedgerError, RecordError};
 use crate::reservation::Change;
@@ -189,51 +190,41 @@ impl Ledger {
     /// moves nothing. Written in the writer's next group commit, as
     /// [`Ledger::begin_cart`].
     pub async fn move_cart(&self, change: CartMove<'_>) -> Result<bool, LedgerError> {
-        let write = CartWrite::of(change);
+        let write = CartWrite::from(change);
         match self.write_cart(write).await? {
             CartWritten::Moved(moved) => Ok(moved),
             CartWritten::Begun(_) => Err(mixed_up()),
         }
     }
 
-    /// Records `changes` (the confirms of a cart's lines, prepared by the Redis
-    /// gate) and the cart's move `cart` in one transaction, all or nothing: a
-    /// line the ledger refuses, or a cart another mover moved first, rolls the
-    /// whole back. `Err(LedgerError::CommitUnknown)`: the commit may have landed
-    /// (whole); fencing one line's attempt off tells which.
+    /// Records `changes` and the cart's move `cart` in one transaction, all or
+    /// nothing: a change the ledger refuses, or a cart another mover moved first,
+    /// rolls the whole back (the first refusal is returned). Made by the writer, in
+    /// a transaction of its own. `Err(LedgerError::CommitUnknown)`: it may have
+    /// landed, whole.
     pub async fn record_with_cart(
         &self,
-        changes: &[Change],
+        changes: Vec<Change>,
         cart: CartMove<'_>,
-    ) -> Result<Whole, LedgerError> {
-        let now = crate::clock::now_ms();
-        if changes
-            .iter()
-            .any(|c| c.deadline_ms.is_some_and(|due| due <= now))
-        {
-            return Ok(Whole::Refused(RecordError::Late));
+    ) -> Result<CartCommit, LedgerError> {
+        let span = tracing::debug_span!(
+            "ledger commit",
+            otel.kind = "client",
+            db.system = self.backend.system(),
+            db.system.name = self.backend.system(),
+            db.operation.name = "COMMIT",
+        );
+        let (done, wait) = tokio::sync::oneshot::channel();
+        let gone = || LedgerError::Sql(sqlx::Error::Protocol("the ledger's writer stopped".into()));
+        async {
+            self.writer
+                .send(super::Queued::Whole((changes, CartWrite::from(cart), done)))
+                .await
+                .map_err(|_| gone())?;
+            wait.await.map_err(|_| gone())?
         }
-        let write = CartWrite::of(cart);
-        let changes: Vec<&Change> = changes.iter().collect();
-        let committed =
-            super::commit_in_time(&self.pool, self.backend, &changes, &[&write], true).await;
-        match committed {
-            Ok((verdicts, written)) => {
-                if let Some(refusal) = verdicts.into_iter().find_map(Result::err) {
-                    return Ok(Whole::Refused(refusal));
-                }
-                match written.first() {
-                    Some(CartWritten::Moved(true)) => Ok(Whole::Recorded),
-                    _ => Ok(Whole::CartTaken),
-                }
-            }
-            Err(super::CommitError::Unknown(why)) => Err(LedgerError::CommitUnknown(why)),
-            Err(super::CommitError::Sql(e)) => Err(LedgerError::Sql(e)),
-            // (A confirm moves no stock.)
-            Err(super::CommitError::Overdrawn(drop_key)) => Err(LedgerError::Sql(
-                sqlx::Error::Protocol(format!("a cart's confirm overdrew the stock of {drop_key}")),
-            )),
-        }
+        .instrument(span)
+        .await
     }
 
     /// Forgets a cart that `attempt` is holding with nothing held (a line could
@@ -309,14 +300,14 @@ pub(super) enum CartWrite {
 
 /// What [`Ledger::record_with_cart`] came to.
 #[derive(Debug)]
-pub enum Whole {
-    /// Every line's change and the cart's move committed.
-    Recorded,
-    /// Nothing committed: the ledger refused a line's change (the first refusal).
-    Refused(RecordError),
+pub enum CartCommit {
+    /// Every change and the cart's move committed.
+    Committed,
+    /// Nothing committed: the ledger refused a change (the first refusal).
+    LineRefused(RecordError),
     /// Nothing committed: the cart was not where the move expected it (another
     /// mover came first).
-    CartTaken,
+    CartMoved,
 }
 
 /// What a [`CartWrite`] came to.
@@ -329,14 +320,14 @@ pub(super) enum CartWritten {
     Moved(bool),
 }
 
-fn mixed_up() -> LedgerError {
+pub(super) fn mixed_up() -> LedgerError {
     LedgerError::Sql(sqlx::Error::Protocol(
         "the ledger's writer answered a cart write with another kind of result".into(),
     ))
 }
 
-impl CartWrite {
-    fn of(change: CartMove<'_>) -> Self {
+impl From<CartMove<'_>> for CartWrite {
+    fn from(change: CartMove<'_>) -> Self {
         CartWrite::Move {
             namespace: change.namespace.to_string(),
             key: change.key.to_string(),
@@ -351,7 +342,9 @@ impl CartWrite {
             short: change.short.to_string(),
         }
     }
+}
 
+impl CartWrite {
     /// The row it writes, to order a group commit's cart writes: two commits
     /// writing the same carts take their rows' locks in the same order.
     pub(super) fn row(&self) -> (&str, &str) {

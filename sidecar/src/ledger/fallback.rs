@@ -576,7 +576,7 @@ impl Ledger {
             let target = match (settle, row.state) {
                 (Settle::Confirm { .. }, State::Active) => Some(State::Confirmed),
                 (Settle::Cancel, State::Active | State::Confirmed) => Some(State::Cancelled),
-                (Settle::Release, State::Active) => Some(State::Cancelled),
+                (Settle::CancelHold, State::Active) => Some(State::Cancelled),
                 _ => None,
             };
             // An expiry written above is what this request changed, if anything.
@@ -612,12 +612,12 @@ impl Ledger {
                 (Settle::Extend { .. }, State::Confirmed) => Outcome::WasConfirmed(view),
                 (Settle::Extend { .. }, State::Cancelled) => Outcome::WasCancelled(view),
                 (Settle::Cancel, State::Active | State::Confirmed)
-                | (Settle::Release, State::Active) => Outcome::Cancelled(view),
-                (Settle::Cancel | Settle::Release, State::Cancelled) => {
+                | (Settle::CancelHold, State::Active) => Outcome::Cancelled(view),
+                (Settle::Cancel | Settle::CancelHold, State::Cancelled) => {
                     Outcome::AlreadyCancelled(view)
                 }
                 // A give-back never refunds.
-                (Settle::Release, State::Confirmed) => Outcome::AlreadyConfirmed(view),
+                (Settle::CancelHold, State::Confirmed) => Outcome::AlreadyConfirmed(view),
                 // The ledger never records a pending admission.
                 (_, State::Pending) => Outcome::Recording,
             };

@@ -193,6 +193,12 @@ type PendingCart = (
     oneshot::Sender<Result<carts::CartWritten, LedgerError>>,
 );
 
+type PendingWhole = (
+    Vec<Change>,
+    carts::CartWrite,
+    oneshot::Sender<Result<carts::CartCommit, LedgerError>>,
+);
+
 /// What waits for the writer's next group commit. (Nearly all are changes: boxing
 /// them to make the rare cart write's variant no smaller would cost every
 /// admission an allocation.)
@@ -200,6 +206,18 @@ type PendingCart = (
 enum Queued {
     Change(Pending),
     Cart(PendingCart),
+    /// Changes and a cart's write to commit all or nothing, in a transaction of
+    /// their own (see [`Ledger::record_with_cart`]).
+    Whole(PendingWhole),
+}
+
+/// Whether one of a transaction's changes may be refused while the others commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Atomicity {
+    /// Each change has its own verdict (a group commit of unrelated requests).
+    PerChange,
+    /// A change refused, or a cart's move not made, rolls everything back.
+    AllOrNothing,
 }
 
 /// Which database is behind the `Any` pool: the few statements that differ.
@@ -495,6 +513,7 @@ async fn group_commit(
         }
         let mut batch: Vec<Pending> = Vec::with_capacity(queued.len());
         let mut cart_writes: Vec<PendingCart> = Vec::new();
+        let mut wholes: Vec<PendingWhole> = Vec::new();
         for item in queued {
             match item {
                 Queued::Change(pending) => batch.push(pending),
@@ -502,7 +521,15 @@ async fn group_commit(
                 // is written yet, and nobody would hear what it came to.
                 Queued::Cart((_, done)) if done.is_closed() => {}
                 Queued::Cart(pending) => cart_writes.push(pending),
+                Queued::Whole((.., done)) if done.is_closed() => {}
+                Queued::Whole(pending) => wholes.push(pending),
             }
+        }
+        // Each in a transaction of its own, after this round's batch: a refusal in
+        // it rolls back only its own changes.
+        for (changes, write, done) in wholes {
+            let _ =
+                done.send(commit_whole(&pool, backend, &changes, &write, &commit_seconds).await);
         }
         // A change past its deadline is not begun: its key is someone else's to
         // resolve by now (see `RecordError::Late`).
@@ -529,7 +556,8 @@ async fn group_commit(
         let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
         let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| &**w).collect();
         let started = std::time::Instant::now();
-        let committed = commit_in_time(&pool, backend, &changes, &writes, false).await;
+        let committed =
+            commit_in_time(&pool, backend, &changes, &writes, Atomicity::PerChange).await;
         commit_seconds.observe(started.elapsed().as_secs_f64());
         match committed {
             Ok((verdicts, written)) => {
@@ -567,28 +595,80 @@ async fn group_commit(
                     }
                     number += 1;
                     name_batch(&span, number, 1);
-                    let verdict = match commit_in_time(&pool, backend, &[&change], &[], false).await
-                    {
-                        Ok((mut verdicts, _)) => verdicts.pop().unwrap_or(Ok(())),
-                        Err(e) => Err(single_failure(&pool, &change, e).await),
-                    };
+                    let verdict =
+                        match commit_in_time(&pool, backend, &[&change], &[], Atomicity::PerChange)
+                            .await
+                        {
+                            Ok((mut verdicts, _)) => verdicts.pop().unwrap_or(Ok(())),
+                            Err(e) => Err(single_failure(&pool, &change, e).await),
+                        };
                     let _ = done.send(verdict);
                 }
                 for (write, done) in cart_writes {
                     number += 1;
-                    let written = match commit_in_time(&pool, backend, &[], &[&*write], false).await
-                    {
-                        Ok((_, mut written)) => written.pop().ok_or_else(|| {
-                            LedgerError::Sql(sqlx::Error::Protocol(
-                                "a cart's write came back with no result".into(),
-                            ))
-                        }),
-                        Err(e) => Err(cart_failure(e)),
-                    };
+                    let written =
+                        match commit_in_time(&pool, backend, &[], &[&*write], Atomicity::PerChange)
+                            .await
+                        {
+                            Ok((_, mut written)) => written.pop().ok_or_else(|| {
+                                LedgerError::Sql(sqlx::Error::Protocol(
+                                    "a cart's write came back with no result".into(),
+                                ))
+                            }),
+                            Err(e) => Err(cart_failure(e)),
+                        };
                     let _ = done.send(written);
                 }
             }
         }
+    }
+}
+
+/// Commits `changes` and the cart's `write` all or nothing (see
+/// [`Ledger::record_with_cart`]).
+async fn commit_whole(
+    pool: &AnyPool,
+    backend: Backend,
+    changes: &[Change],
+    write: &carts::CartWrite,
+    commit_seconds: &Histogram,
+) -> Result<carts::CartCommit, LedgerError> {
+    // Past a change's deadline its key is someone else's to resolve: not begun.
+    let now = now_ms();
+    if changes
+        .iter()
+        .any(|c| c.deadline_ms.is_some_and(|due| due <= now))
+    {
+        return Ok(carts::CartCommit::LineRefused(RecordError::Late));
+    }
+    let changes: Vec<&Change> = changes.iter().collect();
+    let started = std::time::Instant::now();
+    let committed =
+        commit_in_time(pool, backend, &changes, &[write], Atomicity::AllOrNothing).await;
+    commit_seconds.observe(started.elapsed().as_secs_f64());
+    match committed {
+        Ok((verdicts, written)) => {
+            if let Some(refusal) = verdicts.into_iter().find_map(Result::err) {
+                return Ok(carts::CartCommit::LineRefused(refusal));
+            }
+            match written.first() {
+                Some(carts::CartWritten::Moved(true)) => Ok(carts::CartCommit::Committed),
+                Some(carts::CartWritten::Moved(false)) => Ok(carts::CartCommit::CartMoved),
+                _ => Err(carts::mixed_up()),
+            }
+        }
+        Err(CommitError::Unknown(why)) => Err(LedgerError::CommitUnknown(why)),
+        // A change number Redis handed out twice (it lost writes): refused as the
+        // change would be alone, so that the caller rebuilds Redis.
+        Err(CommitError::Sql(sqlx::Error::Database(db))) if db.is_unique_violation() => {
+            Ok(carts::CartCommit::LineRefused(RecordError::SeqReused(
+                changes.iter().find_map(|c| c.seq).unwrap_or(0),
+            )))
+        }
+        Err(CommitError::Sql(e)) => Err(LedgerError::Sql(e)),
+        Err(CommitError::Overdrawn(drop_key)) => Err(LedgerError::Sql(sqlx::Error::Protocol(
+            format!("a cart's changes were refused for the stock of {drop_key}"),
+        ))),
     }
 }
 
@@ -646,7 +726,7 @@ async fn commit_in_time(
     backend: Backend,
     changes: &[&Change],
     cart_writes: &[&carts::CartWrite],
-    whole: bool,
+    atomicity: Atomicity,
 ) -> Result<Committed, CommitError> {
     let deadline = std::time::Duration::from_millis(COMMIT_DEADLINE_MS);
     // PostgreSQL breaks a deadlock by failing one of its transactions, which it
@@ -657,7 +737,7 @@ async fn commit_in_time(
         let mut tries = 0;
         loop {
             tries += 1;
-            match commit(pool, backend, changes, cart_writes, whole).await {
+            match commit(pool, backend, changes, cart_writes, atomicity).await {
                 // Not begun again past a change's own deadline (its resolver may
                 // have claimed the key in the ledger by then), nor when a try
                 // that waits for a lock could not end within the commit's: the
@@ -694,17 +774,17 @@ const DEADLOCK_DETECTED: &str = "40P01";
 /// PostgreSQL, so a hand-over waits for commits in flight and they for it) and the
 /// stock row moved once by the batch's net units, refused if that would take it
 /// below zero; per change, the reservation row and the outbox event; then the
-/// carts' writes. Returns each change's verdict and each cart write's result; a
-/// change from a stale epoch is refused and the rest commit.
-/// One transaction making `changes` and `cart_writes`, each change with its own
-/// verdict. `whole`: all or nothing, so that a change refused or a cart's move not
-/// made rolls everything back (the verdicts and writes returned say which).
+/// carts' writes. Returns each change's verdict and each cart write's result. With
+/// [`Atomicity::PerChange`] a change refused (a stale epoch, say) is left out and
+/// the rest commit; with [`Atomicity::AllOrNothing`] a refusal, or a cart's move
+/// not made, rolls the whole transaction back (the verdicts and writes returned
+/// say which).
 async fn commit(
     pool: &AnyPool,
     backend: Backend,
     changes: &[&Change],
     cart_writes: &[&carts::CartWrite],
-    whole: bool,
+    atomicity: Atomicity,
 ) -> Result<Committed, CommitError> {
     let now = now_ms();
     let mut tx = pool.begin().await?;
@@ -850,7 +930,7 @@ async fn commit(
     for write in cart_writes {
         written.push(write.apply(&mut tx).await?);
     }
-    if whole
+    if atomicity == Atomicity::AllOrNothing
         && (verdicts.iter().any(Result::is_err)
             || written
                 .iter()
@@ -1576,6 +1656,15 @@ async fn transition(
     let sql = match change.state {
         State::Active | State::Pending => return Ok(None),
         State::Confirmed | State::Expired => {
+            "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
+             changed_by = CASE WHEN seq IS NULL OR $4 > seq THEN $7 ELSE changed_by END, quantity = quantity - $8 \
+             WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \
+             AND (fenced_attempt IS NULL OR fenced_attempt IS DISTINCT FROM $7) \
+             AND ($9 = 0 OR quantity = $10) AND ($11 = 0 OR expires_at_ms <= $12) RETURNING quantity"
+        }
+        // A give-back of a hold never refunds: a confirmed row is left as it is,
+        // and the change is refused as the key's record going elsewhere.
+        State::Cancelled if change.hold_only => {
             "UPDATE reservations SET state = $1, updated_at_ms = $2, replayed = $3, seq = CASE WHEN seq IS NULL OR $4 > seq THEN $4 ELSE seq END, \
              changed_by = CASE WHEN seq IS NULL OR $4 > seq THEN $7 ELSE changed_by END, quantity = quantity - $8 \
              WHERE drop_key = $5 AND res_key = $6 AND state = 'active' \

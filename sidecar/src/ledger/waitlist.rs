@@ -78,8 +78,10 @@ pub struct Join<'a> {
     /// a drop the ledger has no stock row for yet creates the row with it, as a
     /// first commit would, so that a commit noting another generation meanwhile is
     /// ordered with the join (it waits for the row, or the join waits for it)
-    /// rather than unseen. `None`: nothing to create the row from.
-    pub known: Option<&'a crate::reservation::Stock>,
+    /// rather than unseen. `None`: nothing to create the row from, and such a
+    /// join on a drop with no row yet is not ordered with that commit (only a
+    /// test's join, or one not compared, passes `None`).
+    pub stock_if_first: Option<&'a crate::reservation::Stock>,
 }
 
 fn row_of(row: &sqlx::any::AnyRow) -> Result<WaitRow, sqlx::Error> {
@@ -116,7 +118,7 @@ impl Ledger {
         let newest = match join.decided_on {
             Some(_) => match (
                 newest_generation(&mut tx, self.backend, drop_key).await?,
-                join.known,
+                join.stock_if_first,
             ) {
                 (Some(newest), _) => newest,
                 (None, Some(stock)) => super::ensure_stock(&mut tx, drop_key, stock).await?.0,

@@ -284,7 +284,10 @@ fn failed(app: &App, failure: Failure) -> Answer {
         Failure::Unavailable { why, path, retry } => {
             let answer = match retry {
                 Retry::SameKey => Answer::unavailable(why),
-                Retry::SameKeySoon | Retry::SameKeyToLearn => retry_later(why),
+                Retry::SameKeySoon => retry_later(why),
+                // The one 503 after which something may have changed: said in the
+                // body too (the retry with the same key learns what).
+                Retry::SameKeyToLearn => retry_later(why).with("outcomeUnknown", true),
                 // Said in the body too, so a client need not read the sentence.
                 Retry::NewKey => Answer::unavailable(why).with("keySpent", true),
             };

@@ -185,7 +185,7 @@ async fn settle(app: &App, raw_drop: &str, raw_key: &str, settle: Settle, body: 
     let parsed = input::path_id("key", raw_key).and_then(|key| {
         let body = match settle {
             Settle::Confirm { .. } => input::SettleAs::parse_confirm(body)?,
-            Settle::Cancel | Settle::Release | Settle::Lookup | Settle::Extend { .. } => {
+            Settle::Cancel | Settle::CancelHold | Settle::Lookup | Settle::Extend { .. } => {
                 input::SettleAs::parse(body)?
             }
         };

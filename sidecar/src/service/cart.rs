@@ -29,7 +29,7 @@ use crate::ledger::LedgerError;
 use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
 use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
 
-use super::settle::Together;
+use super::settle::ConfirmAsOne;
 use super::{Failure, Path, Retry, Served, Throttled, admit, pending_bound_ms};
 
 /// Why a line of a cart was not held.
@@ -219,6 +219,42 @@ pub(super) fn lines_of(row: &CartRow) -> Vec<CartLine> {
 
 fn numbers(json: &str) -> Vec<usize> {
     serde_json::from_str(json).unwrap_or_default()
+}
+
+/// The lines `row` holds: each one's number, line and reservation key.
+fn held_lines(row: &CartRow) -> Vec<(usize, CartLine, String)> {
+    let lines = lines_of(row);
+    numbers(&row.held)
+        .into_iter()
+        .filter_map(|n| {
+            let line = lines.get(n.wrapping_sub(1))?;
+            Some((n, line.clone(), line_key(&row.key, n)))
+        })
+        .collect()
+}
+
+/// The move that records `row` confirmed, from `from` under `attempt` (a
+/// confirm's), naming `closing` as the attempt nobody works under from then on.
+fn confirmed_move<'a>(
+    namespace: &'a str,
+    row: &'a CartRow,
+    from: CartState,
+    attempt: &'a str,
+    closing: &'a str,
+) -> CartMove<'a> {
+    CartMove {
+        namespace,
+        key: &row.key,
+        from,
+        attempt,
+        to: CartState::Confirmed,
+        ends_as: None,
+        new_attempt: closing,
+        deadline_ms: 0,
+        expires_at_ms: row.expires_at_ms,
+        held: &row.held,
+        short: &row.short,
+    }
 }
 
 fn shorts(json: &str) -> Vec<ShortLine> {
@@ -726,7 +762,9 @@ async fn release_now(
         abandon(app, cart, lines_held).await;
         return Err(Unreleased::Holding(in_flight(&cart.key)));
     }
-    if let Err(failure) = give_back(app, &cart.key, &cart.user, &cart.lines, true).await {
+    if let Err(failure) =
+        give_back(app, &cart.key, &cart.user, &cart.lines, PaidLines::Refund).await
+    {
         // Handed to the sweeper now rather than at the bound, so the units held
         // come back as soon as the gate answers again, not seconds after.
         let handed = app
@@ -791,7 +829,7 @@ async fn abandon(app: &App, cart: &CartReserve, lines_held: &[usize]) {
             ..line.clone()
         })
         .collect();
-    if let Err(failure) = give_back(app, &cart.key, &cart.user, &lines, true).await {
+    if let Err(failure) = give_back(app, &cart.key, &cart.user, &lines, PaidLines::Refund).await {
         tracing::warn!(cart = %cart.key, ?failure, "lines of a cart taken over could not be given back; they expire with their holds");
     }
 }
@@ -947,25 +985,45 @@ fn unknown(key: &str, what: &str, error: LedgerError) -> Failure {
     ))
 }
 
+/// What a give-back does with a line its buyer paid for (confirmed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PaidLines {
+    /// Refunds it: a cancel of the cart, or a cart given back before it was ever
+    /// answered (nothing of it may stay held).
+    Refund,
+    /// Keeps it: an expiry, or a confirm that found a line lapsed.
+    Keep,
+}
+
+impl PaidLines {
+    /// What a give-back toward `ends_as` does with a paid line.
+    fn toward(ends_as: CartState) -> Self {
+        match ends_as {
+            CartState::Expired | CartState::PartlyConfirmed => Self::Keep,
+            _ => Self::Refund,
+        }
+    }
+}
+
 /// Cancels each line of the cart `key` that is a reservation of its buyer `user`
 /// (a line never held, or whose key another buyer's reservation uses, is left
-/// alone; so is a line of quantity 0); with `active_only`, only lines still held
-/// and not confirmed (an expiry never refunds a line its buyer paid for).
+/// alone; so is a line of quantity 0); a paid line only if `paid` says to refund
+/// it (an expiry never refunds a line its buyer paid for).
 async fn give_back(
     app: &App,
     key: &str,
     user: &str,
     lines: &[CartLine],
-    refund: bool,
+    paid: PaidLines,
 ) -> Result<GivenBack, Failure> {
     let mut given = GivenBack::default();
-    // Without a refund, a line is given back only if it is still a hold, checked
-    // in the same step as the give-back (`Settle::Release`): one confirmed through
-    // its own route after the look-up below stays confirmed.
-    let how = if refund {
-        Settle::Cancel
-    } else {
-        Settle::Release
+    let refund = paid == PaidLines::Refund;
+    // Kept, a line is given back only if it is still a hold, checked in the same
+    // step as the give-back (`Settle::CancelHold`): one confirmed through its own
+    // route after the look-up below stays confirmed.
+    let how = match paid {
+        PaidLines::Refund => Settle::Cancel,
+        PaidLines::Keep => Settle::CancelHold,
     };
     for (i, line) in lines.iter().enumerate() {
         if line.quantity == 0 {
@@ -996,7 +1054,7 @@ async fn give_back(
             continue;
         }
         if faults::check(Fault::PauseBeforeGiveBack).is_err() {
-            tokio::time::sleep(Duration::from_millis(1500)).await;
+            tokio::time::sleep(Duration::from_millis(2500)).await;
         }
         let mut pause = Duration::from_millis(50);
         let mut tries = 0;
@@ -1061,11 +1119,7 @@ async fn recorded(app: &App, key: &str) -> Result<CartRow, Failure> {
 async fn view(app: &App, row: &CartRow, look_up: bool) -> CartView {
     let lines = lines_of(row);
     let mut held = Vec::new();
-    for n in numbers(&row.held) {
-        let Some(line) = lines.get(n.wrapping_sub(1)) else {
-            continue;
-        };
-        let key = line_key(&row.key, n);
+    for (n, line, key) in held_lines(row) {
         let reservation = if look_up {
             match super::settle(app, &line.drop, &key, Settle::Lookup).await {
                 Ok(served) => served.outcome.view().map(|v| v.reservation.clone()),
@@ -1179,36 +1233,27 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     // as one: its lines' confirms and its own move in one ledger transaction, so
     // that a failure anywhere before it commits leaves every line as it was.
     if row.state == CartState::Held {
-        let lines = lines_of(&row);
-        let keyed: Vec<(&str, String)> = numbers(&row.held)
-            .into_iter()
-            .filter_map(|n| {
-                let line = lines.get(n.wrapping_sub(1))?;
-                Some((line.drop.as_str(), line_key(&row.key, n)))
-            })
+        let held = held_lines(&row);
+        let keys: Vec<(&str, String)> = held
+            .iter()
+            .map(|(_, line, key)| (line.drop.as_str(), key.clone()))
             .collect();
         let closing = closing_attempt();
-        let move_to_confirmed = CartMove {
-            namespace,
-            key: &row.key,
-            from: CartState::Held,
-            attempt: &row.attempt,
-            to: CartState::Confirmed,
-            ends_as: None,
-            new_attempt: &closing,
-            deadline_ms: 0,
-            expires_at_ms: row.expires_at_ms,
-            held: &row.held,
-            short: &row.short,
-        };
-        match super::settle::confirm_together(app, &keyed, move_to_confirmed).await {
-            Together::Confirmed => {
-                let row = recorded(app, &row.key).await?;
-                return Ok(CartOutcome::Confirmed(view(app, &row, true).await));
+        let cart = confirmed_move(namespace, &row, CartState::Held, &row.attempt, &closing);
+        match super::settle::confirm_as_one(app, &keys, cart).await {
+            ConfirmAsOne::Confirmed => {
+                // Answered from the move just made: a failed read of the row now
+                // must not answer 503 for a cart that is confirmed.
+                let confirmed = CartRow {
+                    state: CartState::Confirmed,
+                    attempt: closing,
+                    ..row
+                };
+                return Ok(CartOutcome::Confirmed(view(app, &confirmed, true).await));
             }
-            Together::Failed(failure) | Together::Unknown(failure) => return Err(failure),
-            Together::CartTaken => return Err(in_flight(&row.key)),
-            Together::Apart => {}
+            ConfirmAsOne::Failed(failure) | ConfirmAsOne::Unknown(failure) => return Err(failure),
+            ConfirmAsOne::CartMoved => return Err(in_flight(&row.key)),
+            ConfirmAsOne::OneByOne => {}
         }
     }
     let mine = attempt();
@@ -1234,11 +1279,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     }
     let lines = lines_of(&row);
     let mut confirmed = 0;
-    for n in numbers(&row.held) {
-        let Some(line) = lines.get(n.wrapping_sub(1)) else {
-            continue;
-        };
-        let key = line_key(&row.key, n);
+    for (_, line, key) in held_lines(&row) {
         let served = super::settle(app, &line.drop, &key, Settle::Confirm { quantity: None }).await;
         let over = match &served {
             Ok(served) => match &served.outcome {
@@ -1347,20 +1388,15 @@ fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
 /// Records the confirm of `row` by attempt `mine` as done: whether it still was
 /// this attempt's to record.
 async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Failure> {
+    let closing = closing_attempt();
     app.ledger
-        .move_cart(CartMove {
-            namespace: app.drops.namespace(),
-            key: &row.key,
-            from: CartState::Confirming,
-            attempt: mine,
-            to: CartState::Confirmed,
-            ends_as: None,
-            new_attempt: &closing_attempt(),
-            deadline_ms: 0,
-            expires_at_ms: row.expires_at_ms,
-            held: &row.held,
-            short: &row.short,
-        })
+        .move_cart(confirmed_move(
+            app.drops.namespace(),
+            row,
+            CartState::Confirming,
+            mine,
+            &closing,
+        ))
         .await
         .map_err(|e| unknown(&row.key, "record the cart's confirm", e))
 }
@@ -1415,9 +1451,7 @@ async fn finish_release(
     if !taken {
         return Err(in_flight(&row.key));
     }
-    // Never a paid line, but for a cancel (a refund) or a cart never answered.
-    let refund = !matches!(ends_as, CartState::Expired | CartState::PartlyConfirmed);
-    let given = give_back(app, &row.key, &row.user, lines, refund).await?;
+    let given = give_back(app, &row.key, &row.user, lines, PaidLines::toward(ends_as)).await?;
     // A cart found with a paid line (confirmed through the line's own route,
     // before or during the give-back) is confirmed as far as it went, never
     // expired: retention keeps it, and a cancel of it refunds that line.

@@ -15,7 +15,8 @@ use crate::clock::now_ms;
 use crate::drops::Drop;
 use crate::gate::{self, Finished, Prepare, Reply, Settling};
 use crate::ledger::COMMIT_DEADLINE_MS;
-use crate::ledger::{RecordError, Recorded};
+use crate::ledger::carts::CartCommit;
+use crate::ledger::{LedgerError, RecordError, Recorded};
 use crate::reservation::{Change, Outcome, Settle, State, View};
 
 /// Confirms, cancels or looks up the reservation `key` of drop `drop_name`, on
@@ -274,7 +275,7 @@ pub(super) async fn on_gate(
         Settle::Lookup => return lookup_on_gate(app, drop, config, redis, key).await,
         Settle::Confirm { quantity } => Settling::Confirm { quantity },
         Settle::Cancel => Settling::Cancel,
-        Settle::Release => Settling::Release,
+        Settle::CancelHold => Settling::CancelHold,
         Settle::Extend { until_ms } => Settling::Extend { until_ms },
     };
     change_on_gate(app, drop, config, redis, key, settling).await
@@ -389,12 +390,12 @@ async fn change_on_gate(
     let to = settling.state();
     let kept = match settling {
         Settling::Confirm { quantity } => quantity,
-        Settling::Cancel | Settling::Release | Settling::Extend { .. } => None,
+        Settling::Cancel | Settling::CancelHold | Settling::Extend { .. } => None,
     };
     let what = match settling {
         Settling::Confirm { .. } => "confirm",
         Settling::Cancel => "cancel",
-        Settling::Release => "give-back",
+        Settling::CancelHold => "give-back",
         Settling::Extend { .. } => "extension",
     };
     let mut conn = app.redis.clone();
@@ -429,11 +430,8 @@ async fn change_on_gate(
     // (Nothing of an unchecked Redis's reply is recorded, an expiry included: see
     // admit::reply_stands.)
     if !super::redis_still_checked(app, drop, redis) {
-        if let Prepare::Prepared { .. } = prepared
-            && let Err(error) =
-                gate::abort(&mut conn, &drop.keys, app.ledger.id(), key, &attempt).await
-        {
-            tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
+        if let Prepare::Prepared { .. } = prepared {
+            undo_prepared(app, &mut conn, drop, key, &attempt).await;
         }
         return Turn::Recheck;
     }
@@ -444,6 +442,7 @@ async fn change_on_gate(
     };
     let change = change_of(drop, config, key, &step, &view.reservation, to)
         .keeping(kept)
+        .hold_only(settling == Settling::CancelHold)
         .by(&attempt, deadline);
     let change = match settling {
         Settling::Extend { until_ms } => Change {
@@ -457,10 +456,7 @@ async fn change_on_gate(
         tracing::warn!(drop = %drop.name, key, why, what, "a change was not recorded: undone");
     };
     let undo = async |conn: &mut dropgate_redis::Connection| {
-        if let Err(error) = gate::abort(conn, &drop.keys, app.ledger.id(), key, &attempt).await {
-            // Resolved from the ledger (which has nothing) once it is overdue.
-            tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
-        }
+        undo_prepared(app, conn, drop, key, &attempt).await;
     };
     // An extension Redis judged on an older config of the sale than this sidecar
     // read there (a lower maxHoldSeconds perhaps) is undone, as an admission is.
@@ -551,16 +547,9 @@ async fn change_on_gate(
         tracing::error!(drop = %drop.name, key, what, "injected fault: the process dies before finishing a recorded change");
         std::process::abort();
     }
-    let done = match finish_by(app, drop, &mut conn, key, &attempt, deadline).await {
-        Ok(Finished::Done(view)) => view,
-        Ok(Finished::Gone) => settled,
-        Err(error) => {
-            // The resolver or the refresh's replay makes Redis follow the ledger.
-            tracing::warn!(drop = %drop.name, %error, what, "a recorded change could not be finished in Redis yet");
-            replay_later(app, drop, &change_key(drop, &step), key).await;
-            settled
-        }
-    };
+    let done = finish_recorded(app, drop, &mut conn, key, &attempt, deadline, &step)
+        .await
+        .unwrap_or(settled);
     if let Settling::Extend { .. } = settling {
         // Still held: its permit stays taken, as long as the hold now lasts.
         drop.throttle.extend(key, done.reservation.expires_at_ms);
@@ -669,7 +658,7 @@ async fn answered(
     }
     let settle = match settling {
         Settling::Cancel => Settle::Cancel,
-        Settling::Release => Settle::Release,
+        Settling::CancelHold => Settle::CancelHold,
         Settling::Confirm { quantity } => Settle::Confirm { quantity },
         Settling::Extend { until_ms } => Settle::Extend { until_ms },
     };
@@ -732,9 +721,9 @@ fn from_ledger(row: Recorded, settle: Settle) -> Outcome {
         (Settle::Extend { .. }, State::Cancelled) => Outcome::WasCancelled(view),
         (_, State::Active | State::Expired) => Outcome::Expired(view),
         (Settle::Confirm { .. }, State::Confirmed) => Outcome::AlreadyConfirmed(view),
-        (Settle::Cancel | Settle::Release, State::Cancelled) => Outcome::AlreadyCancelled(view),
+        (Settle::Cancel | Settle::CancelHold, State::Cancelled) => Outcome::AlreadyCancelled(view),
         (Settle::Confirm { .. }, State::Cancelled) => Outcome::WasCancelled(view),
-        (Settle::Release, State::Confirmed) => Outcome::AlreadyConfirmed(view),
+        (Settle::CancelHold, State::Confirmed) => Outcome::AlreadyConfirmed(view),
         (Settle::Cancel, State::Confirmed) | (_, State::Pending) => Outcome::RecordExpired(view),
     }
 }
@@ -917,11 +906,25 @@ async fn settle_landed(
     attempt: &str,
     settling: Settling,
 ) -> Option<bool> {
+    fence_off(app, ledger_key, key, attempt)
+        .await
+        .map(|row| landed(settling, row.as_ref()))
+}
+
+/// Fences the attempt `attempt` at `key` off (its commit is refused from now on)
+/// and reads the key's row as it then stands; `None` while the ledger cannot
+/// say, for [`ASK_LEDGER_FOR`].
+async fn fence_off(
+    app: &App,
+    ledger_key: &str,
+    key: &str,
+    attempt: &str,
+) -> Option<Option<Recorded>> {
     let until = Instant::now() + ASK_LEDGER_FOR;
     let mut backoff = Backoff::new();
     loop {
         match app.ledger.fence_settle(ledger_key, key, attempt).await {
-            Ok(row) => return Some(landed(settling, row.as_ref())),
+            Ok(row) => return Some(row),
             Err(error) if Instant::now() < until => {
                 tracing::debug!(%error, "asking the ledger whether a commit landed");
                 backoff.wait(until).await;
@@ -931,28 +934,29 @@ async fn settle_landed(
     }
 }
 
-/// How the confirm of a cart's lines as one came out (see [`confirm_together`]).
-pub(super) enum Together {
-    /// Every line confirmed, and the cart's move recorded in the same transaction.
+/// How confirming several reservations as one came out (see [`confirm_as_one`]).
+pub(super) enum ConfirmAsOne {
+    /// Every reservation confirmed, and the ledger write riding along made, in
+    /// one transaction.
     Confirmed,
-    /// Nothing changed: no line confirmed, the cart not moved.
+    /// Nothing changed: no reservation confirmed, the ledger write not made.
     Failed(Failure),
     /// The cart was not where its move expected it (another mover came first):
     /// nothing changed.
-    CartTaken,
-    /// Not decided as one, and nothing changed: a line's drop is not on the Redis
-    /// gate now, a line is not an active hold (lapsed, cancelled, another change of
-    /// it in flight), Redis failed or changed under the call, or the ledger
-    /// refused a line. Decided line by line instead, as any confirm is.
-    Apart,
+    CartMoved,
+    /// Not decided as one, and nothing changed: a drop is not on the Redis gate
+    /// now, a reservation is not an active hold (lapsed, cancelled, another change
+    /// of it in flight), Redis failed or changed under the call, or the ledger
+    /// refused a change. To be confirmed one by one, as any confirm is.
+    OneByOne,
     /// The ledger's commit failed without saying whether it landed, and the ledger
-    /// could not be asked: the lines stay prepared, and their resolution finishes
-    /// or undoes them all alike by the ledger's record.
+    /// could not be asked: the preparations stay, and their resolution finishes or
+    /// undoes them all alike by the ledger's record (the commit was whole).
     Unknown(Failure),
 }
 
-/// One line of a cart prepared for its confirm on the Redis gate.
-struct PreparedLine {
+/// One reservation prepared for its confirm on the Redis gate.
+struct PreparedConfirm {
     drop: std::sync::Arc<Drop>,
     config: DropConfig,
     redis: Checked,
@@ -962,36 +966,48 @@ struct PreparedLine {
     step: gate::Step,
 }
 
-/// Confirms the cart lines `lines` (each its drop's name and its reservation key)
-/// as one: each prepared in Redis (nothing changes for anyone until it is
-/// finished), then every line's confirm and the cart's move `cart` recorded in
-/// one ledger transaction, all or nothing, then each finished in Redis. Before
-/// the commit anything that goes wrong undoes the preparations, so an answer that
-/// says the confirm failed means no line was confirmed.
-pub(super) async fn confirm_together(
+/// Confirms the reservations `keys` (each its drop's name and key: a cart's
+/// lines) as one, with the cart's move `cart` made in the same ledger transaction:
+/// each prepared in Redis (nothing changes for anyone until it is finished), then
+/// every confirm and the cart's move recorded all or nothing, then each finished
+/// in Redis. Before the commit, anything that goes wrong undoes every preparation,
+/// so an answer that says the confirm failed means nothing was confirmed.
+///
+/// Only the happy path is taken here, on Redis as each drop's call finds it:
+/// whatever [`decide`] would route, recheck or reopen (a drop off the gate, Redis
+/// failing or changed, a reservation not an active hold) is
+/// [`ConfirmAsOne::OneByOne`], left to the confirms one by one, which do.
+pub(super) async fn confirm_as_one(
     app: &App,
-    lines: &[(&str, String)],
+    keys: &[(&str, String)],
     cart: crate::ledger::carts::CartMove<'_>,
-) -> Together {
+) -> ConfirmAsOne {
+    if keys.is_empty() {
+        return ConfirmAsOne::OneByOne;
+    }
     let mut conn = app.redis.clone();
-    let mut prepared: Vec<PreparedLine> = Vec::with_capacity(lines.len());
-    let mut apart = false;
-    for (drop_name, key) in lines {
+    // The ledger refuses the commit past this; every preparation is bound to its
+    // own moment plus the same span, so none is resolved by another call (fenced
+    // off, which would refuse the commit whole) before the commit's deadline.
+    let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
+    let settling = Settling::Confirm { quantity: None };
+    let mut prepared: Vec<PreparedConfirm> = Vec::with_capacity(keys.len());
+    let mut one_by_one = false;
+    for (drop_name, key) in keys {
         let Ok(drop) = super::find_drop(app, drop_name).await else {
-            apart = true;
+            one_by_one = true;
             break;
         };
         let config = drop.config();
         if !matches!(super::choose(app, &drop, &config), super::Choice::Gate) {
-            apart = true;
+            one_by_one = true;
             break;
         }
         let Ok(redis) = super::checked::<Outcome>(app, &drop, &config).await else {
-            apart = true;
+            one_by_one = true;
             break;
         };
         let attempt = format!("{:016x}", rand::random::<u64>());
-        let settling = Settling::Confirm { quantity: None };
         let asked = gate::prepare(
             &mut conn,
             &drop.keys,
@@ -1005,7 +1021,7 @@ pub(super) async fn confirm_together(
         match asked {
             Ok(Prepare::Prepared { view, step }) => {
                 app.breaker(Some(&drop)).answered();
-                prepared.push(PreparedLine {
+                prepared.push(PreparedConfirm {
                     drop,
                     config,
                     redis,
@@ -1015,28 +1031,33 @@ pub(super) async fn confirm_together(
                     step,
                 });
             }
-            Ok(Prepare::Answered(_)) => {
+            Ok(Prepare::Answered(reply)) => {
                 app.breaker(Some(&drop)).answered();
-                apart = true;
+                // An expiry the script made on the way is recorded now, as the
+                // confirm one by one would (its own call finds it expired already).
+                if super::redis_still_checked(app, &drop, redis) {
+                    record_expiry(app, &drop, &config, key, &reply.step).await;
+                }
+                one_by_one = true;
                 break;
             }
             Err(e) => {
+                // (The breaker hears of it; the confirms one by one go where it says.)
                 let _ = redis_failed(app, &drop, &config, &e);
-                apart = true;
+                one_by_one = true;
                 break;
             }
         }
     }
     // (Nothing of an unchecked Redis's reply is recorded: see admit::reply_stands.)
-    if apart
+    if one_by_one
         || !prepared
             .iter()
             .all(|line| super::redis_still_checked(app, &line.drop, line.redis))
     {
-        abort_all(app, &mut conn, &prepared).await;
-        return Together::Apart;
+        undo_all(app, &mut conn, &prepared).await;
+        return ConfirmAsOne::OneByOne;
     }
-    let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let changes: Vec<Change> = prepared
         .iter()
         .map(|line| {
@@ -1051,88 +1072,107 @@ pub(super) async fn confirm_together(
             .by(&line.attempt, deadline)
         })
         .collect();
-    let landed = match app.ledger.record_with_cart(&changes, cart).await {
-        Ok(crate::ledger::carts::Whole::Recorded) => true,
-        Ok(crate::ledger::carts::Whole::CartTaken) => {
-            abort_all(app, &mut conn, &prepared).await;
-            return Together::CartTaken;
+    let landed = match app.ledger.record_with_cart(changes, cart).await {
+        Ok(CartCommit::Committed) => true,
+        Ok(CartCommit::CartMoved) => {
+            undo_all(app, &mut conn, &prepared).await;
+            return ConfirmAsOne::CartMoved;
         }
-        Ok(crate::ledger::carts::Whole::Refused(refusal)) => {
-            tracing::debug!(%refusal, "a cart's lines were not confirmed as one: line by line");
-            abort_all(app, &mut conn, &prepared).await;
-            return Together::Apart;
+        Ok(CartCommit::LineRefused(refusal)) => {
+            tracing::debug!(%refusal, "a cart's lines were not confirmed as one: one by one");
+            undo_all(app, &mut conn, &prepared).await;
+            return ConfirmAsOne::OneByOne;
         }
-        // Whole or not at all: one line's row says which, once that line's attempt
-        // is fenced off (a late commit is then refused on it, and so whole).
-        Err(crate::ledger::LedgerError::CommitUnknown(why)) => {
+        // All or nothing: once the first reservation's attempt is fenced off (a
+        // late commit is then refused on it, and so refused whole), its row says
+        // whether the commit landed: confirmed, by this attempt.
+        Err(LedgerError::CommitUnknown(why)) => {
             let first = &prepared[0];
-            let settling = Settling::Confirm { quantity: None };
             let ledger_key = change_key(&first.drop, &first.step);
-            match settle_landed(app, &ledger_key, &first.key, &first.attempt, settling).await {
-                Some(landed) => landed,
+            match fence_off(app, &ledger_key, &first.key, &first.attempt).await {
+                Some(row) => row.is_some_and(|row| {
+                    row.state == State::Confirmed
+                        && row.changed_by.as_deref() == Some(first.attempt.as_str())
+                }),
                 None => {
                     tracing::warn!(%why, "a cart confirm's commit has an unknown outcome: left for its lines' resolution");
-                    return Together::Unknown(Failure::outcome_unknown(format!(
+                    return ConfirmAsOne::Unknown(Failure::outcome_unknown(format!(
                         "the ledger's commit of the cart's confirm failed without saying whether it landed ({why}), and the ledger cannot be asked; its lines are resolved by the ledger's record once the ledger answers again: retry"
                     )));
                 }
             }
         }
         Err(e) => {
-            abort_all(app, &mut conn, &prepared).await;
-            return Together::Failed(Failure::retry(format!(
+            undo_all(app, &mut conn, &prepared).await;
+            return ConfirmAsOne::Failed(Failure::retry(format!(
                 "the ledger could not record the cart's confirm ({e}): nothing was changed; retry"
             )));
         }
     };
     if !landed {
-        abort_all(app, &mut conn, &prepared).await;
-        return Together::Failed(Failure::retry(
+        undo_all(app, &mut conn, &prepared).await;
+        return ConfirmAsOne::Failed(Failure::retry(
             "the ledger's commit of the cart's confirm did not land: nothing was changed; retry",
         ));
     }
-    // Durable: whatever Redis does next, the lines are confirmed.
     for line in &prepared {
-        let finished = finish_by(
+        finish_recorded(
             app,
             &line.drop,
             &mut conn,
             &line.key,
             &line.attempt,
             deadline,
+            &line.step,
         )
         .await;
-        if let Err(error) = finished {
-            // The resolver or the refresh's replay makes Redis follow the ledger.
-            tracing::warn!(drop = %line.drop.name, %error, "a recorded line confirm could not be finished in Redis yet");
-            replay_later(
-                app,
-                &line.drop,
-                &change_key(&line.drop, &line.step),
-                &line.key,
-            )
-            .await;
-        }
         line.drop.throttle.release(&line.key);
     }
-    Together::Confirmed
+    ConfirmAsOne::Confirmed
 }
 
-/// Undoes the preparations of `lines` (the ledger recorded none of them); one
-/// that cannot be undone now is resolved from the ledger (which has nothing) once
-/// it is overdue.
-async fn abort_all(app: &App, conn: &mut dropgate_redis::Connection, lines: &[PreparedLine]) {
+/// Undoes the preparations of `lines`, none of which the ledger recorded.
+async fn undo_all(app: &App, conn: &mut dropgate_redis::Connection, lines: &[PreparedConfirm]) {
     for line in lines {
-        if let Err(error) = gate::abort(
-            conn,
-            &line.drop.keys,
-            app.ledger.id(),
-            &line.key,
-            &line.attempt,
-        )
-        .await
-        {
-            tracing::warn!(drop = %line.drop.name, %error, "a preparation could not be undone now");
+        undo_prepared(app, conn, &line.drop, &line.key, &line.attempt).await;
+    }
+}
+
+/// Undoes the preparation `attempt` of `key`'s change, which the ledger did not
+/// record; one that cannot be undone now is resolved from the ledger (which has
+/// nothing) once it is overdue.
+async fn undo_prepared(
+    app: &App,
+    conn: &mut dropgate_redis::Connection,
+    drop: &Drop,
+    key: &str,
+    attempt: &str,
+) {
+    if let Err(error) = gate::abort(conn, &drop.keys, app.ledger.id(), key, attempt).await {
+        tracing::warn!(drop = %drop.name, %error, "a preparation could not be undone now");
+    }
+}
+
+/// Finishes in Redis the change `attempt` of `key` that the ledger recorded (its
+/// gate call's `step`), within `deadline_ms`: the reservation as it then reads, or
+/// `None` when Redis has no marker of it (or could not be asked; the resolver or
+/// the refresh's replay then makes Redis follow the ledger).
+async fn finish_recorded(
+    app: &App,
+    drop: &Drop,
+    conn: &mut dropgate_redis::Connection,
+    key: &str,
+    attempt: &str,
+    deadline_ms: i64,
+    step: &gate::Step,
+) -> Option<View> {
+    match finish_by(app, drop, conn, key, attempt, deadline_ms).await {
+        Ok(Finished::Done(view)) => Some(view),
+        Ok(Finished::Gone) => None,
+        Err(error) => {
+            tracing::warn!(drop = %drop.name, %error, "a recorded change could not be finished in Redis yet");
+            replay_later(app, drop, &change_key(drop, step), key).await;
+            None
         }
     }
 }

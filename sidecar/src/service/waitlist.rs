@@ -371,18 +371,21 @@ async fn make_durable(
     attempt: &str,
     entry: &Entry,
 ) -> Result<Waiting, Failure> {
-    let drop_key = drop.ledger_key();
+    // One reading of the config: the sale the row goes under and the stock it
+    // may make there are the same config's.
+    let config = drop.config();
+    let drop_key = drop.ledger_key_of(&config.sale);
     // Against this sidecar's config here; against the newest the ledger has seen
     // inside the join's own transaction (Ledger::join).
     let decided_on = compared_generation(entry);
-    let read_here = drop.config().generation;
+    let read_here = config.generation;
     if let Some(decided_on) = decided_on
         && dropgate_api::config::lost_since(decided_on, read_here)
     {
         take_back_join(app, drop, key, attempt).await;
         return Err(refuse_on_lost_config(app, drop, decided_on, read_here));
     }
-    let known = crate::reservation::Stock::of(&drop.config());
+    let known = crate::reservation::Stock::of(&config);
     let join = Join {
         key,
         user: &entry.user,
@@ -391,7 +394,7 @@ async fn make_durable(
         position: entry.position,
         attempt,
         decided_on,
-        known: Some(&known),
+        stock_if_first: Some(&known),
     };
     if crate::faults::check(crate::faults::Fault::DieMidJoin).is_err() {
         tracing::error!(key, "injected fault: the process dies mid-join");
@@ -501,7 +504,7 @@ async fn resolve_join(app: &App, drop: &Drop, key: &str, entry: &Entry) -> Resul
         attempt: &entry.attempt,
         // (A join given up on is written as abandoned, whatever it was decided on.)
         decided_on: None,
-        known: None,
+        stock_if_first: None,
     };
     let row = app
         .ledger
