@@ -15,13 +15,24 @@ use dropgate_api::DropConfig;
 use sqlx::{Any, Row, Transaction};
 
 use super::authority::require_ledger;
+use super::carts::{CartCommit, CartWrite, CartWritten};
 use super::{
-    Backend, EventIds, Ledger, LedgerError, adjust_holdings, ensure_stock, insert_reservation,
-    lock_stock, transition, write_event,
+    Backend, EventIds, Ledger, LedgerError, RecordError, adjust_holdings, ensure_stock,
+    insert_reservation, lock_stock, transition, write_event,
 };
 use crate::reservation::{
     Ask, Change, Outcome, Reservation, Settle, State, Stock, Terms, VariantRefusal, View,
 };
+
+/// One line of a cart confirmed on the ledger's gate (see
+/// [`Ledger::fallback_confirm_cart`]).
+pub struct FallbackLine<'a> {
+    /// The drop's key in the ledger (`namespace/name/sale`).
+    pub drop_key: &'a str,
+    pub config: &'a DropConfig,
+    /// The line's reservation key.
+    pub key: &'a str,
+}
 
 /// A reservation as the ledger holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -625,6 +636,136 @@ impl Ledger {
         })
         .await?;
         self.as_it_landed(drop_key, key, decided).await
+    }
+
+    /// The confirms of a cart's lines `lines` (each its drop's ledger key, config
+    /// and reservation key) on the ledger's gate and the cart's move `cart`, in one
+    /// transaction, all or nothing: a line that is not an active hold, a drop the
+    /// ledger is not the authority of, or a cart another mover moved first rolls
+    /// the whole back ([`CartCommit::LineRefused`], [`CartCommit::CartMoved`]). A
+    /// COMMIT that went unanswered is asked about by the cart's row (moved by this
+    /// move's new attempt, or not): the answer is true either way.
+    pub async fn fallback_confirm_cart(
+        &self,
+        lines: &[FallbackLine<'_>],
+        cart: super::carts::CartMove<'_>,
+        now: i64,
+    ) -> Result<CartCommit, LedgerError> {
+        let write = CartWrite::from(cart);
+        let mut drops: Vec<(&str, &DropConfig)> = Vec::new();
+        for line in lines {
+            if !drops.iter().any(|(key, _)| *key == line.drop_key) {
+                drops.push((line.drop_key, line.config));
+            }
+        }
+        // Every transaction takes a drop's rows in the order of the drops' keys.
+        drops.sort_by(|a, b| a.0.cmp(b.0));
+        let decided = retry(|| async {
+            let mut tx = self.pool.begin().await?;
+            for (drop_key, config) in &drops {
+                if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
+                    return Ok(not_authority(authority));
+                }
+                ensure_stock(&mut tx, drop_key, &stock(config)).await?;
+            }
+            let mut ids = EventIds::for_events(lines.len());
+            for line in lines {
+                let expiring =
+                    expire_if_due(&mut tx, line.drop_key, line.config, line.key, now).await?;
+                let row = match expiring.row {
+                    Some(row) if row.state == State::Active => row,
+                    // (Dropping the transaction rolls it back, an expiry included:
+                    // the confirm one by one makes it again.)
+                    other => {
+                        let state = other.map_or(State::Expired, |row| row.state);
+                        let refused = CartCommit::LineRefused(RecordError::KeyUsed { state });
+                        return Ok(Decision::Done(Committed::Known(refused)));
+                    }
+                };
+                let change = Change::new(
+                    line.drop_key,
+                    stock(line.config),
+                    line.key,
+                    &row.reservation(),
+                    State::Confirmed,
+                );
+                if transition(&mut tx, &change, false, now, None)
+                    .await?
+                    .is_none()
+                {
+                    return Err(TxError::Raced);
+                }
+                write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
+            }
+            if !matches!(write.apply(&mut tx).await?, CartWritten::Moved(true)) {
+                return Ok(Decision::Done(Committed::Known(CartCommit::CartMoved)));
+            }
+            Ok(Decision::Done(commit(tx, CartCommit::Committed).await?))
+        })
+        .await?;
+        match decided {
+            Committed::Known(done) => Ok(done),
+            Committed::Unknown(done, error) => {
+                if self.cart_moved_by(&write, &error).await? {
+                    Ok(done)
+                } else {
+                    Err(error.into())
+                }
+            }
+        }
+    }
+
+    /// Whether the cart's move `write`, whose COMMIT (failing with `error`) went
+    /// unanswered, landed: the row moved under the move's new attempt. On
+    /// PostgreSQL the row is locked first, which waits for that transaction to end.
+    async fn cart_moved_by(
+        &self,
+        write: &CartWrite,
+        error: &sqlx::Error,
+    ) -> Result<bool, LedgerError> {
+        let CartWrite::Move {
+            namespace,
+            key,
+            to,
+            new_attempt,
+            ..
+        } = write
+        else {
+            return Err(super::carts::mixed_up());
+        };
+        let read = || async {
+            let mut tx = self.pool.begin().await?;
+            if self.backend == Backend::Postgres {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SET LOCAL lock_timeout = {}",
+                    ASK_WHETHER_LANDED_FOR.as_millis()
+                )))
+                .execute(&mut *tx)
+                .await?;
+            }
+            let lock = match self.backend {
+                Backend::Postgres => " FOR UPDATE",
+                Backend::Sqlite => "",
+            };
+            let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT state, attempt FROM carts WHERE namespace = $1 AND cart_key = $2{lock}"
+            )))
+            .bind(namespace)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            let moved = match row {
+                Some(row) => {
+                    let state: String = row.try_get(0)?;
+                    let attempt: String = row.try_get(1)?;
+                    state == to.as_str() && attempt == *new_attempt
+                }
+                None => false,
+            };
+            Ok::<_, LedgerError>(moved)
+        };
+        ask_until_answered(read, ASK_WHETHER_LANDED_FOR, error).await
     }
 
     /// The answer of a settle or retry of `key`, which wrote the change `landing`

@@ -967,16 +967,17 @@ struct PreparedConfirm {
 }
 
 /// Confirms the reservations `keys` (each its drop's name and key: a cart's
-/// lines) as one, with the cart's move `cart` made in the same ledger transaction:
-/// each prepared in Redis (nothing changes for anyone until it is finished), then
-/// every confirm and the cart's move recorded all or nothing, then each finished
-/// in Redis. Before the commit, anything that goes wrong undoes every preparation,
-/// so an answer that says the confirm failed means nothing was confirmed.
+/// lines) as one, with the cart's move `cart` made in the same ledger transaction,
+/// all or nothing: on the Redis gate when it decides every line's drop now (see
+/// [`confirm_on_gate_as_one`]), on the ledger's gate when that decides every one
+/// (one transaction, [`crate::ledger::Ledger::fallback_confirm_cart`]). An answer
+/// that says the confirm failed means nothing was confirmed.
 ///
-/// Only the happy path is taken here, on Redis as each drop's call finds it:
-/// whatever [`decide`] would route, recheck or reopen (a drop off the gate, Redis
-/// failing or changed, a reservation not an active hold) is
-/// [`ConfirmAsOne::OneByOne`], left to the confirms one by one, which do.
+/// Only the happy path is taken here, on the gates as each drop's call finds them:
+/// whatever [`decide`] would route, recheck, reopen or hand over (drops on
+/// different gates, Redis failing or changed, a ledger not yet the authority, a
+/// reservation not an active hold) is [`ConfirmAsOne::OneByOne`], left to the
+/// confirms one by one, which do.
 pub(super) async fn confirm_as_one(
     app: &App,
     keys: &[(&str, String)],
@@ -985,24 +986,101 @@ pub(super) async fn confirm_as_one(
     if keys.is_empty() {
         return ConfirmAsOne::OneByOne;
     }
+    let mut lines = Vec::with_capacity(keys.len());
+    let (mut on_gate, mut on_fallback) = (0, 0);
+    for (drop_name, key) in keys {
+        let Ok(drop) = super::find_drop(app, drop_name).await else {
+            return ConfirmAsOne::OneByOne;
+        };
+        let config = drop.config();
+        match super::choose(app, &drop, &config) {
+            super::Choice::Gate => on_gate += 1,
+            super::Choice::Fallback(_) => on_fallback += 1,
+            super::Choice::Refused(_) => return ConfirmAsOne::OneByOne,
+        }
+        lines.push(LineToConfirm {
+            drop,
+            config,
+            key: key.clone(),
+        });
+    }
+    if on_gate == lines.len() {
+        confirm_on_gate_as_one(app, lines, cart).await
+    } else if on_fallback == lines.len() {
+        confirm_on_fallback_as_one(app, &lines, cart).await
+    } else {
+        ConfirmAsOne::OneByOne
+    }
+}
+
+/// A reservation to confirm as one with others: its drop, as this sidecar's
+/// config has it, and its key.
+struct LineToConfirm {
+    drop: std::sync::Arc<Drop>,
+    config: DropConfig,
+    key: String,
+}
+
+/// [`confirm_as_one`] on the ledger's gate: one transaction.
+async fn confirm_on_fallback_as_one(
+    app: &App,
+    lines: &[LineToConfirm],
+    cart: crate::ledger::carts::CartMove<'_>,
+) -> ConfirmAsOne {
+    let ledger_keys: Vec<String> = lines
+        .iter()
+        .map(|line| line.drop.ledger_key_of(&line.config.sale))
+        .collect();
+    let asks: Vec<crate::ledger::fallback::FallbackLine> = lines
+        .iter()
+        .zip(&ledger_keys)
+        .map(|(line, drop_key)| crate::ledger::fallback::FallbackLine {
+            drop_key,
+            config: &line.config,
+            key: &line.key,
+        })
+        .collect();
+    match app
+        .ledger
+        .fallback_confirm_cart(&asks, cart, now_ms())
+        .await
+    {
+        Ok(CartCommit::Committed) => {
+            for line in lines {
+                line.drop.throttle.release(&line.key);
+            }
+            ConfirmAsOne::Confirmed
+        }
+        Ok(CartCommit::CartMoved) => ConfirmAsOne::CartMoved,
+        Ok(CartCommit::LineRefused(_))
+        | Err(LedgerError::NotAuthority(_) | LedgerError::StaleConfig(_)) => ConfirmAsOne::OneByOne,
+        Err(unknown @ LedgerError::CommitUnknown(_)) => ConfirmAsOne::Unknown(
+            Failure::outcome_unknown(format!("the cart's confirm: {unknown}")),
+        ),
+        Err(e) => ConfirmAsOne::Failed(Failure::retry(format!(
+            "the ledger could not record the cart's confirm ({e}): nothing was changed; retry"
+        ))),
+    }
+}
+
+/// [`confirm_as_one`] on the Redis gate: each reservation prepared in Redis
+/// (nothing changes for anyone until it is finished), then every confirm and the
+/// cart's move recorded all or nothing, then each finished in Redis. Before the
+/// commit, anything that goes wrong undoes every preparation.
+async fn confirm_on_gate_as_one(
+    app: &App,
+    lines: Vec<LineToConfirm>,
+    cart: crate::ledger::carts::CartMove<'_>,
+) -> ConfirmAsOne {
     let mut conn = app.redis.clone();
     // The ledger refuses the commit past this; every preparation is bound to its
     // own moment plus the same span, so none is resolved by another call (fenced
     // off, which would refuse the commit whole) before the commit's deadline.
     let deadline = now_ms() + COMMIT_DEADLINE_MS as i64;
     let settling = Settling::Confirm { quantity: None };
-    let mut prepared: Vec<PreparedConfirm> = Vec::with_capacity(keys.len());
+    let mut prepared: Vec<PreparedConfirm> = Vec::with_capacity(lines.len());
     let mut one_by_one = false;
-    for (drop_name, key) in keys {
-        let Ok(drop) = super::find_drop(app, drop_name).await else {
-            one_by_one = true;
-            break;
-        };
-        let config = drop.config();
-        if !matches!(super::choose(app, &drop, &config), super::Choice::Gate) {
-            one_by_one = true;
-            break;
-        }
+    for LineToConfirm { drop, config, key } in lines {
         let Ok(redis) = super::checked::<Outcome>(app, &drop, &config).await else {
             one_by_one = true;
             break;
@@ -1012,7 +1090,7 @@ pub(super) async fn confirm_as_one(
             &mut conn,
             &drop.keys,
             app.ledger.id(),
-            key,
+            &key,
             settling,
             &attempt,
             COMMIT_DEADLINE_MS,
@@ -1025,7 +1103,7 @@ pub(super) async fn confirm_as_one(
                     drop,
                     config,
                     redis,
-                    key: key.clone(),
+                    key,
                     attempt,
                     view,
                     step,
@@ -1036,7 +1114,7 @@ pub(super) async fn confirm_as_one(
                 // An expiry the script made on the way is recorded now, as the
                 // confirm one by one would (its own call finds it expired already).
                 if super::redis_still_checked(app, &drop, redis) {
-                    record_expiry(app, &drop, &config, key, &reply.step).await;
+                    record_expiry(app, &drop, &config, &key, &reply.step).await;
                 }
                 one_by_one = true;
                 break;
