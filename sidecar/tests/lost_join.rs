@@ -307,7 +307,7 @@ async fn either_ledger_refuses_a_join_decided_on_an_older_config() {
 /// would still have been the newest, and the join recorded after 6 was noted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_waits_for_a_peer_noting_a_newer_config() {
-    use dropgate_sidecar::ledger::{Ledger, LedgerError};
+    use dropgate_sidecar::ledger::Ledger;
     let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
     let ledger = Ledger::open(&postgres.url())
         .await
@@ -339,23 +339,7 @@ async fn a_join_waits_for_a_peer_noting_a_newer_config() {
         let ledger = ledger.clone();
         tokio::spawn(async move { ledger.join(drop_key, join_of("w1", 1, Some(5))).await })
     };
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    assert!(
-        !joining.is_finished(),
-        "the join waits for the peer's commit"
-    );
-    peer.commit().await.expect("the peer commits");
-    match joining.await.expect("the join's task") {
-        Err(LedgerError::ConfigBehind {
-            decided_on: 5,
-            newest: 6,
-        }) => {}
-        other => panic!("a join decided on generation 5 after 6 was noted: {other:?}"),
-    }
-    assert_eq!(
-        ledger.waiting_entry(drop_key, "w1").await.expect("reads"),
-        None
-    );
+    assert_join_waits_then_is_refused(&ledger, drop_key, peer, joining).await;
 }
 
 /// On PostgreSQL a join on a drop the ledger has no stock row for yet, decided on
@@ -364,7 +348,7 @@ async fn a_join_waits_for_a_peer_noting_a_newer_config() {
 /// row to lock, the join read no generation at all and was written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_waits_for_a_peer_making_the_first_stock_row() {
-    use dropgate_sidecar::ledger::{Ledger, LedgerError, waitlist::Join};
+    use dropgate_sidecar::ledger::{Ledger, waitlist::Join};
     let postgres = dropgate_testkit::PostgresServer::start().expect("postgres");
     let ledger = Ledger::open(&postgres.url())
         .await
@@ -396,6 +380,21 @@ async fn a_join_waits_for_a_peer_making_the_first_stock_row() {
     };
     // (Without the row made in its transaction the join would not wait, and this
     // fails; it cannot pass while the join is unordered.)
+    assert_join_waits_then_is_refused(&ledger, drop_key, peer, joining).await;
+}
+
+/// Asserts that the join of w1 (decided on generation 5) in flight as `joining`
+/// waits for the `peer`'s transaction (noting generation 6), and once that commits
+/// is refused as decided on an older config, with nothing of it written.
+async fn assert_join_waits_then_is_refused(
+    ledger: &dropgate_sidecar::ledger::Ledger,
+    drop_key: &str,
+    peer: sqlx::Transaction<'static, sqlx::Any>,
+    joining: tokio::task::JoinHandle<
+        Result<dropgate_sidecar::ledger::waitlist::WaitRow, dropgate_sidecar::ledger::LedgerError>,
+    >,
+) {
+    use dropgate_sidecar::ledger::LedgerError;
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(
         !joining.is_finished(),

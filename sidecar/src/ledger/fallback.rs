@@ -715,6 +715,23 @@ impl Ledger {
         }
     }
 
+    /// A transaction that asks whether an unanswered COMMIT landed. On PostgreSQL
+    /// that COMMIT's session may hold the rows asked about for as long as its
+    /// server takes to notice it gone (hours, on a half-open connection): a wait
+    /// for them past the asking window fails, like any ask.
+    async fn begin_asking(&self) -> Result<Transaction<'static, Any>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        if self.backend == Backend::Postgres {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SET LOCAL lock_timeout = {}",
+                ASK_WHETHER_LANDED_FOR.as_millis()
+            )))
+            .execute(&mut *tx)
+            .await?;
+        }
+        Ok(tx)
+    }
+
     /// Whether the cart's move `write`, whose COMMIT (failing with `error`) went
     /// unanswered, landed: the row moved under the move's new attempt. On
     /// PostgreSQL the row is locked first, which waits for that transaction to end.
@@ -734,15 +751,7 @@ impl Ledger {
             return Err(super::carts::mixed_up());
         };
         let read = || async {
-            let mut tx = self.pool.begin().await?;
-            if self.backend == Backend::Postgres {
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "SET LOCAL lock_timeout = {}",
-                    ASK_WHETHER_LANDED_FOR.as_millis()
-                )))
-                .execute(&mut *tx)
-                .await?;
-            }
+            let mut tx = self.begin_asking().await?;
             let lock = match self.backend {
                 Backend::Postgres => " FOR UPDATE",
                 Backend::Sqlite => "",
@@ -805,17 +814,8 @@ impl Ledger {
         error: sqlx::Error,
     ) -> Result<(), LedgerError> {
         let read = || async {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.begin_asking().await?;
             if self.backend == Backend::Postgres {
-                // The unanswered COMMIT's session may hold the row for as long as
-                // its server takes to notice it gone (hours, on a half-open
-                // connection): a wait past the asking window fails, like any ask.
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "SET LOCAL lock_timeout = {}",
-                    ASK_WHETHER_LANDED_FOR.as_millis()
-                )))
-                .execute(&mut *tx)
-                .await?;
                 sqlx::query(
                     "SELECT 1 FROM reservations WHERE drop_key = $1 AND res_key = $2 FOR UPDATE",
                 )
