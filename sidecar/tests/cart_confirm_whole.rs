@@ -3,8 +3,10 @@
 //! nothing, on the Redis gate and on the ledger's fallback gate. Before, the lines
 //! were confirmed one commit each: a ledger failure at the second line answered
 //! 503 with the first line confirmed (its unit sold, its `confirmed` event on the
-//! way) while the buyer heard that the confirm failed. Fault points are
-//! process-wide, so this file holds one test, its scenarios one after another.
+//! way) while the buyer heard that the confirm failed. A cart whose drops are on
+//! different gates is still confirmed line by line, and its 503 then says how far
+//! it went (`confirmedLines`). Fault points are process-wide, so this file holds
+//! one test, its scenarios one after another.
 
 mod common;
 
@@ -137,8 +139,44 @@ async fn a_failed_confirm_changes_nothing(gate: Gate) {
     sidecar.shutdown().await;
 }
 
+/// The cap on the Redis gate, the shirt on the ledger's: the cart is confirmed line
+/// by line, and a failure at the shirt after the cap was confirmed answers a 503
+/// that says so in its body; the retry goes on with the rest.
+async fn a_confirm_line_by_line_says_how_far_it_went() {
+    let sidecar = Sidecar::start().await;
+    let spec = |limit| DropSpec::new(limit).per_user_limit(2).permits(1000);
+    sidecar.seed("cap", spec(3)).await;
+    sidecar.seed("shirt", spec(10).kill_switch()).await;
+    hold_cart(&sidecar, "mixed").await;
+
+    // The shirt's COMMIT on the ledger's gate is lost (nothing lands).
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    let answered = confirm(&sidecar, "mixed").await;
+    faults::arm(Fault::LostCommitUnanswered, 0);
+    assert_eq!(answered.status, 503, "{}", answered.text);
+    assert_eq!(answered.body["confirmedLines"], 1, "{}", answered.text);
+    let looked = sidecar.http.get("/v1/carts/mixed").await.expect("answers");
+    // (A cart being confirmed reads `active`; its lines say how far it went.)
+    assert_eq!(looked.body["state"], "active", "{}", looked.text);
+    assert_eq!(
+        looked.body["lines"][0]["state"], "confirmed",
+        "{}",
+        looked.text
+    );
+    assert_eq!(
+        looked.body["lines"][1]["state"], "active",
+        "{}",
+        looked.text
+    );
+    confirm(&sidecar, "mixed")
+        .await
+        .assert_answer(200, "confirmed");
+    sidecar.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cart_confirm_that_answers_an_error_confirmed_no_line() {
     a_failed_confirm_changes_nothing(Gate::Redis).await;
     a_failed_confirm_changes_nothing(Gate::Fallback).await;
+    a_confirm_line_by_line_says_how_far_it_went().await;
 }

@@ -705,13 +705,13 @@ impl Ledger {
         .await?;
         match decided {
             Committed::Known(done) => Ok(done),
-            Committed::Unknown(done, error) => {
-                if self.cart_moved_by(&write, &error).await? {
-                    Ok(done)
-                } else {
-                    Err(error.into())
-                }
-            }
+            Committed::Unknown(done, error) => match self.cart_moved_by(&write, &error).await? {
+                Some(true) => Ok(done),
+                Some(false) => Err(error.into()),
+                None => Err(LedgerError::CommitUnknown(format!(
+                    "{error}; the cart has moved on since, so whether this confirm landed cannot be told"
+                ))),
+            },
         }
     }
 
@@ -733,16 +733,21 @@ impl Ledger {
     }
 
     /// Whether the cart's move `write`, whose COMMIT (failing with `error`) went
-    /// unanswered, landed: the row moved under the move's new attempt. On
-    /// PostgreSQL the row is locked first, which waits for that transaction to end.
+    /// unanswered, landed: `Some(true)` when the row is where the move put it (its
+    /// new attempt), `Some(false)` when it is still where the move found it (that
+    /// transaction ended without it: on PostgreSQL the row is locked first, which
+    /// waits for it to end; SQLite has one connection), `None` when it moved on to
+    /// anything else since (after this move or instead of it: nobody can say).
     async fn cart_moved_by(
         &self,
         write: &CartWrite,
         error: &sqlx::Error,
-    ) -> Result<bool, LedgerError> {
+    ) -> Result<Option<bool>, LedgerError> {
         let CartWrite::Move {
             namespace,
             key,
+            from,
+            attempt,
             to,
             new_attempt,
             ..
@@ -766,11 +771,16 @@ impl Ledger {
             tx.commit().await?;
             let moved = match row {
                 Some(row) => {
-                    let state: String = row.try_get(0)?;
-                    let attempt: String = row.try_get(1)?;
-                    state == to.as_str() && attempt == *new_attempt
+                    let (state, by): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+                    if state == to.as_str() && by == *new_attempt {
+                        Some(true)
+                    } else if state == from.as_str() && by == *attempt {
+                        Some(false)
+                    } else {
+                        None
+                    }
                 }
-                None => false,
+                None => None,
             };
             Ok::<_, LedgerError>(moved)
         };

@@ -525,103 +525,128 @@ async fn group_commit(
                 Queued::Whole(pending) => wholes.push(pending),
             }
         }
-        // Each in a transaction of its own, after this round's batch: a refusal in
-        // it rolls back only its own changes.
+        number = commit_round(&pool, backend, batch, cart_writes, &commit_seconds, number).await;
+        // Each in a transaction of its own, after this round's batch (which it would
+        // otherwise hold up past its changes' deadlines): a refusal in it rolls back
+        // only its own changes.
         for (changes, write, done) in wholes {
             let _ =
                 done.send(commit_whole(&pool, backend, &changes, &write, &commit_seconds).await);
         }
-        // A change past its deadline is not begun: its key is someone else's to
-        // resolve by now (see `RecordError::Late`).
-        let now = now_ms();
-        let (late, on_time): (Vec<Pending>, Vec<Pending>) = batch
-            .into_iter()
-            .partition(|(change, ..)| change.deadline_ms.is_some_and(|due| due <= now));
-        for (_, done, _) in late {
-            let _ = done.send(Err(RecordError::Late));
-        }
-        let mut batch = on_time;
-        if batch.is_empty() && cart_writes.is_empty() {
-            continue;
-        }
-        // Two commits writing the same carts lock their rows in one order.
-        cart_writes.sort_by(|(a, _), (b, _)| a.row().cmp(&b.row()));
-        // Which group commit took each waiting request's change, for its trace: a
-        // number of this process's writer (it starts at 1 with the process), and
-        // how many changes that commit held.
-        number += 1;
-        for (_, _, span) in &batch {
-            name_batch(span, number, batch.len());
-        }
-        let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
-        let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| &**w).collect();
-        let started = std::time::Instant::now();
-        let committed =
-            commit_in_time(&pool, backend, &changes, &writes, Atomicity::PerChange).await;
-        commit_seconds.observe(started.elapsed().as_secs_f64());
-        match committed {
-            Ok((verdicts, written)) => {
-                for ((_, done, _), verdict) in batch.into_iter().zip(verdicts) {
-                    let _ = done.send(verdict);
-                }
-                for ((_, done), written) in cart_writes.into_iter().zip(written) {
-                    let _ = done.send(Ok(written));
-                }
+    }
+}
+
+/// One round of the writer: `batch` and `cart_writes` in one group commit (each
+/// change past its deadline refused first), retried write by write if it fails;
+/// returns the writer's commit number after it.
+async fn commit_round(
+    pool: &AnyPool,
+    backend: Backend,
+    batch: Vec<Pending>,
+    mut cart_writes: Vec<PendingCart>,
+    commit_seconds: &Histogram,
+    mut number: u64,
+) -> u64 {
+    // A change past its deadline is not begun: its key is someone else's to
+    // resolve by now (see `RecordError::Late`).
+    let now = now_ms();
+    let (late, on_time): (Vec<Pending>, Vec<Pending>) = batch
+        .into_iter()
+        .partition(|(change, ..)| change.deadline_ms.is_some_and(|due| due <= now));
+    for (_, done, _) in late {
+        let _ = done.send(Err(RecordError::Late));
+    }
+    let mut batch = on_time;
+    if batch.is_empty() && cart_writes.is_empty() {
+        return number;
+    }
+    // Two commits writing the same carts lock their rows in one order.
+    cart_writes.sort_by(|(a, _), (b, _)| a.row().cmp(&b.row()));
+    // Which group commit took each waiting request's change, for its trace: a
+    // number of this process's writer (it starts at 1 with the process), and
+    // how many changes that commit held.
+    number += 1;
+    for (_, _, span) in &batch {
+        name_batch(span, number, batch.len());
+    }
+    let changes: Vec<&Change> = batch.iter().map(|(c, _, _)| c).collect();
+    let writes: Vec<&carts::CartWrite> = cart_writes.iter().map(|(w, _)| &**w).collect();
+    let started = std::time::Instant::now();
+    let committed = commit_in_time(pool, backend, &changes, &writes, Atomicity::PerChange).await;
+    commit_seconds.observe(started.elapsed().as_secs_f64());
+    match committed {
+        Ok((verdicts, written)) => {
+            for ((_, done, _), verdict) in batch.into_iter().zip(verdicts) {
+                let _ = done.send(verdict);
             }
-            // The batch may have landed: re-committing its changes one by one
-            // could not tell them apart from changes of others.
-            Err(CommitError::Unknown(why)) => {
-                for (_, done, _) in batch {
-                    let _ = done.send(Err(RecordError::Unknown(why.clone())));
-                }
-                for (_, done) in cart_writes {
-                    let _ = done.send(Err(LedgerError::CommitUnknown(why.clone())));
-                }
+            for ((_, done), written) in cart_writes.into_iter().zip(written) {
+                let _ = done.send(Ok(written));
             }
-            Err(e) if batch.len() + cart_writes.len() == 1 => {
-                if let Some((change, done, _)) = batch.pop() {
-                    let _ = done.send(Err(single_failure(&pool, &change, e).await));
-                } else if let Some((_, done)) = cart_writes.pop() {
-                    let _ = done.send(Err(cart_failure(e)));
-                }
+        }
+        // The batch may have landed: re-committing its changes one by one
+        // could not tell them apart from changes of others.
+        Err(CommitError::Unknown(why)) => {
+            for (_, done, _) in batch {
+                let _ = done.send(Err(RecordError::Unknown(why.clone())));
             }
-            Err(_) => {
-                for (change, done, span) in batch {
-                    // The retries take time: one whose deadline passed meanwhile is
-                    // not begun either.
-                    if change.deadline_ms.is_some_and(|due| due <= now_ms()) {
-                        let _ = done.send(Err(RecordError::Late));
-                        continue;
-                    }
-                    number += 1;
-                    name_batch(&span, number, 1);
-                    let verdict =
-                        match commit_in_time(&pool, backend, &[&change], &[], Atomicity::PerChange)
-                            .await
-                        {
-                            Ok((mut verdicts, _)) => verdicts.pop().unwrap_or(Ok(())),
-                            Err(e) => Err(single_failure(&pool, &change, e).await),
-                        };
-                    let _ = done.send(verdict);
+            for (_, done) in cart_writes {
+                let _ = done.send(Err(LedgerError::CommitUnknown(why.clone())));
+            }
+        }
+        Err(e) if batch.len() + cart_writes.len() == 1 => {
+            if let Some((change, done, _)) = batch.pop() {
+                let _ = done.send(Err(single_failure(pool, &change, e).await));
+            } else if let Some((_, done)) = cart_writes.pop() {
+                let _ = done.send(Err(cart_failure(e)));
+            }
+        }
+        Err(_) => {
+            for (change, done, span) in batch {
+                // The retries take time: one whose deadline passed meanwhile is
+                // not begun either.
+                if change.deadline_ms.is_some_and(|due| due <= now_ms()) {
+                    let _ = done.send(Err(RecordError::Late));
+                    continue;
                 }
-                for (write, done) in cart_writes {
-                    number += 1;
-                    let written =
-                        match commit_in_time(&pool, backend, &[], &[&*write], Atomicity::PerChange)
-                            .await
-                        {
-                            Ok((_, mut written)) => written.pop().ok_or_else(|| {
-                                LedgerError::Sql(sqlx::Error::Protocol(
-                                    "a cart's write came back with no result".into(),
-                                ))
-                            }),
-                            Err(e) => Err(cart_failure(e)),
-                        };
-                    let _ = done.send(written);
-                }
+                number += 1;
+                name_batch(&span, number, 1);
+                let verdict = match commit_in_time(
+                    pool,
+                    backend,
+                    &[&change],
+                    &[],
+                    Atomicity::PerChange,
+                )
+                .await
+                {
+                    Ok((mut verdicts, _)) => verdicts.pop().unwrap_or(Ok(())),
+                    Err(e) => Err(single_failure(pool, &change, e).await),
+                };
+                let _ = done.send(verdict);
+            }
+            for (write, done) in cart_writes {
+                number += 1;
+                let written = match commit_in_time(
+                    pool,
+                    backend,
+                    &[],
+                    &[&*write],
+                    Atomicity::PerChange,
+                )
+                .await
+                {
+                    Ok((_, mut written)) => written.pop().ok_or_else(|| {
+                        LedgerError::Sql(sqlx::Error::Protocol(
+                            "a cart's write came back with no result".into(),
+                        ))
+                    }),
+                    Err(e) => Err(cart_failure(e)),
+                };
+                let _ = done.send(written);
             }
         }
     }
+    number
 }
 
 /// Commits `changes` and the cart's `write` all or nothing (see

@@ -285,9 +285,12 @@ fn failed(app: &App, failure: Failure) -> Answer {
             let answer = match retry {
                 Retry::SameKey => Answer::unavailable(why),
                 Retry::SameKeySoon => retry_later(why),
-                // The one 503 after which something may have changed: said in the
-                // body too (the retry with the same key learns what).
+                // The two 503s after which something changed, or may have: said in
+                // the body too, so a client need not read the sentence.
                 Retry::SameKeyToLearn => retry_later(why).with("outcomeUnknown", true),
+                Retry::SameKeyToGoOn { confirmed } => {
+                    retry_later(why).with("confirmedLines", confirmed)
+                }
                 // Said in the body too, so a client need not read the sentence.
                 Retry::NewKey => Answer::unavailable(why).with("keySpent", true),
             };

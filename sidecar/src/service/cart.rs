@@ -1295,8 +1295,8 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         };
         if !over {
             // Not confirmable yet (a failure, a record being made): the cart stays
-            // confirming, and a retry of its confirm, or the sweeper past its
-            // bound, goes on from here.
+            // confirming, handed on at once (this attempt stops here), so that a
+            // retry of its confirm, or the sweeper's next round, goes on from here.
             let failure = match served {
                 Err(failure) => failure,
                 Ok(_) => Failure::retry(format!(
@@ -1304,6 +1304,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
                     row.key
                 )),
             };
+            hand_on(app, &row, CartState::Confirming, &mine).await;
             return Err(confirmed_so_far(&row.key, confirmed, failure));
         }
         // A line that lapsed or was cancelled on its own (through its
@@ -1369,19 +1370,51 @@ fn over_unconfirmed(outcome: &Outcome) -> bool {
     }
 }
 
-/// A cart confirm's failure at a line after `confirmed` lines were confirmed:
-/// those stay so, and the answer says it (a retry of the confirm, or the sweeper
-/// past the confirm's bound, goes on with the rest).
+/// Hands the cart `row`, which attempt `mine` moved to `state` and stops working
+/// on, to whoever comes next: its deadline passed at once, a retry of its key goes
+/// on with it now, and so does the sweeper's next round. (Should the ledger not
+/// take the move, the attempt's own deadline does the same a little later.)
+async fn hand_on(app: &App, row: &CartRow, state: CartState, mine: &str) {
+    let handed = app
+        .ledger
+        .move_cart(CartMove {
+            namespace: app.drops.namespace(),
+            key: &row.key,
+            from: state,
+            attempt: mine,
+            to: state,
+            ends_as: row.ends_as,
+            new_attempt: &attempt(),
+            deadline_ms: 0,
+            expires_at_ms: row.expires_at_ms,
+            held: &row.held,
+            short: &row.short,
+        })
+        .await;
+    if let Err(error) = handed {
+        tracing::debug!(cart = %row.key, %error, "a cart is left to its attempt's bound");
+    }
+}
+
+/// A cart confirm's failure at a line, after it recorded the cart `confirming` and
+/// confirmed `confirmed` lines (decided line by line): those stay so, and the
+/// confirm is under way (a retry of it, or the sweeper past the confirm's bound,
+/// goes on with the rest). The answer says so, in its sentence and its body.
 fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
-    match failure {
-        Failure::Unavailable { why, path, retry } if confirmed > 0 => Failure::Unavailable {
-            why: format!(
-                "{why} (cart {key}: {confirmed} of its lines are confirmed already; retry the confirm to go on with the rest)"
-            ),
+    let (why, path) = match failure {
+        Failure::Unavailable { why, path, .. } => (why, path),
+        Failure::Throttled { path, .. } => (
+            format!("a line of cart {key} waits for its key's earlier attempt"),
             path,
-            retry,
-        },
-        other => other,
+        ),
+        other => return other,
+    };
+    Failure::Unavailable {
+        why: format!(
+            "{why} (cart {key}: its confirm is under way, {confirmed} of its lines confirmed so far; retry the confirm to go on with the rest, or it is finished past its bound)"
+        ),
+        path,
+        retry: Retry::SameKeyToGoOn { confirmed },
     }
 }
 

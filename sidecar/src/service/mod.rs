@@ -120,6 +120,9 @@ pub enum Retry {
     /// saying whether it landed, and the ledger could not be asked, so the change
     /// may stand (it is resolved from the ledger's record once it answers).
     SameKeyToLearn,
+    /// With the same key, which goes on with a change begun: part of it stands (a
+    /// cart's confirm decided line by line with `confirmed` lines confirmed).
+    SameKeyToGoOn { confirmed: usize },
 }
 
 impl Failure {

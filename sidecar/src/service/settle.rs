@@ -1163,19 +1163,25 @@ async fn confirm_on_gate_as_one(
         }
         // All or nothing: once the first reservation's attempt is fenced off (a
         // late commit is then refused on it, and so refused whole), its row says
-        // whether the commit landed: confirmed, by this attempt.
+        // whether the commit landed: confirmed by this attempt, it did; still the
+        // active hold the commit found, it did not and cannot. Moved on to
+        // anything else (another change after this one landed, say), it cannot
+        // say: the preparations stay for their resolution, which reads each line.
         Err(LedgerError::CommitUnknown(why)) => {
             let first = &prepared[0];
             let ledger_key = change_key(&first.drop, &first.step);
-            match fence_off(app, &ledger_key, &first.key, &first.attempt).await {
-                Some(row) => row.is_some_and(|row| {
-                    row.state == State::Confirmed
-                        && row.changed_by.as_deref() == Some(first.attempt.as_str())
-                }),
-                None => {
+            let row = fence_off(app, &ledger_key, &first.key, &first.attempt).await;
+            match row.as_ref().map(|row| row.as_ref().map(|r| (r.state, r))) {
+                Some(Some((State::Confirmed, row)))
+                    if row.changed_by.as_deref() == Some(first.attempt.as_str()) =>
+                {
+                    true
+                }
+                Some(None | Some((State::Active, _))) => false,
+                _ => {
                     tracing::warn!(%why, "a cart confirm's commit has an unknown outcome: left for its lines' resolution");
                     return ConfirmAsOne::Unknown(Failure::outcome_unknown(format!(
-                        "the ledger's commit of the cart's confirm failed without saying whether it landed ({why}), and the ledger cannot be asked; its lines are resolved by the ledger's record once the ledger answers again: retry"
+                        "the ledger's commit of the cart's confirm failed without saying whether it landed ({why}), and the ledger cannot say now; its lines are resolved by the ledger's record: retry"
                     )));
                 }
             }
