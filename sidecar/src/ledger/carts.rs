@@ -129,6 +129,7 @@ pub struct NewCart<'a> {
 }
 
 /// How a cart's state moves, if it still is where the mover saw it.
+#[derive(Clone, Copy, Debug)]
 pub struct CartMove<'a> {
     pub namespace: &'a str,
     pub key: &'a str,

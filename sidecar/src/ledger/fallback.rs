@@ -649,7 +649,6 @@ impl Ledger {
         &self,
         lines: &[FallbackLine<'_>],
         cart: super::carts::CartMove<'_>,
-        now: i64,
     ) -> Result<CartCommit, LedgerError> {
         let write = CartWrite::from(cart);
         let mut drops: Vec<(&str, &DropConfig)> = Vec::new();
@@ -661,6 +660,8 @@ impl Ledger {
         // Every transaction takes a drop's rows in the order of the drops' keys.
         drops.sort_by(|a, b| a.0.cmp(b.0));
         let decided = retry(|| async {
+            // (Read for each try: a try that waited for locks decides as of now.)
+            let now = crate::clock::now_ms();
             let mut tx = self.pool.begin().await?;
             for (drop_key, config) in &drops {
                 if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {

@@ -987,7 +987,8 @@ pub(super) async fn confirm_as_one(
         return ConfirmAsOne::OneByOne;
     }
     let mut lines = Vec::with_capacity(keys.len());
-    let (mut on_gate, mut on_fallback) = (0, 0);
+    let mut on_gate = 0;
+    let mut on_fallback: Vec<Reason> = Vec::new();
     for (drop_name, key) in keys {
         let Ok(drop) = super::find_drop(app, drop_name).await else {
             return ConfirmAsOne::OneByOne;
@@ -995,7 +996,7 @@ pub(super) async fn confirm_as_one(
         let config = drop.config();
         match super::choose(app, &drop, &config) {
             super::Choice::Gate => on_gate += 1,
-            super::Choice::Fallback(_) => on_fallback += 1,
+            super::Choice::Fallback(reason) => on_fallback.push(reason),
             super::Choice::Refused(_) => return ConfirmAsOne::OneByOne,
         }
         lines.push(LineToConfirm {
@@ -1006,8 +1007,8 @@ pub(super) async fn confirm_as_one(
     }
     if on_gate == lines.len() {
         confirm_on_gate_as_one(app, lines, cart).await
-    } else if on_fallback == lines.len() {
-        confirm_on_fallback_as_one(app, &lines, cart).await
+    } else if on_fallback.len() == lines.len() {
+        confirm_on_fallback_as_one(app, &lines, &on_fallback, cart).await
     } else {
         ConfirmAsOne::OneByOne
     }
@@ -1021,10 +1022,13 @@ struct LineToConfirm {
     key: String,
 }
 
-/// [`confirm_as_one`] on the ledger's gate: one transaction.
+/// [`confirm_as_one`] on the ledger's gate (each line's drop there for its
+/// `reasons`): one transaction. A ledger not yet the authority of a drop is
+/// handed it first, as any call on the fallback does, and asked once more.
 async fn confirm_on_fallback_as_one(
     app: &App,
     lines: &[LineToConfirm],
+    reasons: &[Reason],
     cart: crate::ledger::carts::CartMove<'_>,
 ) -> ConfirmAsOne {
     let ledger_keys: Vec<String> = lines
@@ -1040,11 +1044,19 @@ async fn confirm_on_fallback_as_one(
             key: &line.key,
         })
         .collect();
-    match app
-        .ledger
-        .fallback_confirm_cart(&asks, cart, now_ms())
-        .await
-    {
+    let mut decided = app.ledger.fallback_confirm_cart(&asks, cart).await;
+    if let Err(LedgerError::NotAuthority(_)) = decided {
+        for (line, reason) in lines.iter().zip(reasons) {
+            if handover::hand_to_ledger(app, &line.drop, *reason)
+                .await
+                .is_err()
+            {
+                return ConfirmAsOne::OneByOne;
+            }
+        }
+        decided = app.ledger.fallback_confirm_cart(&asks, cart).await;
+    }
+    match decided {
         Ok(CartCommit::Committed) => {
             for line in lines {
                 line.drop.throttle.release(&line.key);
