@@ -25,10 +25,8 @@ async fn hold_cart(sidecar: &Sidecar, cart: &str) {
         .collect();
     let body = json!({"key": cart, "user": "ann", "lines": lines});
     sidecar
-        .http
-        .post("/v1/carts", &body.to_string())
+        .post_cart(&body)
         .await
-        .expect("answers")
         .assert_answer(201, "reserved");
 }
 

@@ -39,10 +39,8 @@ async fn shop_with_a_pair(kill_switch: bool) -> Sidecar {
         "lines": [{"drop": "cap", "quantity": 1}, {"drop": "shirt", "quantity": 1}],
     });
     sidecar
-        .http
-        .post("/v1/carts", &body.to_string())
+        .post_cart(&body)
         .await
-        .expect("answers")
         .assert_answer(201, "reserved");
     sidecar
 }

@@ -187,6 +187,14 @@ impl Sidecar {
             .expect("answers")
     }
 
+    /// `POST /v1/carts` with `body`.
+    pub async fn post_cart(&self, body: &serde_json::Value) -> Reply {
+        self.http
+            .post("/v1/carts", &body.to_string())
+            .await
+            .expect("answers")
+    }
+
     /// The ledger key of drop `drop`'s current sale (`shop/drop/sale`).
     pub fn ledger_key(&self, drop: &str) -> String {
         ledger_key_in(&self.redis, drop)
