@@ -53,7 +53,8 @@ pub enum Fault {
     PauseAfterReply,
     /// A cart's give-back waits 2.5 s between its look-up of a line it is to give
     /// back (a hold) and giving it back, so that a test can confirm the line
-    /// through its own route meanwhile.
+    /// through its own route meanwhile (long enough for that on a loaded
+    /// 2-core CI machine).
     PauseBeforeGiveBack,
 }
 

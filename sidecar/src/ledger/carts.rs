@@ -219,7 +219,11 @@ impl Ledger {
         let gone = || LedgerError::Sql(sqlx::Error::Protocol("the ledger's writer stopped".into()));
         async {
             self.writer
-                .send(super::Queued::Whole((changes, CartWrite::from(cart), done)))
+                .send(super::Queued::AllOrNothing((
+                    changes,
+                    CartWrite::from(cart),
+                    done,
+                )))
                 .await
                 .map_err(|_| gone())?;
             wait.await.map_err(|_| gone())?

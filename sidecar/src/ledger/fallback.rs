@@ -640,11 +640,12 @@ impl Ledger {
 
     /// The confirms of a cart's lines `lines` (each its drop's ledger key, config
     /// and reservation key) on the ledger's gate and the cart's move `cart`, in one
-    /// transaction, all or nothing: a line that is not an active hold, a drop the
-    /// ledger is not the authority of, or a cart another mover moved first rolls
-    /// the whole back ([`CartCommit::LineRefused`], [`CartCommit::CartMoved`]). A
-    /// COMMIT that went unanswered is asked about by the cart's row (moved by this
-    /// move's new attempt, or not): the answer is true either way.
+    /// transaction, all or nothing: a line that is not an active hold, or a cart
+    /// another mover moved first, rolls the whole back ([`CartCommit::LineRefused`],
+    /// [`CartCommit::CartMoved`]); so does a drop the ledger is not the authority
+    /// of ([`LedgerError::NotAuthority`]). A COMMIT that went unanswered is asked
+    /// about by the cart's row: landed, or not, or (the row moved on since)
+    /// [`LedgerError::CommitUnknown`].
     pub async fn fallback_confirm_cart(
         &self,
         lines: &[FallbackLine<'_>],
@@ -675,8 +676,7 @@ impl Ledger {
                     expire_if_due(&mut tx, line.drop_key, line.config, line.key, now).await?;
                 let row = match expiring.row {
                     Some(row) if row.state == State::Active => row,
-                    // (Dropping the transaction rolls it back, an expiry included:
-                    // the confirm one by one makes it again.)
+                    // (Dropping the transaction rolls it back, an expiry included.)
                     other => {
                         let state = other.map_or(State::Expired, |row| row.state);
                         let refused = CartCommit::LineRefused(RecordError::KeyUsed { state });
@@ -706,7 +706,7 @@ impl Ledger {
         .await?;
         match decided {
             Committed::Known(done) => Ok(done),
-            Committed::Unknown(done, error) => match self.cart_moved_by(&write, &error).await? {
+            Committed::Unknown(done, error) => match self.cart_move_landed(&write, &error).await? {
                 Some(true) => Ok(done),
                 Some(false) => Err(error.into()),
                 None => Err(LedgerError::CommitUnknown(format!(
@@ -739,7 +739,7 @@ impl Ledger {
     /// transaction ended without it: on PostgreSQL the row is locked first, which
     /// waits for it to end; SQLite has one connection), `None` when it moved on to
     /// anything else since (after this move or instead of it: nobody can say).
-    async fn cart_moved_by(
+    async fn cart_move_landed(
         &self,
         write: &CartWrite,
         error: &sqlx::Error,

@@ -193,7 +193,7 @@ type PendingCart = (
     oneshot::Sender<Result<carts::CartWritten, LedgerError>>,
 );
 
-type PendingWhole = (
+type PendingAllOrNothing = (
     Vec<Change>,
     carts::CartWrite,
     oneshot::Sender<Result<carts::CartCommit, LedgerError>>,
@@ -208,7 +208,7 @@ enum Queued {
     Cart(PendingCart),
     /// Changes and a cart's write to commit all or nothing, in a transaction of
     /// their own (see [`Ledger::record_with_cart`]).
-    Whole(PendingWhole),
+    AllOrNothing(PendingAllOrNothing),
 }
 
 /// Whether one of a transaction's changes may be refused while the others commit.
@@ -513,7 +513,7 @@ async fn group_commit(
         }
         let mut batch: Vec<Pending> = Vec::with_capacity(queued.len());
         let mut cart_writes: Vec<PendingCart> = Vec::new();
-        let mut wholes: Vec<PendingWhole> = Vec::new();
+        let mut all_or_nothing: Vec<PendingAllOrNothing> = Vec::new();
         for item in queued {
             match item {
                 Queued::Change(pending) => batch.push(pending),
@@ -521,17 +521,18 @@ async fn group_commit(
                 // is written yet, and nobody would hear what it came to.
                 Queued::Cart((_, done)) if done.is_closed() => {}
                 Queued::Cart(pending) => cart_writes.push(pending),
-                Queued::Whole((.., done)) if done.is_closed() => {}
-                Queued::Whole(pending) => wholes.push(pending),
+                Queued::AllOrNothing((.., done)) if done.is_closed() => {}
+                Queued::AllOrNothing(pending) => all_or_nothing.push(pending),
             }
         }
         number = commit_round(&pool, backend, batch, cart_writes, &commit_seconds, number).await;
         // Each in a transaction of its own, after this round's batch (which it would
         // otherwise hold up past its changes' deadlines): a refusal in it rolls back
         // only its own changes.
-        for (changes, write, done) in wholes {
-            let _ =
-                done.send(commit_whole(&pool, backend, &changes, &write, &commit_seconds).await);
+        for (changes, write, done) in all_or_nothing {
+            let _ = done.send(
+                commit_all_or_nothing(&pool, backend, &changes, &write, &commit_seconds).await,
+            );
         }
     }
 }
@@ -651,7 +652,7 @@ async fn commit_round(
 
 /// Commits `changes` and the cart's `write` all or nothing (see
 /// [`Ledger::record_with_cart`]).
-async fn commit_whole(
+async fn commit_all_or_nothing(
     pool: &AnyPool,
     backend: Backend,
     changes: &[Change],

@@ -288,8 +288,16 @@ fn failed(app: &App, failure: Failure) -> Answer {
                 // The two 503s after which something changed, or may have: said in
                 // the body too, so a client need not read the sentence.
                 Retry::SameKeyToLearn => retry_later(why).with("outcomeUnknown", true),
-                Retry::SameKeyToGoOn { confirmed } => {
-                    retry_later(why).with("confirmedLines", confirmed)
+                Retry::SameKeyToGoOn {
+                    confirmed,
+                    outcome_unknown,
+                } => {
+                    let answer = retry_later(why).with("confirmedLines", confirmed);
+                    if outcome_unknown {
+                        answer.with("outcomeUnknown", true)
+                    } else {
+                        answer
+                    }
                 }
                 // Said in the body too, so a client need not read the sentence.
                 Retry::NewKey => Answer::unavailable(why).with("keySpent", true),

@@ -235,7 +235,7 @@ fn held_lines(row: &CartRow) -> Vec<(usize, CartLine, String)> {
 
 /// The move that records `row` confirmed, from `from` under `attempt` (a
 /// confirm's), naming `closing` as the attempt nobody works under from then on.
-fn confirmed_move<'a>(
+fn move_to_confirmed<'a>(
     namespace: &'a str,
     row: &'a CartRow,
     from: CartState,
@@ -1017,7 +1017,6 @@ async fn give_back(
     paid: PaidLines,
 ) -> Result<GivenBack, Failure> {
     let mut given = GivenBack::default();
-    let refund = paid == PaidLines::Refund;
     // Kept, a line is given back only if it is still a hold, checked in the same
     // step as the give-back (`Settle::CancelHold`): one confirmed through its own
     // route after the look-up below stays confirmed.
@@ -1046,7 +1045,7 @@ async fn give_back(
         if !ours {
             continue;
         }
-        if state == State::Confirmed && !refund {
+        if state == State::Confirmed && paid == PaidLines::Keep {
             given.paid += 1;
             continue;
         }
@@ -1066,7 +1065,7 @@ async fn give_back(
                     | Outcome::Overruled {
                         recorded: State::Confirmed,
                         ..
-                    } if !refund => {
+                    } if paid == PaidLines::Keep => {
                         given.paid += 1;
                         true
                     }
@@ -1208,8 +1207,23 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
         // as a whole now.
         (CartSettle::Confirm, CartState::Held) => {
             let lines = lines_of(&row);
-            finish_release(app, &row, CartState::Expired, &lines).await?;
-            let row = recorded(app, key).await?;
+            let released = finish_release(app, &row, CartState::Expired, &lines).await;
+            // Once moved to releasing it is expired, whoever finishes giving its
+            // lines back (the sweeper, when this attempt could not): the answer
+            // says so either way.
+            let row = match (released, recorded(app, key).await) {
+                (_, Ok(now)) if now.state != CartState::Held => now,
+                (Err(failure), _) => return Err(failure),
+                (Ok(()), Err(failure)) => {
+                    let expired = CartRow {
+                        state: CartState::Expired,
+                        ..row
+                    };
+                    tracing::debug!(cart = %key, ?failure, "an expired cart answered from its move");
+                    expired
+                }
+                (Ok(()), Ok(now)) => now,
+            };
             Ok(CartOutcome::Gone(view(app, &row, true).await))
         }
         (
@@ -1229,9 +1243,10 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
 
 async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     let namespace = app.drops.namespace();
-    // A held cart whose lines are all active holds on the Redis gate is confirmed
-    // as one: its lines' confirms and its own move in one ledger transaction, so
-    // that a failure anywhere before it commits leaves every line as it was.
+    // A held cart whose lines are all active holds on the gate that decides all
+    // their drops is confirmed as one: its lines' confirms and its own move in one
+    // ledger transaction, so that a failure anywhere before it commits leaves
+    // every line as it was.
     if row.state == CartState::Held {
         let held = held_lines(&row);
         let keys: Vec<(&str, String)> = held
@@ -1239,7 +1254,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             .map(|(_, line, key)| (line.drop.as_str(), key.clone()))
             .collect();
         let closing = closing_attempt();
-        let cart = confirmed_move(namespace, &row, CartState::Held, &row.attempt, &closing);
+        let cart = move_to_confirmed(namespace, &row, CartState::Held, &row.attempt, &closing);
         match super::settle::confirm_as_one(app, &keys, cart).await {
             ConfirmAsOne::Confirmed => {
                 // Answered from the move just made: a failed read of the row now
@@ -1335,20 +1350,37 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             // Still confirming (its move to releasing was not recorded): a retry of
             // the confirm goes on with it. Releasing: the sweeper finishes it.
             // Ended already (its last move's answer was lost, and it landed): done.
-            let now = recorded(app, &row.key).await?;
+            let now = recorded(app, &row.key)
+                .await
+                .map_err(|f| confirmed_so_far(&row.key, confirmed, f))?;
             if now.state != CartState::Releasing && now.state != ends_as {
+                hand_on(app, &row, CartState::Confirming, &mine).await;
                 return Err(confirmed_so_far(&row.key, confirmed, failure));
             }
             tracing::warn!(cart = %row.key, ?failure, "the lines of a cart not confirmed whole are left to the sweeper to give back");
         }
-        let row = recorded(app, &row.key).await?;
+        // (Past the move to confirming, every failure says what was confirmed.)
+        let row = recorded(app, &row.key)
+            .await
+            .map_err(|f| confirmed_so_far(&row.key, confirmed, f))?;
         return Ok(CartOutcome::PartlyConfirmed(view(app, &row, true).await));
     }
-    if !finish_confirm(app, &row, &mine).await? {
-        return Err(in_flight(&row.key));
+    let recorded_confirmed = finish_confirm(app, &row, &mine)
+        .await
+        .map_err(|f| confirmed_so_far(&row.key, confirmed, f))?;
+    if !recorded_confirmed {
+        // Taken over past its bound by another attempt, which goes on with it.
+        return Err(confirmed_so_far(&row.key, confirmed, in_flight(&row.key)));
     }
-    let row = recorded(app, &row.key).await?;
-    Ok(CartOutcome::Confirmed(view(app, &row, true).await))
+    // Answered from the move just made: a failed read of the row now must not
+    // answer 503 for a cart that is confirmed.
+    let confirmed_row = CartRow {
+        state: CartState::Confirmed,
+        ..row
+    };
+    Ok(CartOutcome::Confirmed(
+        view(app, &confirmed_row, true).await,
+    ))
 }
 
 /// Whether a line's answer to its cart's confirm says it is over without being
@@ -1370,10 +1402,15 @@ fn over_unconfirmed(outcome: &Outcome) -> bool {
     }
 }
 
+/// How soon a cart an attempt stopped working on is anyone's: as long as a 503's
+/// `Retry-After` asks a client to wait, so the retry finds it free, and the
+/// sweeper goes on with it no oftener than that.
+const HANDED_ON_MS: i64 = 1_000;
+
 /// Hands the cart `row`, which attempt `mine` moved to `state` and stops working
-/// on, to whoever comes next: its deadline passed at once, a retry of its key goes
-/// on with it now, and so does the sweeper's next round. (Should the ledger not
-/// take the move, the attempt's own deadline does the same a little later.)
+/// on, to whoever comes next: a retry of its key goes on with it after
+/// [`HANDED_ON_MS`], and so does the sweeper's next round after that. (Should the
+/// ledger not take the move, the attempt's own deadline does the same later.)
 async fn hand_on(app: &App, row: &CartRow, state: CartState, mine: &str) {
     let handed = app
         .ledger
@@ -1385,7 +1422,7 @@ async fn hand_on(app: &App, row: &CartRow, state: CartState, mine: &str) {
             to: state,
             ends_as: row.ends_as,
             new_attempt: &attempt(),
-            deadline_ms: 0,
+            deadline_ms: now_ms() + HANDED_ON_MS,
             expires_at_ms: row.expires_at_ms,
             held: &row.held,
             short: &row.short,
@@ -1397,24 +1434,29 @@ async fn hand_on(app: &App, row: &CartRow, state: CartState, mine: &str) {
 }
 
 /// A cart confirm's failure at a line, after it recorded the cart `confirming` and
-/// confirmed `confirmed` lines (decided line by line): those stay so, and the
-/// confirm is under way (a retry of it, or the sweeper past the confirm's bound,
-/// goes on with the rest). The answer says so, in its sentence and its body.
+/// confirmed `confirmed` lines (decided line by line; 0 counts too): those stay
+/// so, and the confirm is under way (handed on: a retry of it, or the sweeper's
+/// next round, goes on with the rest). The answer says so, in its sentence and
+/// its body; a line whose commit may have landed unbeknown keeps saying that.
 fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
-    let (why, path) = match failure {
-        Failure::Unavailable { why, path, .. } => (why, path),
+    let (why, path, outcome_unknown) = match failure {
+        Failure::Unavailable { why, path, retry } => (why, path, retry == Retry::SameKeyToLearn),
         Failure::Throttled { path, .. } => (
-            format!("a line of cart {key} waits for its key's earlier attempt"),
+            format!("the confirm of cart {key} cannot go on at once"),
             path,
+            false,
         ),
         other => return other,
     };
     Failure::Unavailable {
         why: format!(
-            "{why} (cart {key}: its confirm is under way, {confirmed} of its lines confirmed so far; retry the confirm to go on with the rest, or it is finished past its bound)"
+            "{why} (cart {key}: its confirm is under way, {confirmed} of its lines confirmed so far; retry the confirm to go on with the rest, or the sidecars finish it)"
         ),
         path,
-        retry: Retry::SameKeyToGoOn { confirmed },
+        retry: Retry::SameKeyToGoOn {
+            confirmed,
+            outcome_unknown,
+        },
     }
 }
 
@@ -1423,7 +1465,7 @@ fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
 async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Failure> {
     let closing = closing_attempt();
     app.ledger
-        .move_cart(confirmed_move(
+        .move_cart(move_to_confirmed(
             app.drops.namespace(),
             row,
             CartState::Confirming,

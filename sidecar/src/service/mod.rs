@@ -121,8 +121,12 @@ pub enum Retry {
     /// may stand (it is resolved from the ledger's record once it answers).
     SameKeyToLearn,
     /// With the same key, which goes on with a change begun: part of it stands (a
-    /// cart's confirm decided line by line with `confirmed` lines confirmed).
-    SameKeyToGoOn { confirmed: usize },
+    /// cart's confirm decided line by line with `confirmed` lines confirmed), and
+    /// with `outcome_unknown` one more line's commit may have landed too.
+    SameKeyToGoOn {
+        confirmed: usize,
+        outcome_unknown: bool,
+    },
 }
 
 impl Failure {

@@ -896,7 +896,7 @@ pub(super) async fn help_finish(app: &App, drop: &Drop, key: &str, helped: &mut 
 /// How long a request asks the ledger whether its commit landed.
 const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
 
-/// Whether the confirm or cancel `attempt` of `key` (moving it `to`), whose commit
+/// Whether the change `settling` of `key` by `attempt`, whose commit
 /// had an unknown outcome, landed; final, as the attempt is fenced off first. `None`
 /// while the ledger cannot say, for [`ASK_LEDGER_FOR`].
 async fn settle_landed(
@@ -944,14 +944,17 @@ pub(super) enum ConfirmAsOne {
     /// The cart was not where its move expected it (another mover came first):
     /// nothing changed.
     CartMoved,
-    /// Not decided as one, and nothing changed: a drop is not on the Redis gate
-    /// now, a reservation is not an active hold (lapsed, cancelled, another change
-    /// of it in flight), Redis failed or changed under the call, or the ledger
-    /// refused a change. To be confirmed one by one, as any confirm is.
+    /// Not decided as one, and no reservation changed (an expiry Redis made on the
+    /// way is recorded): the drops are on different gates, a reservation is not an
+    /// active hold (lapsed, cancelled, another change of it in flight), Redis
+    /// failed or changed under the call, a drop could not be handed to the
+    /// ledger, or the ledger refused a change. To be confirmed one by one, as any
+    /// confirm is.
     OneByOne,
-    /// The ledger's commit failed without saying whether it landed, and the ledger
-    /// could not be asked: the preparations stay, and their resolution finishes or
-    /// undoes them all alike by the ledger's record (the commit was whole).
+    /// The ledger's commit failed without saying whether it landed, and that
+    /// cannot be told now: on the Redis gate the preparations stay, and their
+    /// resolution finishes or undoes them all alike by the ledger's record (the
+    /// commit was whole).
     Unknown(Failure),
 }
 
@@ -973,11 +976,12 @@ struct PreparedConfirm {
 /// (one transaction, [`crate::ledger::Ledger::fallback_confirm_cart`]). An answer
 /// that says the confirm failed means nothing was confirmed.
 ///
-/// Only the happy path is taken here, on the gates as each drop's call finds them:
-/// whatever [`decide`] would route, recheck, reopen or hand over (drops on
-/// different gates, Redis failing or changed, a ledger not yet the authority, a
-/// reservation not an active hold) is [`ConfirmAsOne::OneByOne`], left to the
-/// confirms one by one, which do.
+/// Only the happy path is taken here, on the gates as each drop's call finds them
+/// (a drop whose authority is still the gate is handed to the ledger first, as
+/// any fallback call does): whatever else [`decide`] would route, recheck or
+/// reopen (drops on different gates, Redis failing or changed, a hand-over
+/// refused, a reservation not an active hold) is [`ConfirmAsOne::OneByOne`], left
+/// to the confirms one by one, which do.
 pub(super) async fn confirm_as_one(
     app: &App,
     keys: &[(&str, String)],
@@ -1046,13 +1050,19 @@ async fn confirm_on_fallback_as_one(
         .collect();
     let mut decided = app.ledger.fallback_confirm_cart(&asks, cart).await;
     if let Err(LedgerError::NotAuthority(_)) = decided {
+        // Each drop once (a cart may have several lines of one drop).
+        let mut handed: Vec<&str> = Vec::new();
         for (line, reason) in lines.iter().zip(reasons) {
+            if handed.contains(&line.drop.name.as_str()) {
+                continue;
+            }
             if handover::hand_to_ledger(app, &line.drop, *reason)
                 .await
                 .is_err()
             {
                 return ConfirmAsOne::OneByOne;
             }
+            handed.push(&line.drop.name);
         }
         decided = app.ledger.fallback_confirm_cart(&asks, cart).await;
     }
