@@ -1207,24 +1207,42 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
         // as a whole now.
         (CartSettle::Confirm, CartState::Held) => {
             let lines = lines_of(&row);
-            let released = finish_release(app, &row, CartState::Expired, &lines).await;
-            // Once moved to releasing it is expired, whoever finishes giving its
-            // lines back (the sweeper, when this attempt could not): the answer
-            // says so either way.
-            let row = match (released, recorded(app, key).await) {
-                (_, Ok(now)) if now.state != CartState::Held => now,
-                (Err(failure), _) => return Err(failure),
-                (Ok(()), Err(failure)) => {
-                    let expired = CartRow {
-                        state: CartState::Expired,
-                        ..row
+            match finish_release(app, &row, CartState::Expired, &lines).await {
+                // Answered from the end it recorded (a failed re-read must not
+                // answer 503 for a cart that expired).
+                Ok(ended) => {
+                    let now = match recorded(app, key).await {
+                        Ok(now) => now,
+                        Err(_) => CartRow {
+                            state: ended,
+                            ..row
+                        },
                     };
-                    tracing::debug!(cart = %key, ?failure, "an expired cart answered from its move");
-                    expired
+                    Ok(expired_answer(app, now).await)
                 }
-                (Ok(()), Ok(now)) => now,
-            };
-            Ok(CartOutcome::Gone(view(app, &row, true).await))
+                Err(failure) => match recorded(app, key).await {
+                    // Its move to releasing landed (this attempt's or another
+                    // expiry's): it is expired, whoever gives its lines back (the
+                    // sweeper, when this attempt could not).
+                    Ok(now)
+                        if now.state == CartState::Releasing
+                            && matches!(
+                                now.ends_as,
+                                Some(CartState::Expired | CartState::PartlyConfirmed)
+                            ) =>
+                    {
+                        Ok(expired_answer(app, now).await)
+                    }
+                    // Moved by another (confirmed, being confirmed, cancelled,
+                    // ended): answered as any confirm of it now is. (Never back to
+                    // held, so this asks once.)
+                    Ok(now) if now.state != CartState::Held => {
+                        Box::pin(settle(app, key, CartSettle::Confirm)).await
+                    }
+                    // Nothing moved, or nothing can be read: as the failure says.
+                    _ => Err(failure),
+                },
+            }
         }
         (
             CartSettle::Cancel,
@@ -1383,6 +1401,20 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     ))
 }
 
+/// The answer to a confirm of `row`, which expired (whole, or as far as it went:
+/// a line paid through its own route keeps it `partly_confirmed`).
+async fn expired_answer(app: &App, row: CartRow) -> CartOutcome {
+    let ended = match (row.state, row.ends_as) {
+        (CartState::Releasing, Some(ends_as)) => ends_as,
+        (state, _) => state,
+    };
+    if ended == CartState::PartlyConfirmed {
+        CartOutcome::PartlyConfirmed(view(app, &row, true).await)
+    } else {
+        CartOutcome::Gone(view(app, &row, true).await)
+    }
+}
+
 /// Whether a line's answer to its cart's confirm says it is over without being
 /// confirmed: lapsed, cancelled on its own, or gone.
 fn over_unconfirmed(outcome: &Outcome) -> bool {
@@ -1499,7 +1531,7 @@ async fn finish_release(
     row: &CartRow,
     ends_as: CartState,
     lines: &[CartLine],
-) -> Result<(), Failure> {
+) -> Result<CartState, Failure> {
     let namespace = app.drops.namespace();
     let mine = attempt();
     let ends_as = row
@@ -1553,7 +1585,7 @@ async fn finish_release(
         .await
         .map_err(|e| unknown(&row.key, "record the cart's give-back", e))?;
     if finished {
-        Ok(())
+        Ok(ends_as)
     } else {
         Err(in_flight(&row.key))
     }
@@ -1579,9 +1611,14 @@ pub async fn sweep(app: &App) {
     for row in rows {
         let lines = lines_of(&row);
         let done = match row.state {
-            CartState::Holding => finish_release(app, &row, CartState::Released, &lines).await,
-            CartState::Releasing => finish_release(app, &row, CartState::Released, &lines).await,
-            CartState::Held => finish_release(app, &row, CartState::Expired, &lines).await,
+            CartState::Holding | CartState::Releasing => {
+                finish_release(app, &row, CartState::Released, &lines)
+                    .await
+                    .map(|_| ())
+            }
+            CartState::Held => finish_release(app, &row, CartState::Expired, &lines)
+                .await
+                .map(|_| ()),
             CartState::Confirming => confirm(app, row.clone()).await.map(|_| ()),
             _ => Ok(()),
         };

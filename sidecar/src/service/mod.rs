@@ -122,7 +122,8 @@ pub enum Retry {
     SameKeyToLearn,
     /// With the same key, which goes on with a change begun: part of it stands (a
     /// cart's confirm decided line by line with `confirmed` lines confirmed), and
-    /// with `outcome_unknown` one more line's commit may have landed too.
+    /// with `outcome_unknown` a commit of it (a line's, or the cart's own record)
+    /// may have landed unbeknown too.
     SameKeyToGoOn {
         confirmed: usize,
         outcome_unknown: bool,
