@@ -1181,6 +1181,22 @@ async fn confirm_on_gate_as_one(
         Ok(CartCommit::LineRefused(refusal)) => {
             tracing::debug!(%refusal, "a cart's lines were not confirmed as one: one by one");
             undo_all(app, &mut conn, &prepared).await;
+            // A change number handed out twice: this Redis lost writes. Each of the
+            // cart's drops is checked against the ledger (and rebuilt when behind)
+            // before anything else is decided on it, as a single change's
+            // `Turn::Reopen { suspect: true }` does; the confirms one by one then
+            // draw numbers that collide with nothing, and would not notice.
+            if let RecordError::SeqReused(_) = refusal {
+                let mut checked: Vec<&str> = Vec::new();
+                for line in &prepared {
+                    if checked.contains(&line.drop.name.as_str()) {
+                        continue;
+                    }
+                    let opened = handover::open_gate(app, &line.drop, true).await;
+                    tracing::warn!(drop = %line.drop.name, ?opened, "a cart confirm met a change number Redis handed out twice: the gate was checked again");
+                    checked.push(&line.drop.name);
+                }
+            }
             return ConfirmAsOne::OneByOne;
         }
         // All or nothing: once the first reservation's attempt is fenced off (a
