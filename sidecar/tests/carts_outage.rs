@@ -252,3 +252,76 @@ async fn a_size_restocked_and_another_cut_mid_sale_with_carts() {
     assert!(sizes["h:S"] <= 9, "{sizes:?}");
     sidecar.shutdown().await;
 }
+
+/// A cart's cancel cut off from Redis once it recorded the cart releasing: the
+/// give-back is decided (nothing can confirm the cart any more) and under way, and
+/// its 503 says so (`underWay`), as a confirm's says how far it went; the retry
+/// after `Retry-After`, Redis back, finishes it. Before, that 503 read like any
+/// other ("nothing was changed"), and every retry for the attempt's whole bound
+/// (10 s) was refused as in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cart_cancel_cut_off_from_redis_says_it_is_under_way() {
+    let redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let proxy = TcpProxy::start(redis.port()).await.expect("proxy");
+    // Failure policy closed: nothing is decided without Redis.
+    for (name, spec) in shop(false) {
+        seed(&redis.url(), name, spec).await;
+    }
+    let sidecar = Peer::start(&proxy.redis_url(), &postgres.url()).await;
+    let http = sidecar.http.clone();
+    http.post("/v1/carts", &cart(0, "gone"))
+        .await
+        .expect("answers")
+        .assert_answer(201, "reserved");
+
+    proxy.cut().await;
+    let cancel = http
+        .post("/v1/carts/gone/cancel", "")
+        .await
+        .expect("answers");
+    assert_eq!(cancel.status, 503, "{}", cancel.text);
+    assert_eq!(cancel.body["underWay"], true, "{}", cancel.text);
+    assert!(
+        cancel.body.get("confirmedLines").is_none(),
+        "{}",
+        cancel.text
+    );
+    let confirm = http
+        .post("/v1/carts/gone/confirm", "")
+        .await
+        .expect("answers");
+    assert_eq!(confirm.status, 503, "{}", confirm.text);
+
+    proxy.heal();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let again = http
+        .post("/v1/carts/gone/cancel", "")
+        .await
+        .expect("answers");
+    // (The sidecars' sweeper may have finished it first.)
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert!(
+        matches!(
+            again.body["outcome"].as_str(),
+            Some("cancelled" | "already_cancelled")
+        ),
+        "{}",
+        again.text
+    );
+    let looked = http.get("/v1/carts/gone").await.expect("answers");
+    assert_eq!(looked.body["state"], "cancelled", "{}", looked.text);
+    for (drop, left) in [("shoe", 12), ("cap", 8)] {
+        let shown = http
+            .get(&format!("/v1/drops/{drop}"))
+            .await
+            .expect("answers");
+        assert_eq!(shown.body["remaining"], left, "{drop}: {}", shown.text);
+    }
+    // A confirm now finds it cancelled: nothing to confirm.
+    http.post("/v1/carts/gone/confirm", "")
+        .await
+        .expect("answers")
+        .assert_answer(409, "cancelled");
+    sidecar.shutdown().await;
+}

@@ -292,7 +292,10 @@ fn failed(app: &App, failure: Failure) -> Answer {
                     confirmed,
                     outcome_unknown,
                 } => {
-                    let answer = retry_later(why).with("confirmedLines", confirmed);
+                    let mut answer = retry_later(why).with("underWay", true);
+                    if let Some(confirmed) = confirmed {
+                        answer = answer.with("confirmedLines", confirmed);
+                    }
                     if outcome_unknown {
                         answer.with("outcomeUnknown", true)
                     } else {

@@ -1467,14 +1467,29 @@ async fn hand_on(app: &App, row: &CartRow, state: CartState, mine: &str) {
 
 /// A cart confirm's failure at a line, after it recorded the cart `confirming` and
 /// confirmed `confirmed` lines (decided line by line; 0 counts too): those stay
-/// so, and the confirm is under way (handed on: a retry of it, or the sweeper's
-/// next round, goes on with the rest). The answer says so, in its sentence and
-/// its body; a line whose commit may have landed unbeknown keeps saying that.
+/// so, and the confirm is under way (see [`under_way`]).
 fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
+    under_way(key, failure, Some(confirmed))
+}
+
+/// A failure of a cart's confirm or give-back after the cart was recorded
+/// `confirming` (`confirmed`: lines confirmed so far) or releasing (`None`: some
+/// lines may be given back already): the change is decided and under way, handed
+/// on, and a retry of the same call (or the sweeper's next round) goes on with the
+/// rest. The answer says so, in its sentence and its body; a commit that may have
+/// landed unbeknown keeps saying that.
+fn under_way(key: &str, failure: Failure, confirmed: Option<usize>) -> Failure {
+    let (what, so_far) = match confirmed {
+        Some(n) => ("confirm", format!("{n} of its lines confirmed so far")),
+        None => (
+            "give-back",
+            "some of its lines may be given back already".to_string(),
+        ),
+    };
     let (why, path, outcome_unknown) = match failure {
         Failure::Unavailable { why, path, retry } => (why, path, retry == Retry::SameKeyToLearn),
         Failure::Throttled { path, .. } => (
-            format!("the confirm of cart {key} cannot go on at once"),
+            format!("the {what} of cart {key} cannot go on at once"),
             path,
             false,
         ),
@@ -1482,7 +1497,7 @@ fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
     };
     Failure::Unavailable {
         why: format!(
-            "{why} (cart {key}: its confirm is under way, {confirmed} of its lines confirmed so far; retry the confirm to go on with the rest, or the sidecars finish it)"
+            "{why} (cart {key}: its {what} is under way, {so_far}; retry the same call to go on with the rest, or the sidecars finish it)"
         ),
         path,
         retry: Retry::SameKeyToGoOn {
@@ -1558,7 +1573,22 @@ async fn finish_release(
     if !taken {
         return Err(in_flight(&row.key));
     }
-    let given = give_back(app, &row.key, &row.user, lines, PaidLines::toward(ends_as)).await?;
+    // Recorded as releasing: from here on the give-back is decided, and a
+    // failure leaves it under way (some lines may be given back already), handed
+    // on to a retry or the sweeper; its answer says so.
+    let releasing = CartRow {
+        state: CartState::Releasing,
+        ends_as: Some(ends_as),
+        attempt: mine.clone(),
+        ..row.clone()
+    };
+    let given = match give_back(app, &row.key, &row.user, lines, PaidLines::toward(ends_as)).await {
+        Ok(given) => given,
+        Err(failure) => {
+            hand_on(app, &releasing, CartState::Releasing, &mine).await;
+            return Err(under_way(&row.key, failure, None));
+        }
+    };
     // A cart found with a paid line (confirmed through the line's own route,
     // before or during the give-back) is confirmed as far as it went, never
     // expired: retention keeps it, and a cancel of it refunds that line.
@@ -1583,11 +1613,18 @@ async fn finish_release(
             short: &row.short,
         })
         .await
-        .map_err(|e| unknown(&row.key, "record the cart's give-back", e))?;
+        .map_err(|e| {
+            under_way(
+                &row.key,
+                unknown(&row.key, "record the cart's give-back", e),
+                None,
+            )
+        })?;
     if finished {
         Ok(ends_as)
     } else {
-        Err(in_flight(&row.key))
+        // Taken over past its bound by another attempt, which goes on with it.
+        Err(under_way(&row.key, in_flight(&row.key), None))
     }
 }
 

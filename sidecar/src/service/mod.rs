@@ -120,12 +120,15 @@ pub enum Retry {
     /// saying whether it landed, and the ledger could not be asked, so the change
     /// may stand (it is resolved from the ledger's record once it answers).
     SameKeyToLearn,
-    /// With the same key, which goes on with a change begun: part of it stands (a
-    /// cart's confirm decided line by line with `confirmed` lines confirmed), and
-    /// with `outcome_unknown` a commit of it (a line's, or the cart's own record)
-    /// may have landed unbeknown too.
+    /// With the same key, which goes on with a change begun and recorded as under
+    /// way, whose parts may stand: a cart's confirm decided line by line
+    /// (`confirmed`: how many lines it confirmed so far), or a cart's give-back
+    /// (cancel, expiry) that gave back some lines (`confirmed` is `None`). With
+    /// `outcome_unknown` a commit of it (a line's, or the cart's own record) may
+    /// have landed unbeknown too. The sidecars' sweeper finishes it if nobody
+    /// retries.
     SameKeyToGoOn {
-        confirmed: usize,
+        confirmed: Option<usize>,
         outcome_unknown: bool,
     },
 }

@@ -504,9 +504,10 @@ async fn change_on_gate(
         // now on) and the ledger's row says which way it went, so that the answer
         // is true either way.
         Err(RecordError::Unknown(why)) => {
-            match settle_landed(app, &change_key(drop, &step), key, &attempt, settling).await {
-                Some(true) => {}
-                Some(false) => {
+            let seq = step.seq.unwrap_or(0);
+            match settle_landed(app, &change_key(drop, &step), key, &attempt, seq, settling).await {
+                Some(Landing::Landed) => {}
+                Some(Landing::NotLanded) => {
                     undo(&mut conn).await;
                     abort(&why);
                     return Turn::Done(Err(Failure::retry(format!(
@@ -514,14 +515,17 @@ async fn change_on_gate(
                         what
                     ))));
                 }
-                None => {
-                    // The ledger cannot be asked: the preparation stays, and past its
-                    // bound the resolver fences the attempt off and finishes or undoes
-                    // it by what the ledger holds.
-                    tracing::warn!(drop = %drop.name, key, %why, "a confirm or cancel's commit has an unknown outcome: left for its resolution");
+                // The ledger cannot be asked, or its row moved on past this change:
+                // the preparation stays, and past its bound the resolver fences the
+                // attempt off and finishes or undoes it by what the ledger holds.
+                landing @ (None | Some(Landing::MovedOn)) => {
+                    let cannot_tell = match landing {
+                        None => "the ledger cannot be asked",
+                        Some(_) => "the ledger's record moved on past it since",
+                    };
+                    tracing::warn!(drop = %drop.name, key, %why, cannot_tell, "a confirm or cancel's commit has an unknown outcome: left for its resolution");
                     return Turn::Done(Err(Failure::outcome_unknown(format!(
-                        "the ledger's commit of this {} failed without saying whether it landed ({why}), and the ledger cannot be asked; it is resolved by the ledger's record once the ledger answers again: retry",
-                        what
+                        "the ledger's commit of this {what} failed without saying whether it landed ({why}), and {cannot_tell}; it is resolved by the ledger's record: retry the same key to learn how it went"
                     ))));
                 }
             }
@@ -785,6 +789,46 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
     })
 }
 
+/// How a change whose commit had an unknown outcome came out, read from the key's
+/// row once the change's attempt is fenced off (a late commit of it is refused
+/// from then on, so the reading is final).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Landing {
+    /// The row names this change (its number and its attempt): it landed, whatever
+    /// happened to the row since (a refund on the ledger's gate, say).
+    Landed,
+    /// The row is older than the change, or names another change of that number:
+    /// it did not land, and cannot now.
+    NotLanded,
+    /// The row moved on past the change's number: whether this change landed
+    /// before it cannot be read from it.
+    MovedOn,
+}
+
+/// How the change `settling` of a key, numbered `seq` by Redis and prepared by
+/// `attempt`, came out, from the key's ledger `row` read after the attempt was
+/// fenced off. A landed commit numbers the row `seq` and names its attempt; a
+/// row that names no attempt at that number (written by a sidecar older than
+/// `changed_by`) is judged by its state.
+fn landing(settling: Settling, row: Option<&Recorded>, seq: i64, attempt: &str) -> Landing {
+    let Some(row) = row else {
+        return Landing::NotLanded;
+    };
+    if row.seq > seq {
+        return Landing::MovedOn;
+    }
+    let ours = row.seq == seq
+        && match row.changed_by.as_deref() {
+            Some(by) => by == attempt,
+            None => landed(settling, Some(row)),
+        };
+    if ours {
+        Landing::Landed
+    } else {
+        Landing::NotLanded
+    }
+}
+
 /// Whether the ledger's row of a reservation names another attempt than `attempt`
 /// as the one that prepared its last change. A row that names none (a change
 /// recorded by a sidecar older than the ledger's `changed_by`, or one no attempt
@@ -896,19 +940,20 @@ pub(super) async fn help_finish(app: &App, drop: &Drop, key: &str, helped: &mut 
 /// How long a request asks the ledger whether its commit landed.
 const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
 
-/// Whether the change `settling` of `key` by `attempt`, whose commit
-/// had an unknown outcome, landed; final, as the attempt is fenced off first. `None`
-/// while the ledger cannot say, for [`ASK_LEDGER_FOR`].
+/// How the change `settling` of `key` (numbered `seq`) by `attempt`, whose commit
+/// had an unknown outcome, came out; final, as the attempt is fenced off first.
+/// `None` while the ledger cannot say, for [`ASK_LEDGER_FOR`].
 async fn settle_landed(
     app: &App,
     ledger_key: &str,
     key: &str,
     attempt: &str,
+    seq: i64,
     settling: Settling,
-) -> Option<bool> {
+) -> Option<Landing> {
     fence_off(app, ledger_key, key, attempt)
         .await
-        .map(|row| landed(settling, row.as_ref()))
+        .map(|row| landing(settling, row.as_ref(), seq, attempt))
 }
 
 /// Fences the attempt `attempt` at `key` off (its commit is refused from now on)
@@ -1296,5 +1341,75 @@ async fn finish_recorded(
             replay_later(app, drop, &change_key(drop, step), key).await;
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row of key `k` at change number `seq`, last changed by `by`.
+    fn row(state: State, seq: i64, by: Option<&str>) -> Recorded {
+        Recorded {
+            key: "k".into(),
+            user: "u".into(),
+            quantity: 1,
+            state,
+            expires_at_ms: 10_000,
+            seq,
+            variant: None,
+            admitted_at_ms: None,
+            changed_by: by.map(str::to_string),
+        }
+    }
+
+    const CONFIRM: Settling = Settling::Confirm { quantity: None };
+
+    #[test]
+    fn a_row_naming_the_change_says_it_landed_even_after_a_refund_on_the_ledgers_gate() {
+        // The ledger's gate numbers nothing: a refund after the confirm keeps its
+        // number and attempt, and the confirm did land.
+        for state in [State::Confirmed, State::Cancelled] {
+            let row = row(state, 7, Some("a"));
+            assert_eq!(landing(CONFIRM, Some(&row), 7, "a"), Landing::Landed);
+        }
+    }
+
+    #[test]
+    fn a_row_older_than_the_change_or_none_says_it_did_not_land() {
+        let active = row(State::Active, 3, None);
+        assert_eq!(landing(CONFIRM, Some(&active), 7, "a"), Landing::NotLanded);
+        // Cancelled on the ledger's gate (no number): still not this confirm.
+        let cancelled = row(State::Cancelled, 3, None);
+        assert_eq!(
+            landing(CONFIRM, Some(&cancelled), 7, "a"),
+            Landing::NotLanded
+        );
+        assert_eq!(landing(CONFIRM, None, 7, "a"), Landing::NotLanded);
+    }
+
+    #[test]
+    fn another_attempts_change_of_the_same_number_says_this_one_did_not_land() {
+        // (A promoted replica handed the number out twice; the ledger refuses the
+        // second change of a number.)
+        let row = row(State::Confirmed, 7, Some("b"));
+        assert_eq!(landing(CONFIRM, Some(&row), 7, "a"), Landing::NotLanded);
+    }
+
+    #[test]
+    fn a_row_past_the_change_cannot_say() {
+        let row = row(State::Cancelled, 9, Some("b"));
+        assert_eq!(landing(CONFIRM, Some(&row), 7, "a"), Landing::MovedOn);
+    }
+
+    #[test]
+    fn a_row_naming_no_attempt_at_the_changes_number_is_judged_by_its_state() {
+        let confirmed = row(State::Confirmed, 7, None);
+        assert_eq!(landing(CONFIRM, Some(&confirmed), 7, "a"), Landing::Landed);
+        let active = row(State::Active, 7, None);
+        assert_eq!(landing(CONFIRM, Some(&active), 7, "a"), Landing::NotLanded);
+        let extended = row(State::Active, 7, None);
+        let extend = Settling::Extend { until_ms: 10_000 };
+        assert_eq!(landing(extend, Some(&extended), 7, "a"), Landing::Landed);
     }
 }
