@@ -67,7 +67,10 @@ func (s *sidecar) start() error {
 	}
 	fmt.Fprintf(s.log, "=== start %d at %s\n", s.gen+1, time.Now().Format(time.RFC3339Nano))
 	cmd := exec.Command(s.args[0], s.args[1:]...)
-	cmd.Env = append(append(cleanEnv(), "RUST_LOG=warn,warp::server=off"), s.env...)
+	// No API server to watch here: an outage's fallback decides on the config
+	// last read, opted in (the sidecar refuses it by default).
+	base := append(cleanEnv(), "RUST_LOG=warn,warp::server=off", "DROPGATE_FALLBACK_ON_LAST_READ_CONFIG=true")
+	cmd.Env = append(base, s.env...)
 	cmd.Stdout = s.log
 	cmd.Stderr = s.log
 	// Killed with the test process, however it ends (a timeout's panic too).

@@ -583,9 +583,15 @@ async fn settle(
         } else {
             1
         };
-        for _ in 0..times {
+        for sent in 0..times {
             match until_decided(http, &format!("{base}/cancel")).await {
                 Ok(r) if r.outcome() == "cancelled" => buyer.cancelled += units,
+                // The first cancel sent hears `already_cancelled` only when a 503
+                // of its own on the way (`outcomeUnknown`, `underWay`) had cancelled
+                // it after all: the cancel is its.
+                Ok(r) if r.outcome() == "already_cancelled" && sent == 0 => {
+                    buyer.cancelled += units
+                }
                 Ok(r) if r.outcome() == "already_cancelled" => {
                     buyer.duplicate_cancels_absorbed += 1
                 }
@@ -595,16 +601,19 @@ async fn settle(
         }
     } else {
         match until_decided(http, &format!("{base}/confirm")).await {
-            Ok(r) if r.outcome() == "confirmed" => buyer.confirmed += units,
+            // (`already_confirmed`: a 503 of its own on the way had confirmed it.)
+            Ok(r) if matches!(r.outcome(), "confirmed" | "already_confirmed") => {
+                buyer.confirmed += units
+            }
             Ok(r) => buyer.unexpected.push(r.text),
             Err(e) => buyer.unexpected.push(format!("confirm failed: {e}")),
         }
     }
 }
 
-/// Posts a confirm or cancel again while it answers 503 (which changed nothing and
-/// says retry: the ledger was slow or busy), as a shop's checkout does, a few
-/// times within the hold.
+/// Posts a confirm or cancel again while it answers 503 (the ledger was slow or
+/// busy; one that may have changed something says so, and the retry learns how it
+/// went), as a shop's checkout does, a few times within the hold.
 async fn until_decided(http: &HttpClient, path: &str) -> Result<Reply, String> {
     let mut reply = http.post(path, "").await.map_err(|e| e.to_string())?;
     for _ in 0..20 {

@@ -148,6 +148,10 @@ impl SidecarProcess {
             ])
             .args(["--database-url", database_url])
             .args(extra)
+            // No API server to watch: an outage's fallback decides on the config
+            // last read, opted in (the sidecar refuses it by default; an older
+            // build ignores the variable).
+            .env("DROPGATE_FALLBACK_ON_LAST_READ_CONFIG", "true")
             .envs(env.iter().copied())
             .env(
                 "RUST_LOG",

@@ -38,6 +38,10 @@ pub struct App {
     /// outage hands a drop to the fallback gate (ms): a few refreshes, so that one
     /// sidecar's partition is told from everyone's outage.
     pub quiet_ms: i64,
+    /// Whether a fallback admission may decide on the config last read while Redis
+    /// cannot be asked and no watch of the API server can check it
+    /// (`--fallback-on-last-read-config`).
+    pub fallback_on_last_read: bool,
     /// `--trace-buyer-ids`: name the buyer on request spans.
     pub trace_buyer_ids: bool,
     /// `--max-lock-names`: lock names one namespace may have in use at once.
@@ -95,6 +99,7 @@ impl App {
             replicas: Replicas::new(settings.wait_replicas, settings.wait_timeout_ms),
             breaker: Breaker::default(),
             sidecar_id: format!("{:016x}", rand::random::<u64>()),
+            fallback_on_last_read: settings.fallback_on_last_read_config,
             quiet_ms: i64::try_from(settings.refresh_ms.saturating_mul(4))
                 .unwrap_or(i64::MAX)
                 .max(1000),

@@ -41,6 +41,10 @@ pub struct DropLabel {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// Allocations (count, bytes) the process has made, read at each scrape: only
+    /// in a build with the `allocation-count` feature.
+    #[cfg(feature = "allocation-count")]
+    allocations: [Gauge<i64, std::sync::atomic::AtomicI64>; 2],
     /// Answers by route and outcome: admitted vs sold_out vs throttled is the sale.
     pub answers: Family<Answered, Counter>,
     /// Time to answer, by route: the sidecar promises about a millisecond.
@@ -150,8 +154,25 @@ impl Metrics {
             "Admissions and extensions Redis decided on a config it had lost (a newer one was read): taken back, answered unavailable",
             decided_on_lost_config.clone(),
         );
+        #[cfg(feature = "allocation-count")]
+        let allocations = {
+            let gauges: [Gauge<i64, std::sync::atomic::AtomicI64>; 2] = Default::default();
+            registry.register(
+                "allocations",
+                "Allocations the process made since it started (allocation-count builds only)",
+                gauges[0].clone(),
+            );
+            registry.register(
+                "allocated_bytes",
+                "Bytes the process allocated since it started (allocation-count builds only)",
+                gauges[1].clone(),
+            );
+            gauges
+        };
         Self {
             registry,
+            #[cfg(feature = "allocation-count")]
+            allocations,
             answers,
             decided_on_lost_config,
             latency,
@@ -227,6 +248,16 @@ impl Metrics {
     }
 
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        #[cfg(feature = "allocation-count")]
+        {
+            let stats = stats_alloc::INSTRUMENTED_SYSTEM.stats();
+            let total = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+            self.allocations[0].set(total(stats.allocations + stats.reallocations));
+            self.allocations[1].set(
+                total(stats.bytes_allocated)
+                    .saturating_add(i64::try_from(stats.bytes_reallocated.max(0)).unwrap_or(0)),
+            );
+        }
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)

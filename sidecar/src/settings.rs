@@ -57,11 +57,25 @@ pub struct Settings {
     /// Watch the namespace's InventoryDrops in the API server (as the pod's service
     /// account, or `KUBECONFIG`), and decide no fallback admission on a config older
     /// than the drop there: a change the operator published into Redis while this
-    /// sidecar could not reach Redis is obeyed anyway. The webhook sets it; without
-    /// it (outside Kubernetes) a fallback decides on the config last read. A sidecar
-    /// that cannot build a client for the API server does not start.
+    /// sidecar could not reach Redis is obeyed anyway. The webhook sets it. Without
+    /// it, an admission on the fallback while Redis cannot be asked is refused (503),
+    /// unless `--fallback-on-last-read-config`. A sidecar that cannot build a client
+    /// for the API server does not start.
     #[arg(long, env = "DROPGATE_WATCH_DROPS", default_value_t = false)]
     pub watch_drops: bool,
+    /// Without `--watch-drops` (outside Kubernetes), let an admission on the
+    /// fallback decide on the config this sidecar last read while Redis cannot be
+    /// asked. It gives up a promise: a limit cut, an endsAt moved or a pause that
+    /// the operator publishes while this sidecar cannot reach Redis is not obeyed
+    /// by its fallback until it reads Redis again. Only for sales whose config does
+    /// not change during an outage (and the project's tests, which have no API
+    /// server). Ignored with `--watch-drops`.
+    #[arg(
+        long,
+        env = "DROPGATE_FALLBACK_ON_LAST_READ_CONFIG",
+        default_value_t = false
+    )]
+    pub fallback_on_last_read_config: bool,
     /// How often known drops' configs are re-read from Redis.
     #[arg(long, env = "DROPGATE_REFRESH_MS", default_value_t = 500)]
     pub refresh_ms: u64,

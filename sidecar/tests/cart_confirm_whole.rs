@@ -5,7 +5,7 @@
 //! 503 with the first line confirmed (its unit sold, its `confirmed` event on the
 //! way) while the buyer heard that the confirm failed. A cart whose drops are on
 //! different gates is still confirmed line by line, and its 503 then says how far
-//! it went (`confirmedLines`). Fault points are process-wide, so this file holds
+//! it went (`underWay`, `confirmedLines`). Fault points are process-wide, so this file holds
 //! one test, its scenarios one after another.
 
 mod common;
@@ -156,6 +156,7 @@ async fn a_confirm_line_by_line_says_how_far_it_went() {
     let answered = confirm(&sidecar, "mixed").await;
     faults::arm(Fault::LostCommitUnanswered, 0);
     assert_eq!(answered.status, 503, "{}", answered.text);
+    assert_eq!(answered.body["underWay"], true, "{}", answered.text);
     assert_eq!(answered.body["confirmedLines"], 1, "{}", answered.text);
     let looked = sidecar.http.get("/v1/carts/mixed").await.expect("answers");
     // (A cart being confirmed reads `active`; its lines say how far it went.)

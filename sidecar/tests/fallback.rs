@@ -319,6 +319,50 @@ async fn the_sales_own_per_pod_ledger_fails_open_when_redis_is_down() {
         .assert_answer(200, "already_reserved");
 }
 
+/// The same sidecar without a watch of the API server and without
+/// `--fallback-on-last-read-config` (its defaults outside Kubernetes): with Redis
+/// down, its copy of the config cannot be checked (a limit cut, an endsAt moved or
+/// a pause the operator published meanwhile would not be seen), so it admits
+/// nothing on it and says why; confirms and cancels go on, as they admit nothing.
+/// Before, it sold on the copy last read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_with_no_watch_of_the_api_server_admits_nothing_on_the_config_last_read() {
+    let mut redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = Peer::start_custom(&redis.url(), &ledger, |settings| {
+        settings.fallback_on_last_read_config = false;
+    })
+    .await;
+    common::seed(&redis.url(), "sale", one_per_buyer(5)).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    redis.stop();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    for i in 0..3 {
+        let reply = sidecar
+            .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
+            .await;
+        reply.assert_answer(503, "unavailable");
+        assert!(
+            reply.body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("--watch-drops")),
+            "{}",
+            reply.text
+        );
+    }
+    let confirm = sidecar.settle("sale", "a", "confirm").await;
+    confirm.assert_answer(200, "confirmed");
+    assert_eq!(fallback_header(&confirm), Some("fallback"));
+    let opened = dropgate_sidecar::ledger::Ledger::open(&ledger)
+        .await
+        .expect("the ledger opens");
+    let held = common::ledger_states(&opened).await;
+    let only_alice: HashMap<String, String> = [("a".to_string(), "confirmed".to_string())].into();
+    assert_eq!(held, only_alice, "nothing admitted on the fallback");
+    sidecar.shutdown().await;
+}
+
 /// A second per-pod ledger on a sale sees only its own part of it: everything it
 /// would change is refused, by the gate and by its own fallback, and says why; the
 /// sale's ledger sells on.

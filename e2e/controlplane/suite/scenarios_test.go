@@ -355,7 +355,10 @@ func (e *env) startSidecarWith(t *testing.T, name, ns, drop, redisURL string, va
 		"--redis-url", redisURL,
 		"--namespace", ns,
 		"--database-url", ledger,
-	}, append([]string{"DROPGATE_HEALTH_LISTEN=127.0.0.1:" + strconv.Itoa(freePort(t)), "RUST_LOG=info"}, vars...))
+	}, append([]string{"DROPGATE_HEALTH_LISTEN=127.0.0.1:" + strconv.Itoa(freePort(t)), "RUST_LOG=info",
+		// Without a watch (most scenarios), an outage's fallback decides on the
+		// config last read, opted in; ignored by a sidecar that watches.
+		"DROPGATE_FALLBACK_ON_LAST_READ_CONFIG=true"}, vars...))
 	t.Cleanup(p.stop)
 	return &sidecar{name: name, proc: p, base: fmt.Sprintf("http://127.0.0.1:%d/v1/drops/%s", port, drop)}
 }

@@ -22,7 +22,7 @@ use warp::{Filter, Rejection};
 
 use crate::answer::Answer;
 use crate::app::App;
-use crate::service::{Failure, Retry, Throttled};
+use crate::service::{Failure, Retry, Throttled, UnderWay};
 
 /// Largest request body accepted: the bodies are a few short fields.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -285,16 +285,17 @@ fn failed(app: &App, failure: Failure) -> Answer {
             let answer = match retry {
                 Retry::SameKey => Answer::unavailable(why),
                 Retry::SameKeySoon => retry_later(why),
-                // The two 503s after which something changed, or may have: said in
-                // the body too, so a client need not read the sentence.
+                // The 503s after which something changed, or may have (a spent key's
+                // below too): said in the body, so a client need not read the
+                // sentence.
                 Retry::SameKeyToLearn => retry_later(why).with("outcomeUnknown", true),
                 Retry::SameKeyToGoOn {
-                    confirmed,
+                    under_way,
                     outcome_unknown,
                 } => {
                     let mut answer = retry_later(why).with("underWay", true);
-                    if let Some(confirmed) = confirmed {
-                        answer = answer.with("confirmedLines", confirmed);
+                    if let UnderWay::Confirm { lines_confirmed } = under_way {
+                        answer = answer.with("confirmedLines", lines_confirmed);
                     }
                     if outcome_unknown {
                         answer.with("outcomeUnknown", true)
@@ -310,7 +311,8 @@ fn failed(app: &App, failure: Failure) -> Answer {
     }
 }
 
-/// 503 with Retry-After: nothing was changed, and asking again soon will do.
+/// 503 with Retry-After: asking again soon will do (the body says if something
+/// changed).
 fn retry_later(why: String) -> Answer {
     Answer::unavailable(why).retry_after(RETRY_AFTER_SECONDS)
 }

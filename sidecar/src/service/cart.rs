@@ -30,7 +30,7 @@ use crate::ledger::carts::{CartMove, CartRow, CartState, NewCart};
 use crate::reservation::{Outcome, Reservation, Settle, State, VariantRefusal};
 
 use super::settle::ConfirmAsOne;
-use super::{Failure, Path, Retry, Served, Throttled, admit, pending_bound_ms};
+use super::{Failure, Path, Retry, Served, Throttled, UnderWay, admit, pending_bound_ms};
 
 /// Why a line of a cart was not held.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -1208,18 +1208,8 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
         (CartSettle::Confirm, CartState::Held) => {
             let lines = lines_of(&row);
             match finish_release(app, &row, CartState::Expired, &lines).await {
-                // Answered from the end it recorded (a failed re-read must not
-                // answer 503 for a cart that expired).
-                Ok(ended) => {
-                    let now = match recorded(app, key).await {
-                        Ok(now) => now,
-                        Err(_) => CartRow {
-                            state: ended,
-                            ..row
-                        },
-                    };
-                    Ok(expired_answer(app, now).await)
-                }
+                // Answered from the end it recorded.
+                Ok(ended) => Ok(expired_answer(app, ended_as(app, key, ended, row).await).await),
                 Err(failure) => match recorded(app, key).await {
                     // Its move to releasing landed (this attempt's or another
                     // expiry's): it is expired, whoever gives its lines back (the
@@ -1371,7 +1361,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
             let now = recorded(app, &row.key)
                 .await
                 .map_err(|f| confirmed_so_far(&row.key, confirmed, f))?;
-            if now.state != CartState::Releasing && now.state != ends_as {
+            if now.state == CartState::Confirming {
                 hand_on(app, &row, CartState::Confirming, &mine).await;
                 return Err(confirmed_so_far(&row.key, confirmed, failure));
             }
@@ -1469,24 +1459,37 @@ async fn hand_on(app: &App, row: &CartRow, state: CartState, mine: &str) {
 /// confirmed `confirmed` lines (decided line by line; 0 counts too): those stay
 /// so, and the confirm is under way (see [`under_way`]).
 fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
-    under_way(key, failure, Some(confirmed))
+    under_way(
+        key,
+        UnderWay::Confirm {
+            lines_confirmed: confirmed,
+        },
+        failure,
+    )
 }
 
-/// A failure of a cart's confirm or give-back after the cart was recorded
-/// `confirming` (`confirmed`: lines confirmed so far) or releasing (`None`: some
-/// lines may be given back already): the change is decided and under way, handed
-/// on, and a retry of the same call (or the sweeper's next round) goes on with the
-/// rest. The answer says so, in its sentence and its body; a commit that may have
-/// landed unbeknown keeps saying that.
-fn under_way(key: &str, failure: Failure, confirmed: Option<usize>) -> Failure {
-    let (what, so_far) = match confirmed {
-        Some(n) => ("confirm", format!("{n} of its lines confirmed so far")),
-        None => (
+/// A failure of a cart's change `change` after the cart was recorded `confirming`
+/// or releasing: the change is decided and under way, handed on, and a retry of the
+/// same call (or the sweeper's next round) goes on with the rest. The answer says
+/// so, in its sentence and its body; a commit that may have landed unbeknown keeps
+/// saying that.
+fn under_way(key: &str, change: UnderWay, failure: Failure) -> Failure {
+    let (what, so_far) = match change {
+        UnderWay::Confirm { lines_confirmed } => (
+            "confirm",
+            format!("{lines_confirmed} of its lines confirmed so far"),
+        ),
+        UnderWay::GiveBack => (
             "give-back",
             "some of its lines may be given back already".to_string(),
         ),
     };
     let (why, path, outcome_unknown) = match failure {
+        // Said so already (a give-back under way that a confirm met).
+        under_way @ Failure::Unavailable {
+            retry: Retry::SameKeyToGoOn { .. },
+            ..
+        } => return under_way,
         Failure::Unavailable { why, path, retry } => (why, path, retry == Retry::SameKeyToLearn),
         Failure::Throttled { path, .. } => (
             format!("the {what} of cart {key} cannot go on at once"),
@@ -1497,11 +1500,11 @@ fn under_way(key: &str, failure: Failure, confirmed: Option<usize>) -> Failure {
     };
     Failure::Unavailable {
         why: format!(
-            "{why} (cart {key}: its {what} is under way, {so_far}; retry the same call to go on with the rest, or the sidecars finish it)"
+            "cart {key}: its {what} is decided and under way ({so_far}) and stopped where a line could not go on ({why}); retry the same call to go on with the rest, or the sidecars finish it"
         ),
         path,
         retry: Retry::SameKeyToGoOn {
-            confirmed,
+            under_way: change,
             outcome_unknown,
         },
     }
@@ -1525,22 +1528,47 @@ async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Fa
 
 async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     let lines = lines_of(&row);
-    finish_release(app, &row, CartState::Cancelled, &lines).await?;
-    let mut row = recorded(app, &row.key).await?;
-    // It was being given back toward another end (a confirm that found a line
-    // lapsed): that end is recorded first, and its paid lines are refunded now.
-    if matches!(
-        row.state,
-        CartState::PartlyConfirmed | CartState::Confirmed | CartState::Expired
-    ) {
-        finish_release(app, &row, CartState::Cancelled, &lines).await?;
-        row = recorded(app, &row.key).await?;
+    let key = row.key.clone();
+    let mut ended = finish_release(app, &row, CartState::Cancelled, &lines).await?;
+    // It was being given back toward another end (an expiry, or a confirm that
+    // found a line lapsed): that end is recorded first. An expired cart holds
+    // nothing and paid nothing: answered as a cancel of an expired cart is. A cart
+    // confirmed as far as it went has its paid lines refunded now (a failure
+    // before that refund's own move changed nothing the cancel asked for).
+    let mut row = row;
+    match ended {
+        CartState::Expired => {
+            let now = ended_as(app, &key, ended, row).await;
+            return Ok(CartOutcome::Gone(view(app, &now, true).await));
+        }
+        CartState::PartlyConfirmed | CartState::Confirmed => {
+            row = recorded(app, &key).await?;
+            ended = finish_release(app, &row, CartState::Cancelled, &lines).await?;
+        }
+        _ => {}
     }
-    Ok(CartOutcome::Cancelled(view(app, &row, true).await))
+    let now = ended_as(app, &key, ended, row).await;
+    Ok(CartOutcome::Cancelled(view(app, &now, true).await))
+}
+
+/// The cart `key` as recorded now, which this request just ended as `ended`; as
+/// `row` ended so when the ledger cannot be read (a failed re-read must not answer
+/// 503 for a cart this request ended).
+async fn ended_as(app: &App, key: &str, ended: CartState, row: CartRow) -> CartRow {
+    match recorded(app, key).await {
+        Ok(now) => now,
+        Err(_) => CartRow {
+            state: ended,
+            ends_as: None,
+            ..row
+        },
+    }
 }
 
 /// Moves `row` to releasing (to end as `ends_as`), gives back its lines, and
-/// records it as `ends_as`.
+/// records it as the end it came to (returned). A failure before the move to
+/// releasing changed nothing; after it, the give-back is decided and the failure
+/// says it is under way ([`UnderWay::GiveBack`]), the cart handed on.
 async fn finish_release(
     app: &App,
     row: &CartRow,
@@ -1586,7 +1614,7 @@ async fn finish_release(
         Ok(given) => given,
         Err(failure) => {
             hand_on(app, &releasing, CartState::Releasing, &mine).await;
-            return Err(under_way(&row.key, failure, None));
+            return Err(under_way(&row.key, UnderWay::GiveBack, failure));
         }
     };
     // A cart found with a paid line (confirmed through the line's own route,
@@ -1616,15 +1644,15 @@ async fn finish_release(
         .map_err(|e| {
             under_way(
                 &row.key,
+                UnderWay::GiveBack,
                 unknown(&row.key, "record the cart's give-back", e),
-                None,
             )
         })?;
     if finished {
         Ok(ends_as)
     } else {
         // Taken over past its bound by another attempt, which goes on with it.
-        Err(under_way(&row.key, in_flight(&row.key), None))
+        Err(under_way(&row.key, UnderWay::GiveBack, in_flight(&row.key)))
     }
 }
 

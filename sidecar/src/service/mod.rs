@@ -121,16 +121,23 @@ pub enum Retry {
     /// may stand (it is resolved from the ledger's record once it answers).
     SameKeyToLearn,
     /// With the same key, which goes on with a change begun and recorded as under
-    /// way, whose parts may stand: a cart's confirm decided line by line
-    /// (`confirmed`: how many lines it confirmed so far), or a cart's give-back
-    /// (cancel, expiry) that gave back some lines (`confirmed` is `None`). With
-    /// `outcome_unknown` a commit of it (a line's, or the cart's own record) may
-    /// have landed unbeknown too. The sidecars' sweeper finishes it if nobody
-    /// retries.
+    /// way, whose parts may stand (see [`UnderWay`]). With `outcome_unknown` a
+    /// commit of it (a line's, or the cart's own record) may have landed unbeknown
+    /// too. The sidecars' sweeper finishes it if nobody retries.
     SameKeyToGoOn {
-        confirmed: Option<usize>,
+        under_way: UnderWay,
         outcome_unknown: bool,
     },
+}
+
+/// A cart's change that is decided and under way (recorded so in the ledger)
+/// when a failure stopped the attempt making it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnderWay {
+    /// Its confirm, decided line by line, with this many lines confirmed so far.
+    Confirm { lines_confirmed: usize },
+    /// Its give-back (a cancel, or an expiry), some lines perhaps given back.
+    GiveBack,
 }
 
 impl Failure {
@@ -753,7 +760,10 @@ const CONFIG_PROBE_EVERY_MS: i64 = 250;
 /// read before. A config read is adopted as the drop's copy when it is of the same
 /// sale and not older; the breaker is left alone (a read that answers says nothing
 /// of whether the gate's writes would), and an empty or failed read changes nothing.
-/// When Redis cannot be asked, the config last read stands. Either way, a sidecar
+/// When Redis cannot be asked, the config last read stands only where something can
+/// check it: a watch of the API server, or the operator's word that configs do not
+/// change during an outage (`--fallback-on-last-read-config`); else nothing is
+/// decided (a change published meanwhile would not be seen). Either way, a sidecar
 /// that watches the API server (`--watch-drops`) decides only on a config of the
 /// drop's sale (uid) at its current generation there (see [`crate::drop_watch`]):
 /// a Redis that answers may be a replica that missed the change, and one that
@@ -762,6 +772,12 @@ async fn published_now(app: &App, drop: &Drop) -> Published {
     let published = match ask_redis(app, drop).await {
         Some(Published::Now(config)) => Published::Now(config),
         Some(other) => return other,
+        None if app.drop_watch.is_none() && !app.fallback_on_last_read => {
+            return Published::Stale(format!(
+                "Redis cannot be asked for drop {}'s config, and this sidecar does not watch the API server (--watch-drops): a change the operator published meanwhile could not be seen, so nothing is decided on the copy last read; retry",
+                drop.name
+            ));
+        }
         // The copy read last (a refresh may have moved it since the caller read it).
         None => Published::Kept(Box::new(drop.config())),
     };

@@ -504,8 +504,11 @@ async fn change_on_gate(
         // now on) and the ledger's row says which way it went, so that the answer
         // is true either way.
         Err(RecordError::Unknown(why)) => {
+            // (A prepared change is always numbered; were it not, 0 reads any
+            // numbered row as moved on, and the answer errs toward outcomeUnknown.)
             let seq = step.seq.unwrap_or(0);
-            match settle_landed(app, &change_key(drop, &step), key, &attempt, seq, settling).await {
+            match settle_landing(app, &change_key(drop, &step), key, &attempt, seq, settling).await
+            {
                 Some(Landing::Landed) => {}
                 Some(Landing::NotLanded) => {
                     undo(&mut conn).await;
@@ -779,7 +782,10 @@ async fn record_settled(
 
 /// Whether the ledger's record of a key (read after its attempt was fenced off)
 /// shows the change `settling` made: the state it moves to, or for an extension an
-/// active hold at or past the deadline asked.
+/// active hold at or past the deadline asked. What may finish a preparation in Redis
+/// (the resolver, a call that meets it): Redis is made to show what the ledger's
+/// row shows now. Whether a request's own change landed, for its answer, is
+/// [`landing`]'s question, which a row moved on since can still answer.
 pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
     row.is_some_and(|row| match settling {
         Settling::Extend { until_ms } => {
@@ -795,7 +801,8 @@ pub fn landed(settling: Settling, row: Option<&Recorded>) -> bool {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Landing {
     /// The row names this change (its number and its attempt): it landed, whatever
-    /// happened to the row since (a refund on the ledger's gate, say).
+    /// happened to the row since (a refund on the ledger's gate, say: that gate
+    /// numbers no change, so the row keeps this one's number and attempt).
     Landed,
     /// The row is older than the change, or names another change of that number:
     /// it did not land, and cannot now.
@@ -943,7 +950,7 @@ const ASK_LEDGER_FOR: Duration = Duration::from_secs(5);
 /// How the change `settling` of `key` (numbered `seq`) by `attempt`, whose commit
 /// had an unknown outcome, came out; final, as the attempt is fenced off first.
 /// `None` while the ledger cannot say, for [`ASK_LEDGER_FOR`].
-async fn settle_landed(
+async fn settle_landing(
     app: &App,
     ledger_key: &str,
     key: &str,

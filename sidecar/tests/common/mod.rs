@@ -65,6 +65,10 @@ impl Peer {
             namespace: NS.into(),
             database_url: database_url.into(),
             watch_drops: false,
+            // No API server to watch here: outages fall back on the config last
+            // read (`fallback_without_a_watch_is_refused` in fallback.rs holds the
+            // default).
+            fallback_on_last_read_config: true,
             refresh_ms: 100,
             sweep_ms: 100,
             wait_replicas: 0,

@@ -23,6 +23,8 @@ pub struct Options {
     pub clients: usize,
     /// Sidecars for the hot-drop rows.
     pub fleet: usize,
+    /// The sidecar binary to run, when not this build's.
+    pub sidecar: Option<std::path::PathBuf>,
 }
 
 /// One row: what it answered, how fast, and what each answer cost.
@@ -33,6 +35,9 @@ struct Row {
     /// CPU seconds per answer, of the sidecars (none for the raw rows) and of Redis.
     sidecar: Option<f64>,
     redis: f64,
+    /// Allocations and bytes allocated per answer, by the sidecars (a build with
+    /// the `allocation-count` feature only).
+    allocations: Option<(f64, f64)>,
     note: String,
 }
 
@@ -113,7 +118,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
         &format!("variants: [{}]", sizes.join(", ")),
     )?;
     let sqlite = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    let one = Fleet::start(&redis, &[sqlite]).await?;
+    let one = Fleet::start(&redis, &[sqlite], options).await?;
     let admit = one
         .row(
             "sidecar durable admit (SQLite)",
@@ -154,7 +159,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
     drop(one);
 
     let postgres = PostgresServer::start().map_err(|e| format!("PostgreSQL: {e}"))?;
-    let fleet = Fleet::start(&redis, &vec![postgres.url(); options.fleet]).await?;
+    let fleet = Fleet::start(&redis, &vec![postgres.url(); options.fleet], options).await?;
     let label = |what: &str| format!("{} sidecars {what}", options.fleet);
     let hot_admit = fleet
         .row(
@@ -199,6 +204,14 @@ pub async fn table(options: &Options) -> Result<(), String> {
         (&hot_sold_out, &raw_sold_out),
     ];
     for (row, base) in rows {
+        let note = match row.allocations {
+            Some((count, bytes)) => format!(
+                "{count:.0} allocations, {:.1} KB allocated per answer; {}",
+                bytes / 1024.0,
+                row.note
+            ),
+            None => row.note.clone(),
+        };
         println!(
             "{:<40} {:>10.0} {:>8} {:>11} {:>10.1} {:>7.2} {:>8.2}  {}",
             row.name,
@@ -212,7 +225,7 @@ pub async fn table(options: &Options) -> Result<(), String> {
             row.redis * 1e6,
             row.per_second / base.per_second,
             row.redis / base.redis,
-            row.note,
+            note,
         );
     }
     let us = |s: Option<f64>| s.unwrap_or(0.0) * 1e6;
@@ -304,6 +317,7 @@ async fn raw(
         p99: None,
         sidecar: None,
         redis: (after - before) / calls as f64,
+        allocations: None,
         note: format!("{calls} calls"),
     })
 }
@@ -347,10 +361,20 @@ struct Fleet {
 }
 
 impl Fleet {
-    async fn start(redis: &RedisServer, ledgers: &[String]) -> Result<Self, String> {
+    async fn start(
+        redis: &RedisServer,
+        ledgers: &[String],
+        options: &Options,
+    ) -> Result<Self, String> {
         let mut sidecars = Vec::new();
         for ledger in ledgers {
-            sidecars.push(SidecarProcess::start(&redis.url(), "shop", ledger).await?);
+            sidecars.push(match &options.sidecar {
+                Some(path) => {
+                    SidecarProcess::start_binary(path, &redis.url(), "shop", ledger, &[], &[])
+                        .await?
+                }
+                None => SidecarProcess::start(&redis.url(), "shop", ledger).await?,
+            });
         }
         let http = sidecars
             .iter()
@@ -362,6 +386,31 @@ impl Fleet {
     /// CPU seconds the fleet's processes have used so far.
     fn cpu(&self) -> Result<f64, String> {
         self.sidecars.iter().map(|s| process_cpu(s.pid())).sum()
+    }
+
+    /// Allocations and bytes the fleet's processes have allocated so far, from
+    /// their /metrics; `None` unless every one was built to count them.
+    async fn allocations(&self) -> Result<Option<(f64, f64)>, String> {
+        let mut total = (0.0, 0.0);
+        for http in &self.http {
+            let text = http.get("/metrics").await.map_err(|e| e.to_string())?.text;
+            let value = |name: &str| {
+                text.lines()
+                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            };
+            match (
+                value("dropgate_sidecar_allocations"),
+                value("dropgate_sidecar_allocated_bytes"),
+            ) {
+                (Some(count), Some(bytes)) => {
+                    total.0 += count;
+                    total.1 += bytes;
+                }
+                _ => return Ok(None),
+            }
+        }
+        Ok(Some(total))
     }
 
     /// Reserves until drop `drop` answers sold out.
@@ -393,6 +442,7 @@ impl Fleet {
     ) -> Result<Row, String> {
         self.load(ask, "warm", options.clients, Duration::from_secs(1), want)
             .await?;
+        let allocated_before = self.allocations().await?;
         let (sidecar_before, redis_before) = (self.cpu()?, redis_cpu(conn)?);
         let started = Instant::now();
         let load = self
@@ -400,6 +450,7 @@ impl Fleet {
             .await?;
         let elapsed = started.elapsed().as_secs_f64();
         let (sidecar_after, redis_after) = (self.cpu()?, redis_cpu(conn)?);
+        let allocated_after = self.allocations().await?;
         let answers = load.times.len().max(1) as f64;
         let mut times = load.times;
         times.sort_unstable();
@@ -409,6 +460,14 @@ impl Fleet {
             p99: Some(dropgate_e2e::quantile(&times, 0.99)),
             sidecar: Some((sidecar_after - sidecar_before) / answers),
             redis: (redis_after - redis_before) / answers,
+            allocations: allocated_before
+                .zip(allocated_after)
+                .map(|(before, after)| {
+                    (
+                        (after.0 - before.0) / answers,
+                        (after.1 - before.1) / answers,
+                    )
+                }),
             note: if load.other == 0 {
                 format!("every answer {want}")
             } else {

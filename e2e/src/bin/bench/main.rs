@@ -58,6 +58,11 @@ struct Cli {
     /// its reserve and sold-out rows come after this build's, on drops of their own.
     #[arg(long)]
     baseline_sidecar: Option<std::path::PathBuf>,
+    /// The dropgate-sidecar binary the CPU-per-answer table runs (default: this
+    /// build's). One built with `--features allocation-count` adds allocations
+    /// per answer to each row (its CPU figures are then the counting build's).
+    #[arg(long)]
+    sidecar: Option<std::path::PathBuf>,
 }
 
 struct Row {
@@ -97,6 +102,7 @@ async fn run(cli: &Cli) -> Result<(), String> {
         length: Duration::from_secs(if cli.quick { 1 } else { cli.cpu_seconds.max(1) }),
         clients: cli.clients,
         fleet: 8,
+        sidecar: cli.sidecar.clone(),
     };
     if cli.cpu {
         return cpu_per_answer::table(&cpu).await;
