@@ -83,6 +83,11 @@ impl App {
                 ))
             })?)
         } else {
+            if settings.fallback_on_last_read_config {
+                tracing::warn!(
+                    "--fallback-on-last-read-config without --watch-drops: while Redis cannot be asked, the fallback decides on the config last read, so a limit cut, an endsAt moved or a pause published meanwhile is not obeyed by it"
+                );
+            }
             None
         };
         let mut metrics = Metrics::new();

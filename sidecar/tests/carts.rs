@@ -849,3 +849,55 @@ async fn a_rush_of_carts_never_oversells_nor_leaves_a_cart_partly_held() {
         );
     }
 }
+
+/// A cancel of a held cart past its expiry, before the sweeper came by: the cart
+/// expired as a whole, and the cancel answers as a cancel of an expired cart does
+/// (409 `expired`), its lines given back. Before, it answered 200 `cancelled`, or
+/// 409 `expired` had the sweeper been first: the same request, two answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_of_a_cart_past_its_expiry_answers_expired() {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    // The sweepers kept out of it: the cancel is what finds the cart expired.
+    let sidecar = common::Peer::start_custom(&redis.url(), &ledger, |settings| {
+        settings.sweep_ms = 600_000;
+    })
+    .await;
+    for drop in ["cap", "shirt"] {
+        let spec = DropSpec::new(3)
+            .per_user_limit(2)
+            .permits(100)
+            .acquire_timeout_ms(100)
+            .hold_seconds(3);
+        common::seed(&redis.url(), drop, spec).await;
+    }
+    let body = json!({
+        "key": "late",
+        "user": "ann",
+        "lines": [{"drop": "cap", "quantity": 1}, {"drop": "shirt", "quantity": 1}],
+    });
+    sidecar
+        .http
+        .post("/v1/carts", &body.to_string())
+        .await
+        .expect("answers")
+        .assert_answer(201, "reserved");
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+
+    let cancel = sidecar
+        .http
+        .post("/v1/carts/late/cancel", "")
+        .await
+        .expect("answers");
+    cancel.assert_answer(409, "expired");
+    for drop in ["cap", "shirt"] {
+        let shown = sidecar
+            .http
+            .get(&format!("/v1/drops/{drop}"))
+            .await
+            .expect("answers");
+        assert_eq!(shown.body["remaining"], 3, "{drop}: {}", shown.text);
+    }
+    sidecar.shutdown().await;
+}

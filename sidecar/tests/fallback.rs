@@ -511,3 +511,42 @@ async fn crossing_carts_and_refunds_on_a_shared_fallback_neither_deadlock_nor_ov
     }
     second.shutdown().await;
 }
+
+/// A fallback admission is decided on the mode and failure policy the operator
+/// published, read afresh, not on the sidecar's copy: here its copy (read before,
+/// refreshed only every ten minutes) still says fail-open while the operator has
+/// closed the drop (its Redis is not highly available, which the drop now
+/// requires, and its failure policy is Closed). Before, the admission was decided
+/// on the fallback all the same (201), against a drop published closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_admission_obeys_a_drop_closed_since_the_sidecar_read_it() {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let sidecar = Peer::start_with(&redis.url(), &ledger, 600_000).await;
+    common::seed(&redis.url(), "sale", one_per_buyer(5).kill_switch()).await;
+    let first = sidecar.reserve("sale", "a", "alice", 1).await;
+    first.assert_answer(201, "admitted");
+    assert_eq!(fallback_header(&first), Some("fallback"));
+
+    let closed = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: sale, namespace: shop}\n\
+        spec:\n  sku: SALE\n  limitedQuantity: 5\n  perUserLimit: 1\n  redis: {url: redis://unused:1, requireHighAvailability: true}\n  gate: {enabled: true, failurePolicy: Closed}\n  throttle: {permits: 1000}\n";
+    dropgate_operator::apply::apply(
+        closed,
+        Some(&redis.url()),
+        &dropgate_operator::memorystore::Memorystore::default(),
+    )
+    .await
+    .expect("apply runs");
+
+    let reply = sidecar.reserve("sale", "b", "bob", 1).await;
+    reply.assert_answer(503, "unavailable");
+    assert!(
+        reply.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("is closed")),
+        "{}",
+        reply.text
+    );
+    sidecar.shutdown().await;
+}

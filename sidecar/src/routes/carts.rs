@@ -95,10 +95,22 @@ fn answer(key: &str, outcome: CartOutcome) -> Answer {
         ),
         CartOutcome::Gone(view) => {
             let word = state_word(view.state);
+            // (Being given back by another attempt, or left to the sweeper: its
+            // lines say which still hold units.)
+            let still_held = view.held.iter().any(|line| {
+                line.reservation
+                    .as_ref()
+                    .is_some_and(|r| r.state.holds_units())
+            });
+            let held = if still_held {
+                "its lines are being given back"
+            } else {
+                "nothing of it is held"
+            };
             shown(StatusCode::CONFLICT, word, &view).with(
                 "message",
                 format!(
-                    "cart {key} is {word} (nothing of it is held): it can no longer be confirmed; a new try needs a new key"
+                    "cart {key} is {word} ({held}): it can no longer be confirmed; a new try needs a new key"
                 ),
             )
         }

@@ -262,10 +262,14 @@ pub(super) async fn lines_on_fallback(
             return None;
         };
         let config = match published_now(app, drop).await {
-            Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
-                return None;
+            // The mode and failure policy just read decide too: a drop back on
+            // the gate is decided line by line there, a closed one refuses them.
+            Published::Now(fresh) | Published::Kept(fresh) => {
+                match super::choose(app, drop, &fresh) {
+                    Choice::Fallback(_) => *fresh,
+                    Choice::Gate | Choice::Refused(_) => return None,
+                }
             }
-            Published::Now(fresh) | Published::Kept(fresh) => *fresh,
             // Each line is then decided on its own, and this drop's answers why.
             Published::Missing => return None,
             // Nothing is held yet: the whole cart is refused, its key kept.
@@ -862,10 +866,15 @@ pub(super) async fn on_fallback(
     reason: Reason,
 ) -> Option<Result<Outcome, Failure>> {
     let config = match published_now(app, drop).await {
-        Published::Now(fresh) if reason == Reason::Mode && fresh.mode == Mode::Gate => {
-            return None;
-        }
-        Published::Now(config) | Published::Kept(config) => *config,
+        // Decided on the config just read, its mode and failure policy too: a drop
+        // the operator put back on the gate goes there, one it closed (or whose
+        // failure policy is now Closed while Redis is down) is refused.
+        Published::Now(config) | Published::Kept(config) => match super::choose(app, drop, &config)
+        {
+            Choice::Fallback(_) => *config,
+            Choice::Gate => return None,
+            Choice::Refused(failure) => return Some(Err(failure)),
+        },
         Published::Missing => {
             return Some(Err(Failure::retry(format!(
                 "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",

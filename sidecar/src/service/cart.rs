@@ -1210,6 +1210,12 @@ pub async fn settle(app: &App, key: &str, asked: CartSettle) -> Result<CartOutco
             match finish_release(app, &row, CartState::Expired, &lines).await {
                 // Answered from the end it recorded.
                 Ok(ended) => Ok(expired_answer(app, ended_as(app, key, ended, row).await).await),
+                // Its own give-back stalled after the cart was recorded releasing:
+                // under way, said so (its lines may still hold units).
+                Err(failure @ Failure::Unavailable {
+                    retry: Retry::SameKeyToGoOn { .. },
+                    ..
+                }) => Err(failure),
                 Err(failure) => match recorded(app, key).await {
                     // Its move to releasing landed (this attempt's or another
                     // expiry's): it is expired, whoever gives its lines back (the
@@ -1529,26 +1535,37 @@ async fn finish_confirm(app: &App, row: &CartRow, mine: &str) -> Result<bool, Fa
 async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
     let lines = lines_of(&row);
     let key = row.key.clone();
-    let mut ended = finish_release(app, &row, CartState::Cancelled, &lines).await?;
-    // It was being given back toward another end (an expiry, or a confirm that
-    // found a line lapsed): that end is recorded first. An expired cart holds
-    // nothing and paid nothing: answered as a cancel of an expired cart is. A cart
-    // confirmed as far as it went has its paid lines refunded now (a failure
-    // before that refund's own move changed nothing the cancel asked for).
-    let mut row = row;
+    // A held cart past its expiry expired as a whole (whether or not the sweeper
+    // has come by yet): it is given back as an expiry is, never refunding a line
+    // paid through its own route, and then that paid line is refunded below.
+    let toward = if row.state == CartState::Held && row.expires_at_ms <= now_ms() {
+        CartState::Expired
+    } else {
+        CartState::Cancelled
+    };
+    let ended = finish_release(app, &row, toward, &lines).await?;
     match ended {
+        // An expired cart holds nothing and paid nothing: answered as a cancel of
+        // an expired cart is.
         CartState::Expired => {
             let now = ended_as(app, &key, ended, row).await;
-            return Ok(CartOutcome::Gone(view(app, &now, true).await));
+            Ok(CartOutcome::Gone(view(app, &now, true).await))
         }
+        // It was being given back toward another end (an expiry, or a confirm that
+        // found a line lapsed), recorded now, with a paid line: the cancel goes on
+        // from the cart as it stands (another attempt may have moved it since), and
+        // refunds that line. The unpaid lines are given back already, so a failure
+        // there says the cart's give-back is under way.
         CartState::PartlyConfirmed | CartState::Confirmed => {
-            row = recorded(app, &key).await?;
-            ended = finish_release(app, &row, CartState::Cancelled, &lines).await?;
+            Box::pin(settle(app, &key, CartSettle::Cancel))
+                .await
+                .map_err(|failure| under_way(&key, UnderWay::GiveBack, failure))
         }
-        _ => {}
+        _ => {
+            let now = ended_as(app, &key, ended, row).await;
+            Ok(CartOutcome::Cancelled(view(app, &now, true).await))
+        }
     }
-    let now = ended_as(app, &key, ended, row).await;
-    Ok(CartOutcome::Cancelled(view(app, &now, true).await))
 }
 
 /// The cart `key` as recorded now, which this request just ended as `ended`; as

@@ -222,12 +222,15 @@ pub(super) async fn on_fallback(
     let fresh;
     let config = match settle {
         Settle::Extend { .. } => match super::published_now(app, drop).await {
-            super::Published::Now(published) => {
+            // Decided on the config just read, its mode and failure policy too (see
+            // `admit::on_fallback`).
+            super::Published::Now(published) | super::Published::Kept(published) => {
                 fresh = *published;
-                if reason == Reason::Mode && fresh.mode == dropgate_api::Mode::Gate {
-                    return None;
+                match super::choose(app, drop, &fresh) {
+                    super::Choice::Fallback(_) => &fresh,
+                    super::Choice::Gate => return None,
+                    super::Choice::Refused(failure) => return Some(Err(failure)),
                 }
-                &fresh
             }
             super::Published::Missing => {
                 return Some(Err(Failure::retry(format!(
@@ -236,10 +239,6 @@ pub(super) async fn on_fallback(
                 ))));
             }
             super::Published::Stale(why) => return Some(Err(Failure::retry(why))),
-            super::Published::Kept(kept) => {
-                fresh = *kept;
-                &fresh
-            }
         },
         _ => config,
     };
