@@ -26,6 +26,18 @@ fn fallback_header(reply: &dropgate_testkit::Reply) -> Option<&str> {
         .and_then(|v| v.to_str().ok())
 }
 
+/// Asserts a 503 `unavailable` whose message says `why`.
+fn assert_unavailable_saying(reply: &dropgate_testkit::Reply, why: &str) {
+    reply.assert_answer(503, "unavailable");
+    assert!(
+        reply.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(why)),
+        "not saying {why:?}: {}",
+        reply.text
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_kill_switch_sells_through_the_ledger_and_the_gate_catches_up() {
     let sidecar = Sidecar::start().await;
@@ -154,12 +166,7 @@ async fn redis_down_under_policy_closed_admits_nothing() {
         let reply = sidecar
             .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
             .await;
-        reply.assert_answer(503, "unavailable");
-        assert!(
-            reply.body["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("Closed"))
-        );
+        assert_unavailable_saying(&reply, "Closed");
     }
     let confirm = sidecar.settle("sale", "a", "confirm").await;
     assert_eq!(confirm.status, 503);
@@ -342,14 +349,7 @@ async fn a_fallback_with_no_watch_of_the_api_server_admits_nothing_on_the_config
         let reply = sidecar
             .reserve("sale", &format!("k{i}"), &format!("u{i}"), 1)
             .await;
-        reply.assert_answer(503, "unavailable");
-        assert!(
-            reply.body["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("--watch-drops")),
-            "{}",
-            reply.text
-        );
+        assert_unavailable_saying(&reply, "--watch-drops");
     }
     let confirm = sidecar.settle("sale", "a", "confirm").await;
     confirm.assert_answer(200, "confirmed");
@@ -380,8 +380,7 @@ async fn a_second_per_pod_ledger_changes_nothing_of_the_sale() {
         b.settle("sale", "a-1", "cancel").await,
         b.lookup("sale", "a-1").await,
     ] {
-        reply.assert_answer(503, "unavailable");
-        assert!(reply.text.contains("another ledger"), "{}", reply.text);
+        assert_unavailable_saying(&reply, "another ledger");
     }
     assert_eq!(a.reserve("sale", "a-2", "a-2", 1).await.status, 201);
     let metrics = b.http.get("/metrics").await.expect("answers");
@@ -540,13 +539,6 @@ async fn a_fallback_admission_obeys_a_drop_closed_since_the_sidecar_read_it() {
     .expect("apply runs");
 
     let reply = sidecar.reserve("sale", "b", "bob", 1).await;
-    reply.assert_answer(503, "unavailable");
-    assert!(
-        reply.body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("is closed")),
-        "{}",
-        reply.text
-    );
+    assert_unavailable_saying(&reply, "is closed");
     sidecar.shutdown().await;
 }
