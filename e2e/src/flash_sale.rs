@@ -587,7 +587,7 @@ async fn settle(
             match until_decided(http, &format!("{base}/cancel")).await {
                 Ok(r) if r.outcome() == "cancelled" => buyer.cancelled += units,
                 // The first cancel sent hears `already_cancelled` only when a 503
-                // of its own on the way (`outcomeUnknown`, `underWay`) had cancelled
+                // of its own on the way (`outcomeUnknown`; `underWay` for a cart) had cancelled
                 // it after all: the cancel is its.
                 Ok(r) if r.outcome() == "already_cancelled" && sent == 0 => {
                     buyer.cancelled += units

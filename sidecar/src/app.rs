@@ -85,7 +85,11 @@ impl App {
         } else {
             if settings.fallback_on_last_read_config {
                 tracing::warn!(
-                    "--fallback-on-last-read-config without --watch-drops: while Redis cannot be asked, the fallback decides on the config last read, so a limit cut, an endsAt moved or a pause published meanwhile is not obeyed by it"
+                    "--fallback-on-last-read-config without --watch-drops: while Redis cannot be asked, the fallback decides on the config last read, so a limit cut, an endsAt moved or a pause published meanwhile is not obeyed by it until it reads Redis again (or a sidecar sharing its PostgreSQL ledger does)"
+                );
+            } else {
+                tracing::info!(
+                    "no --watch-drops and no --fallback-on-last-read-config: while Redis cannot be asked, the fallback admits nothing (confirms and cancels go on)"
                 );
             }
             None

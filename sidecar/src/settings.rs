@@ -67,7 +67,8 @@ pub struct Settings {
     /// fallback decide on the config this sidecar last read while Redis cannot be
     /// asked. It gives up a promise: a limit cut, an endsAt moved or a pause that
     /// the operator publishes while this sidecar cannot reach Redis is not obeyed
-    /// by its fallback until it reads Redis again. Only for sales whose config does
+    /// by its fallback until it reads Redis again (or a sidecar sharing its
+    /// PostgreSQL ledger does, and notes it there). Only for sales whose config does
     /// not change during an outage (and the project's tests, which have no API
     /// server). Ignored with `--watch-drops`.
     #[arg(

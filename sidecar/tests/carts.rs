@@ -891,6 +891,8 @@ async fn a_cancel_of_a_cart_past_its_expiry_answers_expired() {
         .await
         .expect("answers");
     cancel.assert_answer(409, "expired");
+    let looked = sidecar.http.get("/v1/carts/late").await.expect("answers");
+    assert_eq!(looked.body["state"], "expired", "{}", looked.text);
     for drop in ["cap", "shirt"] {
         let shown = sidecar
             .http

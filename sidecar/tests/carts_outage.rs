@@ -291,7 +291,8 @@ async fn a_cart_cancel_cut_off_from_redis_is_under_way_and_its_retry_finishes_it
         "{}",
         cancel.text
     );
-    // Another attempt's give-back under way: a confirm meanwhile changes nothing.
+    // The cancel's give-back under way (handed on for a second, within which this
+    // confirm arrives): a confirm meanwhile changes nothing.
     let confirm = http
         .post("/v1/carts/gone/confirm", "")
         .await

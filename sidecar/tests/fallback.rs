@@ -351,6 +351,11 @@ async fn a_fallback_with_no_watch_of_the_api_server_admits_nothing_on_the_config
             .await;
         assert_unavailable_saying(&reply, "--watch-drops");
     }
+    // A cart and an extension admit too: refused alike.
+    let cart = r#"{"key":"c1","user":"carl","lines":[{"drop":"sale","quantity":1}]}"#;
+    let reply = sidecar.http.post("/v1/carts", cart).await.expect("answers");
+    assert_unavailable_saying(&reply, "--watch-drops");
+    assert_unavailable_saying(&sidecar.extend("sale", "a", 60).await, "--watch-drops");
     let confirm = sidecar.settle("sale", "a", "confirm").await;
     confirm.assert_answer(200, "confirmed");
     assert_eq!(fallback_header(&confirm), Some("fallback"));
@@ -541,4 +546,43 @@ async fn a_fallback_admission_obeys_a_drop_closed_since_the_sidecar_read_it() {
     let reply = sidecar.reserve("sale", "b", "bob", 1).await;
     assert_unavailable_saying(&reply, "is closed");
     sidecar.shutdown().await;
+}
+
+/// A gate call Redis refuses while its connection stays up (out of memory under
+/// `maxmemory` with `noeviction`: reads answer, writes do not), under failurePolicy
+/// Open: the request is answered (503, nothing changed), not bounced between the
+/// gate and the fallback. (A build that sent an outage's fallback back to the gate
+/// whenever the config just read said `gate` and the breaker was closed spun here
+/// forever: such a failure does not open the breaker.) Once Redis takes writes
+/// again, the drop sells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_refused_by_a_redis_out_of_memory_is_answered() {
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", one_per_buyer(5)).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    let mut conn = sidecar.redis.connection().expect("connects");
+    let mut config_set = |name: &str, value: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query::<()>(&mut conn)
+            .expect("CONFIG SET");
+    };
+    config_set("maxmemory-policy", "noeviction");
+    config_set("maxmemory", "1");
+
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        sidecar.reserve("sale", "b", "bob", 1),
+    )
+    .await
+    .expect("the reserve is answered, not bounced between the gates");
+    assert_eq!(reply.status, 503, "{}", reply.text);
+
+    config_set("maxmemory", "0");
+    common::eventually("the drop to sell again", async || {
+        sidecar.reserve("sale", "b", "bob", 1).await.status == 201
+    })
+    .await;
 }

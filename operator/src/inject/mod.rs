@@ -347,7 +347,7 @@ impl Skip {
         match self {
             Skip::AlreadyInjected => "the pod already has dropgate-sidecar",
             Skip::InjectedWithoutWatch => {
-                "this pod's dropgate-sidecar was injected by an older dropgate: it does not watch its drops, so its fallback may sell on a config changed while it cannot reach Redis; inject the manifest again (dropgate-operator inject -f)"
+                "this pod's dropgate-sidecar was injected by an older dropgate: it does not watch its drops, so an older sidecar image may sell on a config changed while it cannot reach Redis, and this version's admits nothing on its fallback then; inject the manifest again (dropgate-operator inject -f)"
             }
             Skip::OptedOut => "the pod is labelled dropgate.io/inject: \"false\"",
             Skip::ProtectedNamespace => {

@@ -267,6 +267,9 @@ pub(super) async fn lines_on_fallback(
             Published::Now(fresh) | Published::Kept(fresh) => {
                 match super::choose(app, drop, &fresh) {
                     Choice::Fallback(_) => *fresh,
+                    // (After a Redis failure that left the breaker closed, the
+                    // failure itself sent it here: it stays, as in `on_fallback`.)
+                    Choice::Gate if reason == Reason::Outage => *fresh,
                     Choice::Gate | Choice::Refused(_) => return None,
                 }
             }
@@ -869,9 +872,13 @@ pub(super) async fn on_fallback(
         // Decided on the config just read, its mode and failure policy too: a drop
         // the operator put back on the gate goes there, one it closed (or whose
         // failure policy is now Closed while Redis is down) is refused.
+        // (A Redis failure that sent it here need not have opened the breaker, an
+        // OOM or READONLY answer say: back on the gate it would meet that failure
+        // again and again, so after one it stays here.)
         Published::Now(config) | Published::Kept(config) => match super::choose(app, drop, &config)
         {
             Choice::Fallback(_) => *config,
+            Choice::Gate if reason == Reason::Outage => *config,
             Choice::Gate => return None,
             Choice::Refused(failure) => return Some(Err(failure)),
         },

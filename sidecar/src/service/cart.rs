@@ -1362,7 +1362,7 @@ async fn confirm(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         };
         if let Err(failure) = finish_release(app, &confirming, ends_as, &lines).await {
             // Still confirming (its move to releasing was not recorded): a retry of
-            // the confirm goes on with it. Releasing: the sweeper finishes it.
+            // the confirm goes on with it. Releasing: handed on, a retry or the sweeper finishes it.
             // Ended already (its last move's answer was lost, and it landed): done.
             let now = recorded(app, &row.key)
                 .await
@@ -1559,12 +1559,33 @@ async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
         CartState::PartlyConfirmed | CartState::Confirmed => {
             Box::pin(settle(app, &key, CartSettle::Cancel))
                 .await
-                .map_err(|failure| under_way(&key, UnderWay::GiveBack, failure))
+                .map_err(|failure| refund_not_begun(&key, failure))
         }
         _ => {
             let now = ended_as(app, &key, ended, row).await;
             Ok(CartOutcome::Cancelled(view(app, &now, true).await))
         }
+    }
+}
+
+/// A cancel's failure to refund the paid lines of cart `key`, which had ended (an
+/// expiry, or a confirm that found a line lapsed) and whose end this cancel
+/// recorded: that end was due whoever recorded it, and the refund, unless its
+/// failure says it is under way, has not begun (only a cancel begins it).
+fn refund_not_begun(key: &str, failure: Failure) -> Failure {
+    match failure {
+        under_way @ Failure::Unavailable {
+            retry: Retry::SameKeyToGoOn { .. },
+            ..
+        } => under_way,
+        Failure::Unavailable { why, path, retry } => Failure::Unavailable {
+            why: format!(
+                "cart {key} had ended (its unpaid lines are given back, as its end does); the refund of its paid lines has not begun ({why}): retry the cancel"
+            ),
+            path,
+            retry,
+        },
+        other => other,
     }
 }
 

@@ -735,12 +735,14 @@ pub(crate) enum Published {
     /// decided on an older copy.
     Missing,
     /// Redis cannot be asked: the config last read stands (this one, checked against
-    /// the API server's drop when the sidecar watches it); the ledger's transaction
-    /// then applies any newer terms a peer sharing it noted there.
+    /// the API server's drop when the sidecar watches it, or taken as it is with
+    /// `--fallback-on-last-read-config`); the ledger's transaction then applies any
+    /// newer terms a peer sharing it noted there.
     Kept(Box<DropConfig>),
     /// Redis cannot be asked, and the API server holds a newer spec of the drop than
     /// the config last read, or none, or its watch is not caught up (see
-    /// [`crate::drop_watch`]): nothing may be decided on that config. Why, for the 503.
+    /// [`crate::drop_watch`]), or nothing can check that config (no watch, no
+    /// opt-in): nothing may be decided on it. Why, for the 503.
     Stale(String),
 }
 
@@ -774,7 +776,7 @@ async fn published_now(app: &App, drop: &Drop) -> Published {
         Some(other) => return other,
         None if app.drop_watch.is_none() && !app.fallback_on_last_read => {
             return Published::Stale(format!(
-                "Redis cannot be asked for drop {}'s config, and this sidecar does not watch the API server (--watch-drops): a change the operator published meanwhile could not be seen, so nothing is decided on the copy last read; retry",
+                "Redis cannot be asked for drop {}'s config, and this sidecar does not watch the API server (--watch-drops): a change the operator published meanwhile could not be seen, so nothing is decided on the copy last read (a sidecar whose sales' configs never change during an outage may be started with --fallback-on-last-read-config); retry",
                 drop.name
             ));
         }

@@ -228,6 +228,7 @@ pub(super) async fn on_fallback(
                 fresh = *published;
                 match super::choose(app, drop, &fresh) {
                     super::Choice::Fallback(_) => &fresh,
+                    super::Choice::Gate if reason == Reason::Outage => &fresh,
                     super::Choice::Gate => return None,
                     super::Choice::Refused(failure) => return Some(Err(failure)),
                 }

@@ -66,8 +66,9 @@ impl Peer {
             database_url: database_url.into(),
             watch_drops: false,
             // No API server to watch here: outages fall back on the config last
-            // read (`fallback_without_a_watch_is_refused` in fallback.rs holds the
-            // default).
+            // read (fallback.rs's
+            // `a_fallback_with_no_watch_of_the_api_server_admits_nothing_on_the_config_last_read`
+            // holds the default).
             fallback_on_last_read_config: true,
             refresh_ms: 100,
             sweep_ms: 100,

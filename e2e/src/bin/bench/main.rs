@@ -60,7 +60,8 @@ struct Cli {
     baseline_sidecar: Option<std::path::PathBuf>,
     /// The dropgate-sidecar binary the CPU-per-answer table runs (default: this
     /// build's). One built with `--features allocation-count` adds allocations
-    /// per answer to each row (its CPU figures are then the counting build's).
+    /// per answer to each row (its CPU figures are then the counting build's); one
+    /// without it gives none, silently. Read by `--cpu` only.
     #[arg(long)]
     sidecar: Option<std::path::PathBuf>,
 }
