@@ -1575,7 +1575,7 @@ async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
 fn refund_not_begun(key: &str, failure: Failure) -> Failure {
     match failure {
         under_way @ Failure::Unavailable {
-            retry: Retry::SameKeyToGoOn { .. },
+            retry: Retry::SameKeyToGoOn { .. } | Retry::SameKeyToLearn,
             ..
         } => under_way,
         Failure::Unavailable { why, path, retry } => Failure::Unavailable {

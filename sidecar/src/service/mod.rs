@@ -594,6 +594,7 @@ enum Call<'a> {
 async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failure> {
     let mut reopened = false;
     let mut rechecks = 0;
+    let mut sent_back = 0;
     loop {
         let config = drop.config();
         let turn = match (choose(app, drop, &config), call) {
@@ -634,6 +635,15 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
                         })
                         .map_err(Failure::on_fallback);
                 }
+                // Each gate sent it to the other: the gate's script read the
+                // drop's mode from a Redis config older than this sidecar's (a
+                // failover lost the operator's change), and the fallback, reading
+                // the newer, sent it back. Answered rather than bounced until the
+                // operator publishes the config again.
+                sent_back += 1;
+                if sent_back > RECHECKS {
+                    return Err(redis_changed_mode(drop));
+                }
             }
             Turn::Reroute(Choice::Refused(failure)) => return Err(failure),
             Turn::Reroute(Choice::Gate) => {}
@@ -655,6 +665,14 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
             Turn::Recheck => return Err(redis_changed(drop)),
         }
     }
+}
+
+/// The gate and the fallback sent the call to each other, again and again.
+fn redis_changed_mode(drop: &Drop) -> Failure {
+    Failure::retry(format!(
+        "drop {}'s gate in Redis and this sidecar's config disagree on whether the gate decides (Redis holds an older config, until the operator publishes it again): nothing was changed; retry",
+        drop.name
+    ))
 }
 
 /// Redis changed under the call each time it asked (failovers, reconnects).
