@@ -9,7 +9,7 @@ use warp::reply::Response;
 pub struct Answer {
     pub status: StatusCode,
     body: Map<String, Value>,
-    /// Seconds for `Retry-After` (throttled answers).
+    /// Seconds for `Retry-After` (a 503 after which asking again soon will do).
     retry_after: Option<u64>,
     /// `Dropgate-Path: fallback` for answers from the SQL ledger's gate.
     fallback: bool,

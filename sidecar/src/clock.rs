@@ -33,8 +33,3 @@ pub fn observe_redis(redis_ms: i64, sent: i64, received: i64) {
     let midpoint = sent + (received - sent) / 2;
     OFFSET_MS.store(redis_ms - midpoint, Ordering::Relaxed);
 }
-
-/// The last measured offset (Redis minus local), for the metrics.
-pub fn offset_ms() -> i64 {
-    OFFSET_MS.load(Ordering::Relaxed)
-}

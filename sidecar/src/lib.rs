@@ -10,7 +10,7 @@
 //! - [`server`]: `run(listener, settings, shutdown)`, the entry point; serves the
 //!   routes and runs the background work until shutdown, then drains.
 //! - `routes`: the HTTP API, one module per route group (reservations, carts,
-//!   drops, locks, health). Handlers parse input, call the service, and turn what it
+//!   drops, waitlist, locks, health). Handlers parse input, call the service, and turn what it
 //!   decided into a JSON answer (`answer`: `outcome`, `message`, headers).
 //! - [`input`]: request bodies and path segments, checked field by field; every
 //!   refusal names its field and nothing reaches Redis before it passed.
@@ -27,7 +27,8 @@
 //!   ([`service::handover`]: opening the gate only once Redis holds everything the
 //!   ledger recorded, rebuilding a Redis that lost writes, handing a drop to the
 //!   fallback). [`service::cart`] holds, confirms and cancels carts, each line a
-//!   reservation of its drop, the whole kept in step by the ledger's cart row.
+//!   reservation of its drop, the whole kept in step by the ledger's cart row;
+//!   [`service::waitlist`] the line of buyers a sold-out drop offers units to.
 //! - [`gate`]: the atomic Lua scripts (`gate/*.lua`, one per operation, run by SHA)
 //!   and the thin Rust calls around them; `gate/reply.rs` parses the replies of the
 //!   reservation scripts into the vocabulary, the one place that knows their words.
@@ -49,7 +50,8 @@
 //!   settling of admissions a dead sidecar left pending, and the ledger's repair
 //!   from Redis), and the outbox dispatcher.
 //! - [`clock`]: the wall clock in milliseconds, following Redis's.
-//! - [`faults`]: fault-injection points, armed only in test builds.
+//! - [`faults`]: fault-injection points, armed in debug builds and with the
+//!   `fault-injection` feature.
 //! - [`metrics`]: Prometheus metrics for `/metrics`.
 //! - [`settings`]: the command line.
 

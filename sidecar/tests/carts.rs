@@ -903,3 +903,69 @@ async fn a_cancel_of_a_cart_past_its_expiry_answers_expired() {
     }
     sidecar.shutdown().await;
 }
+
+/// A cart that must be whole with a line on a drop the operator has closed (HA
+/// required and missing, failure policy Closed) since the sidecar read it on the
+/// fallback, after a line on a drop on the gate: refused whole before any line is
+/// held, its key kept. (Before, the gate's line was held, then given back, and
+/// the answer spent the key.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_cart_with_a_line_on_a_drop_closed_meanwhile_holds_nothing() {
+    let redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    // Its copies of the drops' configs are re-read only every ten minutes.
+    let sidecar = common::Peer::start_with(&redis.url(), &ledger, 600_000).await;
+    let shop = [
+        ("bag", DropSpec::new(10).per_user_limit(2).permits(1000)),
+        (
+            "cap",
+            DropSpec::new(3)
+                .per_user_limit(2)
+                .permits(1000)
+                .kill_switch(),
+        ),
+    ];
+    for (name, spec) in shop {
+        common::seed(&redis.url(), name, spec).await;
+        let read = sidecar.http.get(&format!("/v1/drops/{name}")).await;
+        assert_eq!(read.expect("answers").status, 200);
+    }
+    let closed = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: cap, namespace: shop}\n\
+        spec:\n  sku: CAP\n  limitedQuantity: 3\n  perUserLimit: 2\n  redis: {url: redis://unused:1, requireHighAvailability: true}\n  gate: {enabled: true, failurePolicy: Closed}\n  throttle: {permits: 1000}\n";
+    dropgate_operator::apply::apply(
+        closed,
+        Some(&redis.url()),
+        &dropgate_operator::memorystore::Memorystore::default(),
+    )
+    .await
+    .expect("apply runs");
+    let bags_before = common::redis_counts(&redis, "bag");
+
+    let body = cart(
+        "c1",
+        "alice",
+        &[("bag", None, 1), ("cap", None, 1)],
+        Some("all"),
+    );
+    let reply = sidecar
+        .http
+        .post("/v1/carts", &body)
+        .await
+        .expect("answers");
+    reply.assert_answer(503, "unavailable");
+    assert!(
+        reply.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("is closed")),
+        "{}",
+        reply.text
+    );
+    assert_ne!(reply.body["keySpent"], true, "{}", reply.text);
+    assert_eq!(
+        common::redis_counts(&redis, "bag"),
+        bags_before,
+        "no bag was held nor given back"
+    );
+    sidecar.shutdown().await;
+}

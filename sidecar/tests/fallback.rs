@@ -586,3 +586,48 @@ async fn a_gate_refused_by_a_redis_out_of_memory_is_answered() {
     })
     .await;
 }
+
+/// Redis holds an older config than the sidecar's copy (a failover to a replica
+/// that missed the operator's last publish): the gate's script reads the old mode
+/// (`fail-open`) and sends the call to the fallback, whose fresh read keeps the
+/// sidecar's newer copy (`gate`) and sends it back. The call is answered 503 after
+/// a few turns, nothing changed, instead of bouncing between the gates until the
+/// operator publishes again; once it has, the drop sells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_gate_and_the_fallback_send_to_each_other_is_answered() {
+    let sidecar = Sidecar::start().await;
+    let publish = async |generation: i64| {
+        let manifest = common::manifest("sale", one_per_buyer(5)).replace(
+            "namespace: shop}",
+            &format!("namespace: shop, generation: {generation}}}"),
+        );
+        common::apply(&sidecar.redis.url(), &manifest).await;
+    };
+    publish(5).await;
+    assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
+    let mut conn = sidecar.redis.connection().expect("connects");
+    redis::cmd("HSET")
+        .arg(dropgate_api::DropKeys::new(common::NS, "sale").config())
+        .arg("mode")
+        .arg("fail-open")
+        .arg("generation")
+        .arg(4)
+        .query::<()>(&mut conn)
+        .expect("HSET an older config");
+    let before = sidecar.snapshot();
+
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        sidecar.reserve("sale", "b", "bob", 1),
+    )
+    .await
+    .expect("the reserve is answered, not bounced between the gates");
+    assert_unavailable_saying(&reply, "disagree on whether the gate decides");
+    assert_eq!(sidecar.snapshot(), before, "the 503 changed nothing");
+
+    publish(5).await;
+    sidecar
+        .reserve("sale", "b", "bob", 1)
+        .await
+        .assert_answer(201, "admitted");
+}

@@ -62,6 +62,22 @@ async fn settle(app: &App, raw_key: &str, asked: CartSettle) -> Answer {
     }
 }
 
+/// Whether an unheld cart's lines still hold units (being given back by another
+/// attempt, or left to the sweeper: the cart is releasing, or its lines, looked
+/// up, say so), in words.
+fn held_words(view: &CartView) -> &'static str {
+    let still_held = view.held.iter().any(|line| {
+        line.reservation
+            .as_ref()
+            .is_some_and(|r| r.state.holds_units())
+    });
+    if still_held || view.state == CartState::Releasing {
+        "its lines are being given back"
+    } else {
+        "nothing of it is held"
+    }
+}
+
 /// The word a cart's state is answered with.
 fn state_word(state: CartState) -> &'static str {
     match state {
@@ -89,28 +105,28 @@ fn answer(key: &str, outcome: CartOutcome) -> Answer {
         CartOutcome::Short(view) => shown(StatusCode::CONFLICT, "short", &view).with(
             "message",
             format!(
-                "cart {key} cannot be held as asked ({} of its lines short): nothing is held",
-                view.short.len()
+                "cart {key} cannot be held as asked ({} of its lines short): {}",
+                view.short.len(),
+                held_words(&view)
             ),
         ),
+        // Its hold never answered (the attempt that held it stopped): the cart's
+        // reserve, retried with its key, finishes or gives it back.
+        CartOutcome::Gone(view) if view.state == CartState::Holding => {
+            shown(StatusCode::CONFLICT, state_word(view.state), &view).with(
+                "message",
+                format!(
+                    "cart {key} was left unfinished by the attempt that held it: it cannot be confirmed yet; retry the cart's reserve with its key to finish it or give it back"
+                ),
+            )
+        }
         CartOutcome::Gone(view) => {
             let word = state_word(view.state);
-            // (Being given back by another attempt, or left to the sweeper: its
-            // lines say which still hold units.)
-            let still_held = view.held.iter().any(|line| {
-                line.reservation
-                    .as_ref()
-                    .is_some_and(|r| r.state.holds_units())
-            });
-            let held = if still_held {
-                "its lines are being given back"
-            } else {
-                "nothing of it is held"
-            };
             shown(StatusCode::CONFLICT, word, &view).with(
                 "message",
                 format!(
-                    "cart {key} is {word} ({held}): it can no longer be confirmed; a new try needs a new key"
+                    "cart {key} is {word} ({}): it can no longer be confirmed; a new try needs a new key",
+                    held_words(&view)
                 ),
             )
         }

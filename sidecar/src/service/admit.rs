@@ -245,47 +245,58 @@ pub(super) async fn lines_on_gate(
 /// transaction (see crate::ledger::Ledger::fallback_cart), when every drop of the
 /// cart is on the fallback now. `None`: they are not all (or a line's throttle
 /// permit is not free, or a drop's config must be read again first): the cart goes
-/// drop by drop, each line on whichever gate decides its drop.
+/// drop by drop, each line on whichever gate decides its drop. Every drop on the
+/// fallback has its config read first, whatever the others' gates: one that
+/// cannot be decided on refuses the cart whole before any line is held.
 pub(super) async fn lines_on_fallback(
     app: &App,
     lines: &[(&Drop, Reserve)],
     all: bool,
 ) -> Option<Vec<Lined>> {
+    let whole = |failure: Failure| {
+        Some(
+            lines
+                .iter()
+                .map(|_| Lined::Done(Err(failure.clone().on_fallback())))
+                .collect(),
+        )
+    };
     // Each drop once: its gate now, and its config as published now.
     let mut drops: Vec<(&Drop, Reason, DropConfig)> = Vec::new();
+    let mut drop_by_drop = false;
+    let mut seen: Vec<&str> = Vec::new();
     for (drop, _) in lines {
-        if drops.iter().any(|(d, ..)| d.name == drop.name) {
+        if seen.contains(&drop.name.as_str()) {
             continue;
         }
-        let config = drop.config();
-        let Choice::Fallback(reason) = super::choose(app, drop, &config) else {
-            return None;
+        seen.push(&drop.name);
+        let reason = match super::choose(app, drop, &drop.config()) {
+            Choice::Fallback(reason) => reason,
+            Choice::Refused(failure) if all => return whole(failure),
+            Choice::Gate | Choice::Refused(_) => {
+                drop_by_drop = true;
+                continue;
+            }
         };
-        let config = match published_now(app, drop).await {
+        match published_now(app, drop).await {
             // The mode and failure policy just read decide too: a drop back on
-            // the gate is decided line by line there, a closed one refuses them.
+            // the gate is decided line by line there; a closed one refuses the
+            // cart whole if it must be whole, else its own lines.
             Published::Now(fresh) | Published::Kept(fresh) => {
-                match super::choose(app, drop, &fresh) {
-                    Choice::Fallback(_) => *fresh,
-                    // (After a Redis failure that left the breaker closed, the
-                    // failure itself sent it here: it stays, as in `on_fallback`.)
-                    Choice::Gate if reason == Reason::Outage => *fresh,
-                    Choice::Gate | Choice::Refused(_) => return None,
+                match super::choose_again(app, drop, &fresh, reason) {
+                    Choice::Fallback(_) => drops.push((drop, reason, *fresh)),
+                    Choice::Refused(failure) if all => return whole(failure),
+                    Choice::Gate | Choice::Refused(_) => drop_by_drop = true,
                 }
             }
             // Each line is then decided on its own, and this drop's answers why.
-            Published::Missing => return None,
+            Published::Missing => drop_by_drop = true,
             // Nothing is held yet: the whole cart is refused, its key kept.
-            Published::Stale(why) => {
-                return Some(
-                    lines
-                        .iter()
-                        .map(|_| Lined::Done(Err(Failure::retry(why.clone()).on_fallback())))
-                        .collect(),
-                );
-            }
-        };
-        drops.push((drop, reason, config));
+            Published::Stale(why) => return whole(Failure::retry(why)),
+        }
+    }
+    if drop_by_drop {
+        return None;
     }
     let config_of = |drop: &Drop| {
         drops
@@ -302,12 +313,7 @@ pub(super) async fn lines_on_fallback(
     // The waits may have been long enough for a drop to change.
     for (drop, _, config) in &drops {
         if let Err(why) = still_current(app, drop, config).await {
-            return Some(
-                lines
-                    .iter()
-                    .map(|_| Lined::Done(Err(Failure::retry(why.clone()).on_fallback())))
-                    .collect(),
-            );
+            return whole(Failure::retry(why));
         }
     }
     // The ledger rows of the sale of each config decided on.
@@ -328,18 +334,10 @@ pub(super) async fn lines_on_fallback(
             })
         })
         .collect();
-    let now = now_ms();
-    let every = |failure: Failure| {
-        Some(
-            lines
-                .iter()
-                .map(|_| Lined::Done(Err(failure.clone().on_fallback())))
-                .collect(),
-        )
-    };
     let mut handed = false;
     let decided = loop {
-        match app.ledger.fallback_cart(&asks, all, now).await {
+        // (The window judged when the ledger decides: after any hand-over waited for.)
+        match app.ledger.fallback_cart(&asks, all, now_ms()).await {
             Ok(decided) => break decided,
             // A drop not handed to the ledger yet: each is, then the cart is
             // decided again, once.
@@ -350,21 +348,21 @@ pub(super) async fn lines_on_fallback(
                         Ok(_) => {}
                         Err(handover::Refusal::BackOnGate) => return None,
                         Err(handover::Refusal::Refused(why)) => {
-                            return every(Failure::unavailable(why));
+                            return whole(Failure::unavailable(why));
                         }
                     }
                 }
             }
             Err(crate::ledger::LedgerError::StaleConfig(_)) => {
-                return every(Failure::retry(
+                return whole(Failure::retry(
                     "the ledger holds a newer config of a drop of this cart than this sidecar read: nothing was changed; retry",
                 ));
             }
             Err(unknown @ crate::ledger::LedgerError::CommitUnknown(_)) => {
-                return every(Failure::outcome_unknown(unknown.to_string()));
+                return whole(Failure::outcome_unknown(unknown.to_string()));
             }
             Err(error) => {
-                return every(Failure::unavailable(format!(
+                return whole(Failure::unavailable(format!(
                     "Redis is not gating this cart's drops and the ledger failed: {error}"
                 )));
             }
@@ -872,16 +870,13 @@ pub(super) async fn on_fallback(
         // Decided on the config just read, its mode and failure policy too: a drop
         // the operator put back on the gate goes there, one it closed (or whose
         // failure policy is now Closed while Redis is down) is refused.
-        // (A Redis failure that sent it here need not have opened the breaker, an
-        // OOM or READONLY answer say: back on the gate it would meet that failure
-        // again and again, so after one it stays here.)
-        Published::Now(config) | Published::Kept(config) => match super::choose(app, drop, &config)
-        {
-            Choice::Fallback(_) => *config,
-            Choice::Gate if reason == Reason::Outage => *config,
-            Choice::Gate => return None,
-            Choice::Refused(failure) => return Some(Err(failure)),
-        },
+        Published::Now(config) | Published::Kept(config) => {
+            match super::choose_again(app, drop, &config, reason) {
+                Choice::Fallback(_) => *config,
+                Choice::Gate => return None,
+                Choice::Refused(failure) => return Some(Err(failure)),
+            }
+        }
         Published::Missing => {
             return Some(Err(Failure::retry(format!(
                 "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
@@ -893,14 +888,13 @@ pub(super) async fn on_fallback(
         Published::Stale(why) => return Some(Err(Failure::retry(why))),
     };
     let config = &config;
-    let now = now_ms();
     // The ledger rows of the sale of the config decided on.
     let ledger_key = drop.ledger_key_of(&config.sale);
     // A retry first, as on the gate: it hears what its key holds, whatever the
     // window, the permits or the stock say now.
     let retried = on_ledger(app, drop, reason, || {
         app.ledger
-            .fallback_retry(&ledger_key, config, request.ask(), now)
+            .fallback_retry(&ledger_key, config, request.ask(), now_ms())
     })
     .await;
     match retried {
@@ -927,11 +921,11 @@ pub(super) async fn on_fallback(
     if let Err(why) = still_current(app, drop, config).await {
         return Some(Err(Failure::retry(why)));
     }
-    // The sale window is judged when the ledger decides, not when the request came.
-    let now = now_ms();
+    // The sale window is judged when the ledger decides, not when the request came
+    // (nor before a hand-over to the ledger it waited for).
     let outcome = match on_ledger(app, drop, reason, || {
         app.ledger
-            .fallback_reserve(&ledger_key, config, request.ask(), now)
+            .fallback_reserve(&ledger_key, config, request.ask(), now_ms())
     })
     .await
     {

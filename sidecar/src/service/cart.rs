@@ -542,16 +542,18 @@ async fn hold(
             });
         }
         Some(Stop::Refused(outcome)) => {
-            release_now(
-                app,
-                cart,
-                mine,
-                reach,
-                CartState::Refused,
-                &held,
-                &short_json,
-            )
-            .await?;
+            refuse(
+                release_now(
+                    app,
+                    cart,
+                    mine,
+                    reach,
+                    CartState::Refused,
+                    &held,
+                    &short_json,
+                )
+                .await,
+            )?;
             return Ok(outcome);
         }
         None => {}
@@ -561,16 +563,18 @@ async fn hold(
         CartMode::Available => !held.is_empty(),
     };
     if !whole {
-        release_now(
-            app,
-            cart,
-            mine,
-            reach,
-            CartState::Refused,
-            &held,
-            &short_json,
-        )
-        .await?;
+        refuse(
+            release_now(
+                app,
+                cart,
+                mine,
+                reach,
+                CartState::Refused,
+                &held,
+                &short_json,
+            )
+            .await,
+        )?;
         let row = recorded(app, &cart.key).await?;
         return Ok(CartOutcome::Short(view(app, &row, false).await));
     }
@@ -678,6 +682,17 @@ enum Reach {
 enum Stop {
     Failed(Failure),
     Refused(CartOutcome),
+}
+
+/// A cart's refusal once [`release_now`] ran: decided once the cart is recorded
+/// releasing toward it, whether or not every line went back at once (the sweeper
+/// gives back the rest, and the lines are nobody's); still `holding`, the cart's
+/// key goes on with a retry, and the failure is the answer.
+fn refuse(released: Result<(), Unreleased>) -> Result<(), Failure> {
+    match released {
+        Ok(()) | Err(Unreleased::Releasing(_)) => Ok(()),
+        Err(Unreleased::Holding(failure)) => Err(failure),
+    }
 }
 
 /// Why a cart's lines were not all given back by [`release_now`].
@@ -1561,9 +1576,16 @@ async fn cancel(app: &App, row: CartRow) -> Result<CartOutcome, Failure> {
                 .await
                 .map_err(|failure| refund_not_begun(&key, failure))
         }
-        _ => {
+        CartState::Cancelled => {
             let now = ended_as(app, &key, ended, row).await;
             Ok(CartOutcome::Cancelled(view(app, &now, true).await))
+        }
+        // It was being given back toward an end of its own (refused, or left
+        // holding by a sidecar that stopped), recorded now: a cancel of a cart that
+        // ended so hears its state, as it would have a moment later.
+        _ => {
+            let now = ended_as(app, &key, ended, row).await;
+            Ok(CartOutcome::Gone(view(app, &now, true).await))
         }
     }
 }
@@ -1584,6 +1606,13 @@ fn refund_not_begun(key: &str, failure: Failure) -> Failure {
             ),
             path,
             retry,
+        },
+        Failure::Throttled { path, .. } => Failure::Unavailable {
+            why: format!(
+                "cart {key} had ended (its unpaid lines are given back, as its end does); the refund of its paid lines has not begun (another call on the cart is under way): retry the cancel"
+            ),
+            path,
+            retry: Retry::SameKeySoon,
         },
         other => other,
     }

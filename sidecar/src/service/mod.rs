@@ -15,6 +15,7 @@
 //! - [`record`]: what the Redis gate decided, recorded in the ledger.
 //! - [`handover`]: moving a drop between its two gates (opening the gate after a
 //!   replay or rebuild, handing it to the ledger), and the refresh's check.
+//! - [`waitlist`]: joining a sold-out drop's line, and the offers made from it.
 
 pub(crate) mod admit;
 pub mod cart;
@@ -441,6 +442,21 @@ fn choose(app: &App, drop: &Drop, config: &DropConfig) -> Choice {
     }
 }
 
+/// The gate the config just read chooses for a call a gate sent to the fallback
+/// for `reason`. A Redis failure that sent it there need not have opened the
+/// breaker (an OOM or READONLY answer does not): back on the gate it would meet
+/// that failure again and again, so after one it stays on the fallback, unless
+/// the failure policy just read is Closed.
+fn choose_again(app: &App, drop: &Drop, fresh: &DropConfig, reason: Reason) -> Choice {
+    match choose(app, drop, fresh) {
+        Choice::Gate if reason == Reason::Outage => match fresh.failure_policy {
+            FailurePolicy::Open => Choice::Fallback(Reason::Outage),
+            FailurePolicy::Closed => Choice::Refused(policy_closed(drop)),
+        },
+        other => other,
+    }
+}
+
 /// Where an attempt goes when Redis failed under it.
 fn after_redis_failure(
     app: &App,
@@ -502,13 +518,21 @@ fn started_as_cluster_client(drop: &str, error: &redis::RedisError) -> Failure {
 /// The failure when Redis failed under a call that cannot go to the fallback.
 fn redis_down(drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Failure {
     tracing::warn!(drop = %drop.name, %error, "Redis failed");
-    Failure::unavailable(match config.failure_policy {
-        FailurePolicy::Closed => format!(
-            "Redis is unreachable and drop {} has failurePolicy Closed: nothing is sold until it is back",
+    match config.failure_policy {
+        FailurePolicy::Closed => policy_closed(drop),
+        FailurePolicy::Open => Failure::unavailable(format!(
+            "Redis is unreachable for drop {}: {error}",
             drop.name
-        ),
-        FailurePolicy::Open => format!("Redis is unreachable for drop {}: {error}", drop.name),
-    })
+        )),
+    }
+}
+
+/// Redis failed under a call on a drop whose failure policy is Closed.
+fn policy_closed(drop: &Drop) -> Failure {
+    Failure::unavailable(format!(
+        "Redis is unreachable and drop {} has failurePolicy Closed: nothing is sold until it is back",
+        drop.name
+    ))
 }
 
 /// A gate reply judged on an older config of this sidecar's sale than the one it
@@ -578,7 +602,8 @@ enum Turn<T> {
 }
 
 /// How many times one call goes back to checking Redis because the Redis under it
-/// changed while it asked (see [`Turn::Recheck`]) before it answers 503.
+/// changed while it asked (see [`Turn::Recheck`]), or is sent back by the fallback
+/// to the gate that sent it there, before it answers 503.
 const RECHECKS: usize = 3;
 
 /// A call on a reservation, as [`decide`] runs it.
@@ -642,7 +667,7 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
                 // operator publishes the config again.
                 sent_back += 1;
                 if sent_back > RECHECKS {
-                    return Err(redis_changed_mode(drop));
+                    return Err(gate_and_fallback_disagree(drop));
                 }
             }
             Turn::Reroute(Choice::Refused(failure)) => return Err(failure),
@@ -668,7 +693,7 @@ async fn decide(app: &App, drop: &Drop, call: Call<'_>) -> Result<Served, Failur
 }
 
 /// The gate and the fallback sent the call to each other, again and again.
-fn redis_changed_mode(drop: &Drop) -> Failure {
+fn gate_and_fallback_disagree(drop: &Drop) -> Failure {
     Failure::retry(format!(
         "drop {}'s gate in Redis and this sidecar's config disagree on whether the gate decides (Redis holds an older config, until the operator publishes it again): nothing was changed; retry",
         drop.name
@@ -831,7 +856,12 @@ async fn ask_redis(app: &App, drop: &Drop) -> Option<Published> {
     .await
     {
         Ok(Ok(Some(config))) if config.sale != kept.sale => Some(Published::Missing),
-        Ok(Ok(Some(config))) if config.generation < kept.generation => {
+        // Redis lost a change the copy holds (see `Drops::refresh`); a generation
+        // not numbered by the API server says nothing of which config is newer (a
+        // seed's time, perhaps from another host's clock), so Redis's is taken.
+        Ok(Ok(Some(config)))
+            if config.generation < kept.generation && kept.published_by_operator() =>
+        {
             Some(Published::Now(Box::new(kept)))
         }
         Ok(Ok(Some(config))) => {
@@ -845,7 +875,16 @@ async fn ask_redis(app: &App, drop: &Drop) -> Option<Published> {
         // again (a Redis back from a restart answers it with the change published
         // again). Only a Redis that does not answer within the bound is left alone
         // for a while, so that it does not cost every admission the bound.
-        Ok(Err(_)) => None,
+        Ok(Err(crate::drops::LookupError::Unavailable(_))) => None,
+        // Redis answered a config this sidecar cannot read (damaged, or written by
+        // an operator of a newer format): not one to decide on, nor a reason to
+        // fall back on the copy.
+        Ok(Err(damaged @ crate::drops::LookupError::Damaged(_))) => {
+            Some(Published::Stale(format!(
+                "drop {}'s config in Redis cannot be read ({damaged}): nothing is decided on an older copy; retry",
+                drop.name
+            )))
+        }
         Err(_) => {
             drop.config_unreachable_at
                 .store(crate::clock::now_ms(), Ordering::Release);

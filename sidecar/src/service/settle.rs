@@ -226,9 +226,8 @@ pub(super) async fn on_fallback(
             // `admit::on_fallback`).
             super::Published::Now(published) | super::Published::Kept(published) => {
                 fresh = *published;
-                match super::choose(app, drop, &fresh) {
+                match super::choose_again(app, drop, &fresh, reason) {
                     super::Choice::Fallback(_) => &fresh,
-                    super::Choice::Gate if reason == Reason::Outage => &fresh,
                     super::Choice::Gate => return None,
                     super::Choice::Refused(failure) => return Some(Err(failure)),
                 }
