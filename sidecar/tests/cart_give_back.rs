@@ -7,7 +7,9 @@
 //!   stock) and the cart ended `expired`;
 //! - a line the ledger has confirmed while Redis still shows it a hold (Redis
 //!   missed the confirm's finish, as a promoted replica can) stays confirmed: the
-//!   ledger refuses the give-back; before, it recorded the refund.
+//!   ledger refuses the give-back; before, it recorded the refund;
+//! - a refused cart whose give-back stalls answers 503 `underWay` until its lines
+//!   are back (before, 409 `short`, "nothing is held", with a line still held).
 //!
 //! Fault points are process-wide, so this file holds one test, its scenarios one
 //! after another.
@@ -140,9 +142,74 @@ async fn a_line_redis_missed_the_confirm_of_is_not_refunded() {
     sidecar.shutdown().await;
 }
 
+/// A cart refused (a line short) whose give-back of the line it held stalls
+/// (Redis refuses writes, failure policy Closed) is not answered 409 while that
+/// line still holds its unit: 503 `underWay`, and once Redis takes writes again
+/// the sweeper gives the line back and a retry of the key hears the refusal.
+async fn a_refused_carts_stalled_give_back_is_under_way_until_it_is_done() {
+    let sidecar = Sidecar::start().await;
+    let spec = |limit| {
+        DropSpec::new(limit)
+            .per_user_limit(2)
+            .permits(1000)
+            .fail_closed()
+    };
+    sidecar.seed("cap", spec(3)).await;
+    sidecar.seed("shirt", spec(0)).await;
+    let body = json!({
+        "key": "pair",
+        "user": "ann",
+        "lines": [{"drop": "cap", "quantity": 1}, {"drop": "shirt", "quantity": 1}],
+    });
+
+    // The cap is held, the shirt short: the cap is given back, and pauses first.
+    faults::arm(Fault::PauseBeforeGiveBack, 1);
+    let http = sidecar.http.clone();
+    let asked = body.to_string();
+    let reserve =
+        tokio::spawn(async move { http.post("/v1/carts", &asked).await.expect("answers") });
+    eventually("the give-back to look the cap up", async || {
+        faults::spent(Fault::PauseBeforeGiveBack)
+    })
+    .await;
+    let mut conn = sidecar.redis.connection().expect("connects");
+    let mut config_set = |name: &str, value: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query::<()>(&mut conn)
+            .expect("CONFIG SET");
+    };
+    config_set("maxmemory-policy", "noeviction");
+    config_set("maxmemory", "1");
+    let reply = reserve.await.expect("joins");
+    reply.assert_answer(503, "unavailable");
+    assert_eq!(reply.body["underWay"], true, "{}", reply.text);
+    assert_eq!(
+        common::redis_counts(&sidecar.redis, "cap").0,
+        2,
+        "the cap is still held"
+    );
+
+    config_set("maxmemory", "0");
+    eventually("the sweeper to give the cap back", async || {
+        common::redis_counts(&sidecar.redis, "cap").0 == 3
+    })
+    .await;
+    eventually("a retry of the key to hear the refusal", async || {
+        let retried = sidecar.post_cart(&body).await;
+        retried.status == 409 && retried.body["outcome"] == "short"
+    })
+    .await;
+    sidecar.assert_invariants("cap", 3);
+    sidecar.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_carts_give_back_never_refunds_a_paid_line() {
     a_line_confirmed_during_its_carts_give_back_stays_confirmed(false).await;
     a_line_confirmed_during_its_carts_give_back_stays_confirmed(true).await;
     a_line_redis_missed_the_confirm_of_is_not_refunded().await;
+    a_refused_carts_stalled_give_back_is_under_way_until_it_is_done().await;
 }

@@ -904,17 +904,16 @@ async fn a_cancel_of_a_cart_past_its_expiry_answers_expired() {
     sidecar.shutdown().await;
 }
 
-/// A cart that must be whole with a line on a drop the operator has closed (HA
-/// required and missing, failure policy Closed) since the sidecar read it on the
-/// fallback, after a line on a drop on the gate: refused whole before any line is
-/// held, its key kept. (Before, the gate's line was held, then given back, and
-/// the answer spent the key.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_whole_cart_with_a_line_on_a_drop_closed_meanwhile_holds_nothing() {
+/// A sidecar that read drop `bag` on the gate and drop `cap` on the fallback (its
+/// kill switch), and re-reads configs only every ten minutes.
+async fn a_bag_on_the_gate_and_a_cap_on_the_fallback() -> (
+    dropgate_testkit::RedisServer,
+    tempfile::TempDir,
+    common::Peer,
+) {
     let redis = dropgate_testkit::RedisServer::start().expect("redis-server starts");
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    // Its copies of the drops' configs are re-read only every ten minutes.
     let sidecar = common::Peer::start_with(&redis.url(), &ledger, 600_000).await;
     let shop = [
         ("bag", DropSpec::new(10).per_user_limit(2).permits(1000)),
@@ -931,17 +930,18 @@ async fn a_whole_cart_with_a_line_on_a_drop_closed_meanwhile_holds_nothing() {
         let read = sidecar.http.get(&format!("/v1/drops/{name}")).await;
         assert_eq!(read.expect("answers").status, 200);
     }
-    let closed = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: cap, namespace: shop}\n\
-        spec:\n  sku: CAP\n  limitedQuantity: 3\n  perUserLimit: 2\n  redis: {url: redis://unused:1, requireHighAvailability: true}\n  gate: {enabled: true, failurePolicy: Closed}\n  throttle: {permits: 1000}\n";
-    dropgate_operator::apply::apply(
-        closed,
-        Some(&redis.url()),
-        &dropgate_operator::memorystore::Memorystore::default(),
-    )
-    .await
-    .expect("apply runs");
-    let bags_before = common::redis_counts(&redis, "bag");
+    (redis, dir, sidecar)
+}
 
+/// Asserts that a cart of a bag and a cap, mode `all`, is refused whole with a
+/// 503 saying `why`, its key kept, and no bag held nor given back (the bag's line
+/// is decided first).
+async fn assert_refused_whole(
+    redis: &dropgate_testkit::RedisServer,
+    sidecar: &common::Peer,
+    why: &str,
+) {
+    let bags_before = common::redis_counts(redis, "bag");
     let body = cart(
         "c1",
         "alice",
@@ -957,15 +957,50 @@ async fn a_whole_cart_with_a_line_on_a_drop_closed_meanwhile_holds_nothing() {
     assert!(
         reply.body["message"]
             .as_str()
-            .is_some_and(|m| m.contains("is closed")),
-        "{}",
+            .is_some_and(|m| m.contains(why)),
+        "not saying {why:?}: {}",
         reply.text
     );
     assert_ne!(reply.body["keySpent"], true, "{}", reply.text);
     assert_eq!(
-        common::redis_counts(&redis, "bag"),
+        common::redis_counts(redis, "bag"),
         bags_before,
         "no bag was held nor given back"
     );
+}
+
+/// A cart that must be whole with a line on a drop the operator has closed (HA
+/// required and missing, failure policy Closed) since the sidecar read it on the
+/// fallback, after a line on a drop on the gate: refused whole before any line is
+/// held, its key kept. (Before, the gate's line was held, then given back, and
+/// the answer spent the key.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_cart_with_a_line_on_a_drop_closed_meanwhile_holds_nothing() {
+    let (redis, _dir, sidecar) = a_bag_on_the_gate_and_a_cap_on_the_fallback().await;
+    let closed = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: cap, namespace: shop}\n\
+        spec:\n  sku: CAP\n  limitedQuantity: 3\n  perUserLimit: 2\n  redis: {url: redis://unused:1, requireHighAvailability: true}\n  gate: {enabled: true, failurePolicy: Closed}\n  throttle: {permits: 1000}\n";
+    dropgate_operator::apply::apply(
+        closed,
+        Some(&redis.url()),
+        &dropgate_operator::memorystore::Memorystore::default(),
+    )
+    .await
+    .expect("apply runs");
+    assert_refused_whole(&redis, &sidecar, "is closed").await;
+    sidecar.shutdown().await;
+}
+
+/// The same when Redis lost the fallback drop's config (its data lost, the
+/// operator not yet back to publish it again): nothing is decided on the copy,
+/// and the cart is refused whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_cart_with_a_line_on_a_drop_whose_config_redis_lost_holds_nothing() {
+    let (redis, _dir, sidecar) = a_bag_on_the_gate_and_a_cap_on_the_fallback().await;
+    let mut conn = redis.connection().expect("connects");
+    redis::cmd("DEL")
+        .arg(dropgate_api::DropKeys::new(common::NS, "cap").config())
+        .query::<()>(&mut conn)
+        .expect("DEL the config");
+    assert_refused_whole(&redis, &sidecar, "not the one this sidecar holds").await;
     sidecar.shutdown().await;
 }

@@ -41,8 +41,22 @@ pub const DATABASE_SECRET: &str = "dropgate.io/database-secret";
 pub const LEDGER: &str = "dropgate.io/ledger";
 /// The one value [`LEDGER`] takes.
 pub const PER_POD: &str = "per-pod";
+/// The sidecar's `--wait-replicas`: Redis replicas that acknowledge an admission
+/// before its 201 (narrows what a failover can lose).
+pub const WAIT_REPLICAS: &str = "dropgate.io/wait-replicas";
+/// The most replicas [`WAIT_REPLICAS`] may ask for: more than any Redis deployment
+/// the operator accepts runs, so a larger number is a typo.
+const MOST_REPLICAS: u32 = 16;
 /// Every annotation that tunes the sidecar; another `dropgate.io/` one is a typo.
-const TUNING: [&str; 6] = [IMAGE, CPU, MEMORY, PORT, DATABASE_SECRET, LEDGER];
+const TUNING: [&str; 7] = [
+    IMAGE,
+    CPU,
+    MEMORY,
+    PORT,
+    DATABASE_SECRET,
+    LEDGER,
+    WAIT_REPLICAS,
+];
 /// Where the probes and scrapes reach the sidecar from outside the pod.
 pub const HEALTH_PORT: u16 = 7071;
 /// The default port of the API on 127.0.0.1.
@@ -506,6 +520,8 @@ struct Tuning {
     database_secret: Option<String>,
     /// The pod asked for a per-pod SQLite ledger (and has no ledger Secret then).
     per_pod: bool,
+    /// Replicas an admission waits for (0: none).
+    wait_replicas: u32,
 }
 
 impl Tuning {
@@ -521,7 +537,7 @@ impl Tuning {
             return Err(AnnotationError {
                 annotation: "dropgate.io/*",
                 value: format!("{name}: {value}"),
-                problem: "is not an annotation dropgate knows (dropgate.io/image, sidecar-cpu, sidecar-memory, port, database-secret, ledger)",
+                problem: "is not an annotation dropgate knows (dropgate.io/image, sidecar-cpu, sidecar-memory, port, database-secret, ledger, wait-replicas)",
             });
         }
         let get = |name: &str| annotations.and_then(|a| a.get(name));
@@ -598,6 +614,28 @@ impl Tuning {
             }
             None => false,
         };
+        let wait_replicas = match get(WAIT_REPLICAS) {
+            Some(v) => match v.parse::<u32>() {
+                // The sidecar refuses WAIT on a cluster connection (one per node):
+                // refused here, where the pod is made, not by a crash-looping pod.
+                Ok(n) if n > 0 && settings.redis_cluster => {
+                    return Err(bad(
+                        WAIT_REPLICAS,
+                        v,
+                        "asks the sidecar to wait for replicas, which it cannot on a Redis Cluster (the operator runs with --redis-cluster)",
+                    ));
+                }
+                Ok(n) if n <= MOST_REPLICAS => n,
+                _ => {
+                    return Err(bad(
+                        WAIT_REPLICAS,
+                        v,
+                        "is not a number of Redis replicas from 0 to 16",
+                    ));
+                }
+            },
+            None => 0,
+        };
         let database_secret = match get(DATABASE_SECRET) {
             Some(v) if !dropgate_api::keys::is_object_name(v) && !is_subdomain(v) => {
                 return Err(bad(DATABASE_SECRET, v, "is not a Secret name"));
@@ -622,6 +660,7 @@ impl Tuning {
             port,
             database_secret,
             per_pod,
+            wait_replicas,
         })
     }
 }
@@ -706,6 +745,10 @@ fn sidecar(tuning: &Tuning, settings: &Settings) -> Container {
             .chain(
                 (settings.log_format == dropgate_telemetry::LogFormat::Json)
                     .then(|| value("DROPGATE_LOG_FORMAT", "json".into())),
+            )
+            .chain(
+                (tuning.wait_replicas > 0)
+                    .then(|| value("DROPGATE_WAIT_REPLICAS", tuning.wait_replicas.to_string())),
             )
             .chain(settings.traces.env())
             .collect(),
@@ -1268,9 +1311,11 @@ mod tests {
             MEMORY: "128Mi",
             PORT: "7171",
             DATABASE_SECRET: "shop-ledger",
+            WAIT_REPLICAS: "1",
         });
         let pod = injected(&pod(json!({}), annotations), "shop");
         let sidecar = sidecar_of(&pod);
+        assert_eq!(env(&sidecar, "DROPGATE_WAIT_REPLICAS")["value"], "1");
         assert_eq!(
             sidecar.image.as_deref(),
             Some("registry.example/dropgate:canary")
@@ -1307,6 +1352,33 @@ mod tests {
         assert_eq!(mounts, ["dropgate-api-access"]);
     }
 
+    /// The sidecar cannot wait for replicas on a Redis Cluster (it would refuse to
+    /// start): the pod asking for it is refused where it is made; asking for none
+    /// is fine, and a pod that does not ask gets no wait.
+    #[test]
+    fn waiting_for_replicas_on_a_redis_cluster_is_refused() {
+        let mut on_cluster = settings();
+        on_cluster.redis_cluster = true;
+        let asking = pod(json!({}), json!({WAIT_REPLICAS: "1"}));
+        let error = inject(&asking, "shop", &on_cluster).expect_err("refused");
+        let Refusal::Annotation(refused) = &error else {
+            panic!("{error}");
+        };
+        assert_eq!(refused.annotation, WAIT_REPLICAS);
+        assert!(error.to_string().contains("Redis Cluster"), "{error}");
+
+        let none = pod(json!({}), json!({WAIT_REPLICAS: "0"}));
+        inject(&none, "shop", &on_cluster).expect("0 waits for nothing");
+        let plain = injected(&pod(json!({}), json!({})), "shop");
+        assert!(
+            sidecar_of(&plain)
+                .env
+                .iter()
+                .flatten()
+                .all(|var| var.name != "DROPGATE_WAIT_REPLICAS")
+        );
+    }
+
     #[test]
     fn a_bad_annotation_is_refused_by_name() {
         let table = [
@@ -1325,6 +1397,9 @@ mod tests {
             (IMAGE, "two words"),
             (IMAGE, ""),
             (DATABASE_SECRET, "Not_A_Name"),
+            (WAIT_REPLICAS, "-1"),
+            (WAIT_REPLICAS, "17"),
+            (WAIT_REPLICAS, "one"),
         ];
         for (annotation, value) in table {
             let error = inject(

@@ -63,15 +63,14 @@ async fn settle(app: &App, raw_key: &str, asked: CartSettle) -> Answer {
 }
 
 /// Whether an unheld cart's lines still hold units (being given back by another
-/// attempt, or left to the sweeper: the cart is releasing, or its lines, looked
-/// up, say so), in words.
+/// attempt, or left to the sweeper: its lines, looked up, say which), in words.
 fn held_words(view: &CartView) -> &'static str {
     let still_held = view.held.iter().any(|line| {
         line.reservation
             .as_ref()
             .is_some_and(|r| r.state.holds_units())
     });
-    if still_held || view.state == CartState::Releasing {
+    if still_held {
         "its lines are being given back"
     } else {
         "nothing of it is held"

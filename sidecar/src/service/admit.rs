@@ -289,7 +289,10 @@ pub(super) async fn lines_on_fallback(
                     Choice::Gate | Choice::Refused(_) => drop_by_drop = true,
                 }
             }
-            // Each line is then decided on its own, and this drop's answers why.
+            // A cart that must be whole is refused whole, nothing held, as its
+            // line would be (`on_fallback`); else each line is decided on its own,
+            // and this drop's answers why.
+            Published::Missing if all => return whole(config_missing(drop)),
             Published::Missing => drop_by_drop = true,
             // Nothing is held yet: the whole cart is refused, its key kept.
             Published::Stale(why) => return whole(Failure::retry(why)),
@@ -877,12 +880,7 @@ pub(super) async fn on_fallback(
                 Choice::Refused(failure) => return Some(Err(failure)),
             }
         }
-        Published::Missing => {
-            return Some(Err(Failure::retry(format!(
-                "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
-                drop.name
-            ))));
-        }
+        Published::Missing => return Some(Err(config_missing(drop))),
         // Not even a retry's look-up: on a ledger that is not the drop's authority
         // yet it would hand the drop over, on this config.
         Published::Stale(why) => return Some(Err(Failure::retry(why))),
@@ -938,6 +936,14 @@ pub(super) async fn on_fallback(
             .hold(&request.key, permit, view.reservation.expires_at_ms);
     }
     Some(Ok(outcome))
+}
+
+/// Redis holds no config of the drop's sale: nothing is decided on the copy.
+fn config_missing(drop: &Drop) -> Failure {
+    Failure::retry(format!(
+        "drop {}'s config in Redis is not the one this sidecar holds (lost with Redis's data and published again soon, or the drop was deleted or re-created): nothing is decided on an older copy; retry",
+        drop.name
+    ))
 }
 
 /// Whether `config`, which a fallback admission checked before waiting for its

@@ -543,6 +543,7 @@ async fn hold(
         }
         Some(Stop::Refused(outcome)) => {
             refuse(
+                &cart.key,
                 release_now(
                     app,
                     cart,
@@ -564,6 +565,7 @@ async fn hold(
     };
     if !whole {
         refuse(
+            &cart.key,
             release_now(
                 app,
                 cart,
@@ -575,7 +577,23 @@ async fn hold(
             )
             .await,
         )?;
-        let row = recorded(app, &cart.key).await?;
+        // As recorded; as this attempt just recorded it if the ledger cannot be
+        // read (the refusal stands: its 409 must not turn into a 503).
+        let row = match recorded(app, &cart.key).await {
+            Ok(row) => row,
+            Err(_) => CartRow {
+                key: cart.key.clone(),
+                user: cart.user.clone(),
+                terms: cart.terms(),
+                state: CartState::Refused,
+                ends_as: None,
+                attempt: String::new(),
+                deadline_ms: 0,
+                expires_at_ms: 0,
+                held: held_json,
+                short: short_json,
+            },
+        };
         return Ok(CartOutcome::Short(view(app, &row, false).await));
     }
     // Held: the cart expires with its earliest line.
@@ -684,13 +702,15 @@ enum Stop {
     Refused(CartOutcome),
 }
 
-/// A cart's refusal once [`release_now`] ran: decided once the cart is recorded
-/// releasing toward it, whether or not every line went back at once (the sweeper
-/// gives back the rest, and the lines are nobody's); still `holding`, the cart's
-/// key goes on with a retry, and the failure is the answer.
-fn refuse(released: Result<(), Unreleased>) -> Result<(), Failure> {
+/// A cart's refusal once [`release_now`] ran: answered only once every line it
+/// held is given back. One whose give-back stalled after the cart was recorded
+/// releasing toward it is decided and under way (503 `underWay`: the sweeper gives
+/// back the rest, and a retry of the key hears the refusal once it has); one still
+/// `holding` goes on with a retry of the key, and the failure is the answer.
+fn refuse(key: &str, released: Result<(), Unreleased>) -> Result<(), Failure> {
     match released {
-        Ok(()) | Err(Unreleased::Releasing(_)) => Ok(()),
+        Ok(()) => Ok(()),
+        Err(Unreleased::Releasing(failure)) => Err(under_way(key, UnderWay::GiveBack, failure)),
         Err(Unreleased::Holding(failure)) => Err(failure),
     }
 }
@@ -1609,7 +1629,7 @@ fn refund_not_begun(key: &str, failure: Failure) -> Failure {
         },
         Failure::Throttled { path, .. } => Failure::Unavailable {
             why: format!(
-                "cart {key} had ended (its unpaid lines are given back, as its end does); the refund of its paid lines has not begun (another call on the cart is under way): retry the cancel"
+                "cart {key} had ended (its unpaid lines are given back, as its end does); this call did not begin the refund of its paid lines (another call on the cart is under way and may be making it): retry the cancel"
             ),
             path,
             retry: Retry::SameKeySoon,

@@ -530,7 +530,7 @@ fn redis_down(drop: &Drop, config: &DropConfig, error: &redis::RedisError) -> Fa
 /// Redis failed under a call on a drop whose failure policy is Closed.
 fn policy_closed(drop: &Drop) -> Failure {
     Failure::unavailable(format!(
-        "Redis is unreachable and drop {} has failurePolicy Closed: nothing is sold until it is back",
+        "Redis failed for drop {}, whose failurePolicy is Closed: nothing is sold until it answers again",
         drop.name
     ))
 }
@@ -856,12 +856,9 @@ async fn ask_redis(app: &App, drop: &Drop) -> Option<Published> {
     .await
     {
         Ok(Ok(Some(config))) if config.sale != kept.sale => Some(Published::Missing),
-        // Redis lost a change the copy holds (see `Drops::refresh`); a generation
-        // not numbered by the API server says nothing of which config is newer (a
-        // seed's time, perhaps from another host's clock), so Redis's is taken.
-        Ok(Ok(Some(config)))
-            if config.generation < kept.generation && kept.published_by_operator() =>
-        {
+        // Redis lost a change the copy holds (see `Drops::refresh`). (The ledger
+        // too takes the higher generation for the newer, stamped ones included.)
+        Ok(Ok(Some(config))) if config.generation < kept.generation => {
             Some(Published::Now(Box::new(kept)))
         }
         Ok(Ok(Some(config))) => {
