@@ -191,6 +191,15 @@ async fn a_refused_carts_stalled_give_back_is_under_way_until_it_is_done() {
         2,
         "the cap is still held"
     );
+    let confirm = confirm_pair(&sidecar).await;
+    confirm.assert_answer(409, "refused");
+    assert!(
+        confirm.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("being given back")),
+        "{}",
+        confirm.text
+    );
 
     config_set("maxmemory", "0");
     eventually("the sweeper to give the cap back", async || {

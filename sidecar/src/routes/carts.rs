@@ -62,15 +62,16 @@ async fn settle(app: &App, raw_key: &str, asked: CartSettle) -> Answer {
     }
 }
 
-/// Whether an unheld cart's lines still hold units (being given back by another
-/// attempt, or left to the sweeper: its lines, looked up, say which), in words.
+/// Whether an unheld cart's lines may still hold units (being given back by
+/// another attempt, or left to the sweeper; a look-up that failed says nothing),
+/// in words.
 fn held_words(view: &CartView) -> &'static str {
     let still_held = view.held.iter().any(|line| {
         line.reservation
             .as_ref()
             .is_some_and(|r| r.state.holds_units())
     });
-    if still_held {
+    if still_held || view.giving_back {
         "its lines are being given back"
     } else {
         "nothing of it is held"

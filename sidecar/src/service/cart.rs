@@ -97,6 +97,9 @@ pub struct CartView {
     pub short: Vec<ShortLine>,
     /// When the cart expires as a whole: its earliest held line's deadline.
     pub expires_at_ms: Option<i64>,
+    /// Its lines are still being given back (its `state` is the end it is given
+    /// back to): a line may hold units whether or not its look-up said so.
+    pub giving_back: bool,
 }
 
 /// What a cart call came to.
@@ -627,6 +630,7 @@ async fn hold(
             held: reservations,
             short,
             expires_at_ms: Some(expires_at_ms),
+            giving_back: false,
         })),
         // Taken over past its deadline (this attempt was too slow).
         Ok(false) => {
@@ -1195,6 +1199,7 @@ async fn view(app: &App, row: &CartRow, look_up: bool) -> CartView {
         held,
         short: shorts(&row.short),
         expires_at_ms,
+        giving_back: row.state == CartState::Releasing,
     }
 }
 
@@ -1515,14 +1520,18 @@ fn confirmed_so_far(key: &str, confirmed: usize, failure: Failure) -> Failure {
 /// so, in its sentence and its body; a commit that may have landed unbeknown keeps
 /// saying that.
 fn under_way(key: &str, change: UnderWay, failure: Failure) -> Failure {
-    let (what, so_far) = match change {
+    let (what, so_far, retry) = match change {
         UnderWay::Confirm { lines_confirmed } => (
             "confirm",
             format!("{lines_confirmed} of its lines confirmed so far"),
+            "retry the same call to go on with the rest",
         ),
         UnderWay::GiveBack => (
             "give-back",
             "some of its lines may be given back already".to_string(),
+            // (A cart's reserve retried waits for it: it hears the cart's end once
+            // every line is back.)
+            "retry the same call to go on with the rest or hear how it ended",
         ),
     };
     let (why, path, outcome_unknown) = match failure {
@@ -1541,7 +1550,7 @@ fn under_way(key: &str, change: UnderWay, failure: Failure) -> Failure {
     };
     Failure::Unavailable {
         why: format!(
-            "cart {key}: its {what} is decided and under way ({so_far}) and stopped where a line could not go on ({why}); retry the same call to go on with the rest, or the sidecars finish it"
+            "cart {key}: its {what} is decided and under way ({so_far}) and stopped where a line could not go on ({why}); {retry}, or the sidecars finish it"
         ),
         path,
         retry: Retry::SameKeyToGoOn {
