@@ -172,17 +172,7 @@ async fn a_refused_carts_stalled_give_back_is_under_way_until_it_is_done() {
         faults::spent(Fault::PauseBeforeGiveBack)
     })
     .await;
-    let mut conn = sidecar.redis.connection().expect("connects");
-    let mut config_set = |name: &str, value: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(name)
-            .arg(value)
-            .query::<()>(&mut conn)
-            .expect("CONFIG SET");
-    };
-    config_set("maxmemory-policy", "noeviction");
-    config_set("maxmemory", "1");
+    common::refuse_writes(&sidecar.redis, true);
     let reply = reserve.await.expect("joins");
     reply.assert_answer(503, "unavailable");
     assert_eq!(reply.body["underWay"], true, "{}", reply.text);
@@ -201,7 +191,7 @@ async fn a_refused_carts_stalled_give_back_is_under_way_until_it_is_done() {
         confirm.text
     );
 
-    config_set("maxmemory", "0");
+    common::refuse_writes(&sidecar.redis, false);
     eventually("the sweeper to give the cap back", async || {
         common::redis_counts(&sidecar.redis, "cap").0 == 3
     })

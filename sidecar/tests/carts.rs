@@ -977,15 +977,12 @@ async fn assert_refused_whole(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_cart_with_a_line_on_a_drop_closed_meanwhile_holds_nothing() {
     let (redis, _dir, sidecar) = a_bag_on_the_gate_and_a_cap_on_the_fallback().await;
-    let closed = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: cap, namespace: shop}\n\
-        spec:\n  sku: CAP\n  limitedQuantity: 3\n  perUserLimit: 2\n  redis: {url: redis://unused:1, requireHighAvailability: true}\n  gate: {enabled: true, failurePolicy: Closed}\n  throttle: {permits: 1000}\n";
-    dropgate_operator::apply::apply(
-        closed,
-        Some(&redis.url()),
-        &dropgate_operator::memorystore::Memorystore::default(),
+    common::publish_closed(
+        &redis.url(),
+        "cap",
+        DropSpec::new(3).per_user_limit(2).permits(1000),
     )
-    .await
-    .expect("apply runs");
+    .await;
     assert_refused_whole(&redis, &sidecar, "is closed").await;
     sidecar.shutdown().await;
 }

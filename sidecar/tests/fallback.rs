@@ -533,15 +533,7 @@ async fn a_fallback_admission_obeys_a_drop_closed_since_the_sidecar_read_it() {
     first.assert_answer(201, "admitted");
     assert_eq!(fallback_header(&first), Some("fallback"));
 
-    let closed = "apiVersion: dropgate.io/v1alpha1\nkind: InventoryDrop\nmetadata: {name: sale, namespace: shop}\n\
-        spec:\n  sku: SALE\n  limitedQuantity: 5\n  perUserLimit: 1\n  redis: {url: redis://unused:1, requireHighAvailability: true}\n  gate: {enabled: true, failurePolicy: Closed}\n  throttle: {permits: 1000}\n";
-    dropgate_operator::apply::apply(
-        closed,
-        Some(&redis.url()),
-        &dropgate_operator::memorystore::Memorystore::default(),
-    )
-    .await
-    .expect("apply runs");
+    common::publish_closed(&redis.url(), "sale", one_per_buyer(5)).await;
 
     let reply = sidecar.reserve("sale", "b", "bob", 1).await;
     assert_unavailable_saying(&reply, "is closed");
@@ -560,17 +552,7 @@ async fn a_gate_refused_by_a_redis_out_of_memory_is_answered() {
     let sidecar = Sidecar::start().await;
     sidecar.seed("sale", one_per_buyer(5)).await;
     assert_eq!(sidecar.reserve("sale", "a", "alice", 1).await.status, 201);
-    let mut conn = sidecar.redis.connection().expect("connects");
-    let mut config_set = |name: &str, value: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(name)
-            .arg(value)
-            .query::<()>(&mut conn)
-            .expect("CONFIG SET");
-    };
-    config_set("maxmemory-policy", "noeviction");
-    config_set("maxmemory", "1");
+    common::refuse_writes(&sidecar.redis, true);
 
     let reply = tokio::time::timeout(
         std::time::Duration::from_secs(20),
@@ -580,7 +562,7 @@ async fn a_gate_refused_by_a_redis_out_of_memory_is_answered() {
     .expect("the reserve is answered, not bounced between the gates");
     assert_eq!(reply.status, 503, "{}", reply.text);
 
-    config_set("maxmemory", "0");
+    common::refuse_writes(&sidecar.redis, false);
     common::eventually("the drop to sell again", async || {
         sidecar.reserve("sale", "b", "bob", 1).await.status == 201
     })

@@ -545,19 +545,7 @@ async fn hold(
             });
         }
         Some(Stop::Refused(outcome)) => {
-            refuse(
-                &cart.key,
-                release_now(
-                    app,
-                    cart,
-                    mine,
-                    reach,
-                    CartState::Refused,
-                    &held,
-                    &short_json,
-                )
-                .await,
-            )?;
+            refuse(app, cart, mine, reach, &held, &short_json).await?;
             return Ok(outcome);
         }
         None => {}
@@ -567,19 +555,7 @@ async fn hold(
         CartMode::Available => !held.is_empty(),
     };
     if !whole {
-        refuse(
-            &cart.key,
-            release_now(
-                app,
-                cart,
-                mine,
-                reach,
-                CartState::Refused,
-                &held,
-                &short_json,
-            )
-            .await,
-        )?;
+        refuse(app, cart, mine, reach, &held, &short_json).await?;
         // As recorded; as this attempt just recorded it if the ledger cannot be
         // read (the refusal stands: its 409 must not turn into a 503).
         let row = match recorded(app, &cart.key).await {
@@ -706,15 +682,25 @@ enum Stop {
     Refused(CartOutcome),
 }
 
-/// A cart's refusal once [`release_now`] ran: answered only once every line it
-/// held is given back. One whose give-back stalled after the cart was recorded
-/// releasing toward it is decided and under way (503 `underWay`: the sweeper gives
-/// back the rest, and a retry of the key hears the refusal once it has); one still
-/// `holding` goes on with a retry of the key, and the failure is the answer.
-fn refuse(key: &str, released: Result<(), Unreleased>) -> Result<(), Failure> {
-    match released {
+/// Refuses `cart`: gives back the lines attempt `mine` held ([`release_now`])
+/// and records it refused. The refusal is answered only once every line is back.
+/// One whose give-back stalled after the cart was recorded releasing is decided
+/// and under way (503 `underWay`: the sweeper gives back the rest, and a retry of
+/// the key hears the refusal once it has); one still `holding` goes on with a
+/// retry of the key, and the failure is the answer.
+async fn refuse(
+    app: &App,
+    cart: &CartReserve,
+    mine: &str,
+    reach: Reach,
+    held: &[usize],
+    short: &str,
+) -> Result<(), Failure> {
+    match release_now(app, cart, mine, reach, CartState::Refused, held, short).await {
         Ok(()) => Ok(()),
-        Err(Unreleased::Releasing(failure)) => Err(under_way(key, UnderWay::GiveBack, failure)),
+        Err(Unreleased::Releasing(failure)) => {
+            Err(under_way(&cart.key, UnderWay::GiveBack, failure))
+        }
         Err(Unreleased::Holding(failure)) => Err(failure),
     }
 }
@@ -726,14 +712,6 @@ enum Unreleased {
     Holding(Failure),
     /// The cart is `releasing`: the sweeper gives back what is left, and ends it.
     Releasing(Failure),
-}
-
-impl From<Unreleased> for Failure {
-    fn from(unreleased: Unreleased) -> Self {
-        match unreleased {
-            Unreleased::Holding(failure) | Unreleased::Releasing(failure) => failure,
-        }
-    }
 }
 
 /// Gives back every line of `cart` that attempt `mine` may have held, and records

@@ -401,6 +401,41 @@ pub async fn apply(redis_url: &str, manifest: &str) {
     assert!(done.not_ready.is_none(), "{:?}", done.not_ready);
 }
 
+/// Publishes drop `name` closed by the operator: its spec requires a highly
+/// available Redis (which a test's lone redis-server is not) under failure policy
+/// Closed, so the operator publishes mode `closed`.
+pub async fn publish_closed(redis_url: &str, name: &str, spec: DropSpec) {
+    let manifest = manifest(name, spec.fail_closed()).replace(
+        "redis: {url: redis://unused:1}",
+        "redis: {url: redis://unused:1, requireHighAvailability: true}",
+    );
+    let done = dropgate_operator::apply::apply(
+        &manifest,
+        Some(redis_url),
+        &dropgate_operator::memorystore::Memorystore::default(),
+    )
+    .await
+    .expect("apply runs");
+    assert!(done.not_ready.is_some(), "published closed: {manifest}");
+}
+
+/// Makes the Redis at `redis` refuse writes (out of memory under `noeviction`;
+/// reads still answer), or, with `false`, take them again.
+pub fn refuse_writes(redis: &RedisServer, refuse: bool) {
+    let mut conn = redis.connection().expect("connects");
+    for (name, value) in [
+        ("maxmemory-policy", "noeviction"),
+        ("maxmemory", if refuse { "1" } else { "0" }),
+    ] {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query::<()>(&mut conn)
+            .expect("CONFIG SET");
+    }
+}
+
 /// An InventoryDrop `name` in namespace [`NS`] with the given spec lines.
 pub fn manifest(name: &str, spec: impl Display) -> String {
     format!(
