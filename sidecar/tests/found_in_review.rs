@@ -395,3 +395,52 @@ async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again()
     );
     peer.shutdown().await;
 }
+
+/// A buyer's reserve left pending past its hold (its sidecar died, or its commit's
+/// outcome went unknown, before the ledger recorded it; no sweep has resolved it
+/// yet, as when the hold is barely longer than the pending bound): the retry of its
+/// key is decided afresh (201), never told of a reservation nobody made durable.
+/// (Before, the retry's own step expired the marker first and answered 200
+/// `already_reserved`, state `expired`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_an_admission_left_pending_past_its_hold_is_decided_afresh() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Its sweeper, which would resolve the dead admission first, does not come by.
+    let sidecar = Peer::start_custom(&redis.url(), &sqlite_url(&dir, "ledger.db"), |s| {
+        s.sweep_ms = 600_000;
+    })
+    .await;
+    seed(&redis.url(), "sale", one_per_buyer(5).hold_seconds(3)).await;
+    // The gate opened, the sale claimed by this sidecar's ledger.
+    sidecar
+        .reserve("sale", "a", "alice", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connects")
+        .into();
+    let ledger: String = redis::cmd("GET")
+        .arg(keys.ledger())
+        .query_async(&mut conn)
+        .await
+        .expect("the sale's ledger");
+    // A dead attempt's admission: pending, overdue at once, never recorded.
+    dropgate_sidecar::gate::reserve(&mut conn, &keys, &ledger, "b", "bob", 1, None, "dead", 1)
+        .await
+        .expect("the gate admits");
+    assert_eq!(
+        marker_state(&redis, "sale", "b").as_deref(),
+        Some("pending")
+    );
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
+
+    let retried = sidecar.reserve("sale", "b", "bob", 1).await;
+    retried.assert_answer(201, "admitted");
+    assert_eq!(redis_counts(&redis, "sale").0, 3, "alice's and bob's units");
+    sidecar.shutdown().await;
+}

@@ -45,16 +45,18 @@ end
 if ours() then
   local owner = redis.call('HMGET', K.marker, 'user', 'quantity', 'variant')
   if owner[1] == user and tonumber(owner[2]) == quantity and (owner[3] or '') == variant then
+    if redis.call('HGET', K.marker, 'state') == 'pending'
+      and tonumber(redis.call('HGET', K.marker, 'overdueAt')) <= now then
+      -- Its sidecar never finished it (it died, or its commit's outcome is
+      -- unknown): the caller resolves it from the ledger as the sweeper would (the
+      -- reservation the ledger holds, or its units back to stock) and asks again,
+      -- so that a retry is decided on the config as it is now. Asked before its
+      -- hold may expire it here: expired, an admission never made durable would
+      -- read as a reservation ('already_reserved').
+      return answer('overdue')
+    end
     expire_if_due(now)
     if not granted() then
-      if redis.call('HGET', K.marker, 'state') == 'pending'
-        and tonumber(redis.call('HGET', K.marker, 'overdueAt')) <= now then
-        -- Its sidecar never finished it (it died): the caller resolves it from the
-        -- ledger as the sweeper would (the reservation the ledger holds, or its
-        -- units back to stock) and asks again, so that a retry is decided on the
-        -- config as it is now.
-        return answer('overdue')
-      end
       return answer('pending')
     end
     if settling() then
