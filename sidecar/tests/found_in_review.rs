@@ -444,3 +444,59 @@ async fn a_retry_of_an_admission_left_pending_past_its_hold_is_decided_afresh() 
     assert_eq!(redis_counts(&redis, "sale").0, 3, "alice's and bob's units");
     sidecar.shutdown().await;
 }
+
+/// The same admission when its ledger cannot be asked past the hold (PostgreSQL
+/// down): the sweeper, unable to resolve it, leaves it pending rather than expire
+/// it (nothing sells while the sale's ledger is down anyway); once the ledger is
+/// back, it is resolved (never recorded: its units go back) and the retry of its
+/// key is decided afresh. (Before, the sweeper expired it, and the retry heard 200
+/// `already_reserved`, state `expired`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_left_pending_while_the_ledger_is_down_is_never_read_as_a_reservation() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let pg = PostgresServer::start().expect("postgres starts");
+    let sidecar = Peer::start_custom(&redis.url(), &pg.url(), |s| s.sweep_ms = 100).await;
+    seed(&redis.url(), "sale", one_per_buyer(5).hold_seconds(3)).await;
+    sidecar
+        .reserve("sale", "a", "alice", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let keys = DropKeys::new(NS, "sale");
+    let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connects")
+        .into();
+    let ledger: String = redis::cmd("GET")
+        .arg(keys.ledger())
+        .query_async(&mut conn)
+        .await
+        .expect("the sale's ledger");
+    pg.stop().expect("postgres stops");
+    dropgate_sidecar::gate::reserve(&mut conn, &keys, &ledger, "b", "bob", 1, None, "dead", 1)
+        .await
+        .expect("the gate admits");
+    // Past the hold (3 s), and sweeps enough after it (each waits for the ledger).
+    tokio::time::sleep(Duration::from_millis(9_000)).await;
+    assert_eq!(
+        marker_state(&redis, "sale", "b").as_deref(),
+        Some("pending"),
+        "not expired while the ledger cannot say whether it was recorded"
+    );
+
+    pg.start_again().expect("postgres starts again");
+    common::eventually("the retry to be decided afresh", async || {
+        let retried = sidecar.reserve("sale", "b", "bob", 1).await;
+        assert_ne!(
+            retried.body["outcome"], "already_reserved",
+            "{}",
+            retried.text
+        );
+        retried.status == 201
+    })
+    .await;
+    // (Alice's 3 s hold has run out meanwhile.)
+    assert_eq!(marker_state(&redis, "sale", "b").as_deref(), Some("active"));
+    sidecar.shutdown().await;
+}
