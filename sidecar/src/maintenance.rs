@@ -337,12 +337,10 @@ async fn expire_due_holds(app: &App) {
             true => None,
         };
         if let Some(checked) = checked {
-            let awaiting_ledger = resolve_overdue(app, &drop, now).await;
+            resolve_overdue(app, &drop, now).await;
             match gate::due_holds(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
                 Ok(due) => {
-                    // (An admission the ledger could not be asked about stays
-                    // pending past its hold: see `admit::NotResolved::LedgerDown`.)
-                    for key in due.into_iter().filter(|key| !awaiting_ledger.contains(key)) {
+                    for key in due {
                         match gate::expire(&mut conn, &drop.keys, app.ledger.id(), &key).await {
                             Ok(step) if service::redis_still_checked(app, &drop, checked) => {
                                 record_expiry(app, &drop, &config, &key, &step).await;
@@ -430,16 +428,13 @@ async fn offer_units_back(app: &App) {
 /// not goes back to stock, after the key is claimed so that the late commit is
 /// refused. A confirm or cancel is fenced off in the ledger first (its late commit
 /// refused from then on), then finished if the ledger recorded it, else undone.
-/// Returns the keys of admissions left pending because the ledger could not be
-/// asked about them.
-async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) -> Vec<String> {
+async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
     let mut conn = app.redis.clone();
-    let mut awaiting_ledger = Vec::new();
     let overdue = match gate::overdue(&mut conn, &drop.keys, now, SWEEP_BATCH).await {
         Ok(overdue) => overdue,
         Err(error) => {
             tracing::debug!(drop = %drop.name, %error, "overdue sweep failed");
-            return awaiting_ledger;
+            return;
         }
     };
     let ledger = app.ledger.id();
@@ -454,13 +449,7 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) -> Vec<
                 | Unresolved::Extend { due_ms, .. },
             )) if due_ms > now => Ok(()),
             Ok(Some(Unresolved::Admission(admission))) => {
-                match admit::resolve_dead_admission(app, drop, &key, &admission, now).await {
-                    Err(admit::NotResolved::LedgerDown(why)) => {
-                        awaiting_ledger.push(key.clone());
-                        Err(format!("the ledger could not be asked: {why}"))
-                    }
-                    other => other.map_err(|e| e.to_string()),
-                }
+                admit::resolve_dead_admission(app, drop, &key, &admission, now).await
             }
             Ok(Some(Unresolved::Settle {
                 attempt, to, sale, ..
@@ -491,7 +480,6 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) -> Vec<
             tracing::debug!(drop = %drop.name, %error, "overdue change not resolved");
         }
     }
-    awaiting_ledger
 }
 
 /// Resolves the overdue confirm, cancel or extension `attempt` of `key`, prepared

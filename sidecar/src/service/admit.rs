@@ -1007,9 +1007,7 @@ async fn resolve_key(
     let now = now_ms();
     match gate::unresolved(conn, &drop.keys, key).await {
         Ok(Some(gate::Unresolved::Admission(admission))) if admission.due_ms <= now => {
-            resolve_dead_admission(app, drop, key, &admission, now)
-                .await
-                .map_err(|e| e.to_string())
+            resolve_dead_admission(app, drop, key, &admission, now).await
         }
         // Resolved meanwhile (activated, taken back, settling, admitted afresh):
         // asked again.
@@ -1038,7 +1036,7 @@ pub(crate) async fn resolve_dead_admission(
     key: &str,
     admission: &gate::PendingAdmission,
     now: i64,
-) -> Result<(), NotResolved> {
+) -> Result<(), String> {
     let mut conn = app.redis.clone();
     let ledger = app.ledger.id();
     let gate::PendingAdmission {
@@ -1057,13 +1055,13 @@ pub(crate) async fn resolve_dead_admission(
     let take_back = async |conn: &mut dropgate_redis::Connection| {
         gate::abandon(conn, &drop.keys, ledger, key, attempt)
             .await
-            .map_err(|e| NotResolved::Other(e.to_string()))
+            .map_err(|e| e.to_string())
     };
     let claimed = app
         .ledger
         .claim_abandoned(ledger_key, key, user, *quantity, attempt, now)
         .await
-        .map_err(|e| NotResolved::LedgerDown(e.to_string()))?;
+        .map_err(|e| e.to_string())?;
     // Never made (claimed, or another reservation holds the key): the permit
     // this sidecar kept for it while its commit's outcome was unknown goes back.
     // (Kept on another sidecar, it goes back at the hold's deadline.)
@@ -1080,10 +1078,10 @@ pub(crate) async fn resolve_dead_admission(
             }
             match gate::replay(&mut conn, &drop.keys, ledger, &row, ledger_key).await {
                 Ok(Replay::Replayed | Replay::InLine) => Ok(()),
-                Ok(other) => Err(NotResolved::Other(format!(
+                Ok(other) => Err(format!(
                     "the ledger's record could not be replayed: {other:?}"
-                ))),
-                Err(e) => Err(NotResolved::Other(e.to_string())),
+                )),
+                Err(e) => Err(e.to_string()),
             }
         }
         Ok(Some(_)) => {
@@ -1093,27 +1091,6 @@ pub(crate) async fn resolve_dead_admission(
         // A claim is refused only where the key holds a row, and rows are never
         // deleted: not reached; left for the next resolution.
         Ok(None) => Ok(()),
-        Err(error) => Err(NotResolved::LedgerDown(error.to_string())),
-    }
-}
-
-/// Why a dead admission was left unresolved.
-#[derive(Debug)]
-pub(crate) enum NotResolved {
-    /// The ledger could not be asked whether it recorded the admission. Until it
-    /// can, the admission stays pending, past its hold too: expired, it would read
-    /// as a reservation made durable, and nothing is sold while the sale's ledger
-    /// cannot record it anyway.
-    LedgerDown(String),
-    /// Redis did not take the resolution, or the record did not replay.
-    Other(String),
-}
-
-impl std::fmt::Display for NotResolved {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NotResolved::LedgerDown(why) => write!(f, "the ledger could not be asked: {why}"),
-            NotResolved::Other(why) => f.write_str(why),
-        }
+        Err(error) => Err(error.to_string()),
     }
 }
