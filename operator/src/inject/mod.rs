@@ -622,7 +622,7 @@ impl Tuning {
                     return Err(bad(
                         WAIT_REPLICAS,
                         v,
-                        "asks the sidecar to wait for replicas, which it cannot on a Redis Cluster (the operator runs with --redis-cluster)",
+                        "asks the sidecar to wait for replicas, which it cannot on a Redis Cluster (the operator runs with --sidecar-redis-cluster)",
                     ));
                 }
                 Ok(n) if n <= MOST_REPLICAS => n,
