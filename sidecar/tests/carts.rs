@@ -953,14 +953,7 @@ async fn assert_refused_whole(
         .post("/v1/carts", &body)
         .await
         .expect("answers");
-    reply.assert_answer(503, "unavailable");
-    assert!(
-        reply.body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains(why)),
-        "not saying {why:?}: {}",
-        reply.text
-    );
+    common::assert_unavailable_saying(&reply, why);
     assert_ne!(reply.body["keySpent"], true, "{}", reply.text);
     assert_eq!(
         common::redis_counts(redis, "bag"),

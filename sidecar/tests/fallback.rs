@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{Peer, Sidecar, one_per_buyer};
+use common::{Peer, Sidecar, assert_unavailable_saying, one_per_buyer};
 use dropgate_testkit::{DropSpec, PostgresServer};
 use futures::future::join_all;
 
@@ -24,18 +24,6 @@ fn fallback_header(reply: &dropgate_testkit::Reply) -> Option<&str> {
         .headers
         .get("dropgate-path")
         .and_then(|v| v.to_str().ok())
-}
-
-/// Asserts a 503 `unavailable` whose message says `why`.
-fn assert_unavailable_saying(reply: &dropgate_testkit::Reply, why: &str) {
-    reply.assert_answer(503, "unavailable");
-    assert!(
-        reply.body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains(why)),
-        "not saying {why:?}: {}",
-        reply.text
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -419,6 +419,18 @@ pub async fn publish_closed(redis_url: &str, name: &str, spec: DropSpec) {
     assert!(done.not_ready.is_some(), "published closed: {manifest}");
 }
 
+/// Asserts a 503 `unavailable` whose message says `why`.
+pub fn assert_unavailable_saying(reply: &Reply, why: &str) {
+    reply.assert_answer(503, "unavailable");
+    assert!(
+        reply.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(why)),
+        "not saying {why:?}: {}",
+        reply.text
+    );
+}
+
 /// Makes the Redis at `redis` refuse writes (out of memory under `noeviction`;
 /// reads still answer), or, with `false`, take them again.
 pub fn refuse_writes(redis: &RedisServer, refuse: bool) {
