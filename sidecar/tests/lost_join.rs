@@ -196,9 +196,14 @@ async fn a_join_given_up_on_costs_one_rebuild_not_one_per_check() {
     let gate = |conn: &mut redis::Connection| -> Option<String> {
         redis::cmd("GET").arg(keys.gate()).query(conn).expect("GET")
     };
+    // The rebuild raises the counter before it opens the gate again: wait for both,
+    // or the gate read below may be the same rebuild still closed.
     eventually(
-        "the rebuild to raise the counter past the given-up join",
-        async || counter(&mut conn) == 2,
+        "the rebuild to raise the counter past the given-up join and open the gate",
+        async || {
+            counter(&mut conn) == 2
+                && gate(&mut conn).is_some_and(|gate| !gate.starts_with("closed:"))
+        },
     )
     .await;
     // Ten refreshes later (one every 100 ms here): no rebuild since.
