@@ -21,6 +21,10 @@ use crate::service::{self, admit};
 /// Due holds expired per drop per sweep; the rest wait for the next sweep.
 const SWEEP_BATCH: isize = 256;
 
+/// How long one sweep of a drop spends resolving overdue changes before it moves on
+/// (a ledger that cannot be asked makes each resolution wait for its pool).
+const RESOLVE_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Runs until `stop` turns true.
 pub async fn run(
     app: Arc<App>,
@@ -438,7 +442,13 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
         }
     };
     let ledger = app.ledger.id();
+    let began = std::time::Instant::now();
     for key in overdue {
+        // While the ledger cannot be asked each resolution waits out its pool: the
+        // rest wait for the next sweep rather than hold up the drops' expiries.
+        if began.elapsed() > RESOLVE_BUDGET {
+            break;
+        }
         let resolved = match gate::unresolved(&mut conn, &drop.keys, &key).await {
             // The key's change as it stands now may not be the one that was listed
             // overdue (a retry resolved it and was admitted afresh, a new confirm

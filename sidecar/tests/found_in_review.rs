@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{NS, Peer, marker_state, one_per_buyer, redis_counts, seed};
+use common::{NS, Peer, eventually, marker_state, one_per_buyer, redis_counts, seed};
 use dropgate_api::DropKeys;
 use dropgate_testkit::{DropSpec, PostgresServer, RedisServer, Reply, TcpProxy};
 use futures::future::join_all;
@@ -396,6 +396,84 @@ async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again()
     peer.shutdown().await;
 }
 
+/// A sale of five units with 3 s holds on one sidecar (its sweeper, which would resolve a
+/// dead admission first, does not come by): alice holds a unit, and bob's key `b`
+/// holds a dead attempt's admission (pending, overdue at once, never recorded)
+/// past its hold.
+struct DeadAdmission {
+    redis: RedisServer,
+    sidecar: Peer,
+    conn: dropgate_redis::Connection,
+    keys: DropKeys,
+    /// The sale's ledger, as Redis names it.
+    ledger_id: String,
+    ledger_url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl DeadAdmission {
+    async fn past_its_hold() -> Self {
+        let redis = RedisServer::start().expect("redis-server starts");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ledger_url = sqlite_url(&dir, "ledger.db");
+        let sidecar = Peer::start_custom(&redis.url(), &ledger_url, |s| {
+            s.sweep_ms = 600_000;
+        })
+        .await;
+        seed(&redis.url(), "sale", one_per_buyer(5).hold_seconds(3)).await;
+        // The gate opened, the sale claimed by this sidecar's ledger.
+        sidecar
+            .reserve("sale", "a", "alice", 1)
+            .await
+            .assert_answer(201, "admitted");
+        let keys = DropKeys::new(NS, "sale");
+        let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
+            .expect("url")
+            .get_connection_manager()
+            .await
+            .expect("connects")
+            .into();
+        let ledger_id: String = redis::cmd("GET")
+            .arg(keys.ledger())
+            .query_async(&mut conn)
+            .await
+            .expect("the sale's ledger");
+        dropgate_sidecar::gate::reserve(
+            &mut conn, &keys, &ledger_id, "b", "bob", 1, None, "dead", 1,
+        )
+        .await
+        .expect("the gate admits");
+        assert_eq!(
+            marker_state(&redis, "sale", "b").as_deref(),
+            Some("pending")
+        );
+        tokio::time::sleep(Duration::from_millis(3_200)).await;
+        Self {
+            redis,
+            sidecar,
+            conn,
+            keys,
+            ledger_id,
+            ledger_url,
+            _dir: dir,
+        }
+    }
+
+    /// The hold's end met by a sweep that could not reach the ledger to resolve the
+    /// admission first (as the sweeper's expiry runs then): bob's unit goes back.
+    async fn expired_by_a_sweep_without_the_ledger(mut self) -> Self {
+        dropgate_sidecar::gate::expire(&mut self.conn, &self.keys, &self.ledger_id, "b")
+            .await
+            .expect("the expiry");
+        assert_eq!(
+            marker_state(&self.redis, "sale", "b").as_deref(),
+            Some("expired")
+        );
+        assert_eq!(redis_counts(&self.redis, "sale").0, 4, "alice's unit held");
+        self
+    }
+}
+
 /// A buyer's reserve left pending past its hold (its sidecar died, or its commit's
 /// outcome went unknown, before the ledger recorded it; no sweep has resolved it
 /// yet, as when the hold is barely longer than the pending bound): the retry of its
@@ -404,43 +482,69 @@ async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again()
 /// `already_reserved`, state `expired`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_of_an_admission_left_pending_past_its_hold_is_decided_afresh() {
-    let redis = RedisServer::start().expect("redis-server starts");
-    let dir = tempfile::tempdir().expect("temp dir");
-    // Its sweeper, which would resolve the dead admission first, does not come by.
-    let sidecar = Peer::start_custom(&redis.url(), &sqlite_url(&dir, "ledger.db"), |s| {
-        s.sweep_ms = 600_000;
+    let sale = DeadAdmission::past_its_hold().await;
+    let retried = sale.sidecar.reserve("sale", "b", "bob", 1).await;
+    retried.assert_answer(201, "admitted");
+    assert_eq!(
+        redis_counts(&sale.redis, "sale").0,
+        3,
+        "alice's and bob's units"
+    );
+    sale.sidecar.shutdown().await;
+}
+
+/// The same admission expired at its hold's end before anything could ask the
+/// ledger about it: its unit went back, and the retry of its key is still decided
+/// afresh from the ledger (the key claimed, the marker forgotten; nothing given
+/// back twice). Regression: it was answered 200 `already_reserved`, state `expired`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_an_admission_expired_while_pending_is_decided_afresh() {
+    let sale = DeadAdmission::past_its_hold()
+        .await
+        .expired_by_a_sweep_without_the_ledger()
+        .await;
+    let retried = sale.sidecar.reserve("sale", "b", "bob", 1).await;
+    retried.assert_answer(201, "admitted");
+    assert_eq!(
+        redis_counts(&sale.redis, "sale").0,
+        3,
+        "alice's and bob's units"
+    );
+    sale.sidecar.shutdown().await;
+}
+
+/// An admission expired while pending and never retried: the sweeper resolves it
+/// from the ledger once it comes by (here a restarted sidecar's): the key claimed,
+/// the marker forgotten (a look-up then finds no reservation), its unit not given
+/// back twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_expired_while_pending_is_forgotten_by_the_sweeper() {
+    let sale = DeadAdmission::past_its_hold()
+        .await
+        .expired_by_a_sweep_without_the_ledger()
+        .await;
+    sale.sidecar.shutdown().await;
+    let sweeping = Peer::start_custom(&sale.redis.url(), &sale.ledger_url, |s| {
+        s.sweep_ms = 100;
     })
     .await;
-    seed(&redis.url(), "sale", one_per_buyer(5).hold_seconds(3)).await;
-    // The gate opened, the sale claimed by this sidecar's ledger.
-    sidecar
-        .reserve("sale", "a", "alice", 1)
+    // (Its first call checks Redis against the ledger; the sweeper acts only then.)
+    sweeping
+        .lookup("sale", "a")
         .await
-        .assert_answer(201, "admitted");
-    let keys = DropKeys::new(NS, "sale");
-    let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
-        .expect("url")
-        .get_connection_manager()
+        .assert_answer(200, "found");
+    eventually("the sweeper to forget the marker", async || {
+        marker_state(&sale.redis, "sale", "b").is_none()
+    })
+    .await;
+    sweeping
+        .lookup("sale", "b")
         .await
-        .expect("connects")
-        .into();
-    let ledger: String = redis::cmd("GET")
-        .arg(keys.ledger())
-        .query_async(&mut conn)
-        .await
-        .expect("the sale's ledger");
-    // A dead attempt's admission: pending, overdue at once, never recorded.
-    dropgate_sidecar::gate::reserve(&mut conn, &keys, &ledger, "b", "bob", 1, None, "dead", 1)
-        .await
-        .expect("the gate admits");
+        .assert_answer(404, "not_found");
     assert_eq!(
-        marker_state(&redis, "sale", "b").as_deref(),
-        Some("pending")
+        redis_counts(&sale.redis, "sale").0,
+        5,
+        "alice's hold expired too, bob's unit back once"
     );
-    tokio::time::sleep(Duration::from_millis(3_200)).await;
-
-    let retried = sidecar.reserve("sale", "b", "bob", 1).await;
-    retried.assert_answer(201, "admitted");
-    assert_eq!(redis_counts(&redis, "sale").0, 3, "alice's and bob's units");
-    sidecar.shutdown().await;
+    sweeping.shutdown().await;
 }

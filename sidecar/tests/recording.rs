@@ -92,4 +92,54 @@ async fn answers_match_the_record() {
         "{events:?}"
     );
     sidecar.shutdown().await;
+
+    // As above, Redis fails between the ledger's commit and the activation (the buyer
+    // hears 201), and nothing
+    // replays the record (no refresh, no sweep) before the hold ends: the hold's end
+    // expires the pending marker, unsure whether it was made. The retry of its key
+    // asks the ledger, which has it: a reservation that was made and has ended.
+    let quiet = Peer::start_custom(&redis.url(), &database, |s| {
+        s.sweep_ms = 600_000;
+        s.refresh_ms = 600_000;
+    })
+    .await;
+    seed(&redis.url(), "made", spec(3)).await;
+    faults::arm(Fault::AfterLedgerCommit, 1);
+    let admitted = quiet.reserve("made", "d", "dave", 1).await;
+    assert_eq!(admitted.status, 201, "{}", admitted.text);
+    assert_eq!(
+        marker_state(&redis, "made", "d").as_deref(),
+        Some("pending")
+    );
+    tokio::time::sleep(Duration::from_millis(3100)).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "made");
+    let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
+        .expect("url")
+        .get_connection_manager()
+        .await
+        .expect("connects")
+        .into();
+    let sale_ledger: String = redis::cmd("GET")
+        .arg(keys.ledger())
+        .query_async(&mut conn)
+        .await
+        .expect("the sale's ledger");
+    dropgate_sidecar::gate::expire(&mut conn, &keys, &sale_ledger, "d")
+        .await
+        .expect("the expiry");
+    assert_eq!(
+        marker_state(&redis, "made", "d").as_deref(),
+        Some("expired")
+    );
+    let retried = quiet.reserve("made", "d", "dave", 1).await;
+    retried.assert_answer(200, "already_reserved");
+    assert_eq!(retried.body["state"], "expired", "{}", retried.text);
+    let unsure: Option<String> = redis::cmd("HGET")
+        .arg(keys.reservation("d"))
+        .arg("unsure")
+        .query_async(&mut conn)
+        .await
+        .expect("HGET");
+    assert_eq!(unsure, None, "no longer in doubt");
+    quiet.shutdown().await;
 }

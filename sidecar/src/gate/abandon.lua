@@ -3,12 +3,21 @@
 -- as if it never happened. Only a sidecar of the sale's ledger may judge that (it
 -- has claimed the key in that ledger for ARGV[3], the attempt, first, so a late
 -- commit is refused). One admitted afresh meanwhile (another attempt, its own
--- bound) is left alone, due at its bound. An empty ARGV[3] only clears the entry of a key
--- with nothing unresolved.
+-- bound) is left alone, due at its bound. One expired while pending meanwhile
+-- ('unsure': its units went back then) only loses its marker. An empty ARGV[3] only
+-- clears the entry of a key with nothing unresolved.
 if foreign() then
   return refuse_foreign()
 end
 local m = redis.call('HMGET', K.marker, 'state', 'overdueAt', 'user', 'quantity', 'attempt')
+if ours() and m[1] == 'expired' and m[5] == ARGV[3] and ARGV[3] ~= ''
+  and redis.call('HGET', K.marker, 'unsure') == '1' then
+  -- Expired while pending after the caller read it pending (its units went back
+  -- then) and claimed it: only the marker goes, as undo.lua does.
+  redis.call('ZREM', K.unresolved, KEY)
+  redis.call('DEL', K.marker)
+  return answer('not_pending')
+end
 if not ours() or m[1] ~= 'pending' or ARGV[3] == '' then
   if not (ours() and (settling() or m[1] == 'pending')) then
     redis.call('ZREM', K.unresolved, KEY)

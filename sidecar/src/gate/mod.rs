@@ -430,14 +430,18 @@ pub async fn abandon(
         .map(|_| ())
 }
 
-/// An admission still pending: who, how many of which variant, the attempt that
-/// admitted it and when it is overdue.
+/// An admission still pending (or expired while pending and `unsure`): who, how
+/// many of which variant, the attempt that admitted it and when it is overdue.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PendingAdmission {
     pub user: String,
     pub quantity: i64,
     pub attempt: String,
     pub variant: Option<String>,
+    /// Expired while pending (its units are back), not known to have been made
+    /// durable: resolving it gives nothing back, and either forgets the marker (the
+    /// key claimed in the ledger) or keeps it as the reservation the ledger has.
+    pub unsure: bool,
     /// When it is overdue (its `overdueAt`), in Redis's ms.
     pub due_ms: i64,
     /// The sale it was admitted in (the marker's; `None` for a marker without one).
@@ -525,6 +529,16 @@ pub async fn unresolved(
         .arg("settleSeq")
         .query_async(conn)
         .await?;
+    // `unsure` has its own HGET, only for an expired marker (rare here): the HMGET
+    // above is at the widest tuple redis-rs reads.
+    let unsure = state.as_deref() == Some("expired")
+        && redis::cmd("HGET")
+            .arg(keys.reservation(key))
+            .arg("unsure")
+            .query_async::<Option<String>>(conn)
+            .await?
+            .as_deref()
+            == Some("1");
     Ok(
         match (
             state.as_deref(),
@@ -533,12 +547,15 @@ pub async fn unresolved(
             settling.as_deref(),
             settle_attempt,
         ) {
-            (Some("pending"), Some(user), Some(quantity), _, _) => {
+            (Some(state), Some(user), Some(quantity), _, _)
+                if state == "pending" || (state == "expired" && unsure) =>
+            {
                 Some(Unresolved::Admission(PendingAdmission {
                     user,
                     quantity,
                     attempt: attempt.unwrap_or_default(),
                     variant: variant.filter(|v| !v.is_empty()),
+                    unsure,
                     due_ms: overdue_at.unwrap_or(0),
                     sale: sale.clone().filter(|s| !s.is_empty()),
                 }))

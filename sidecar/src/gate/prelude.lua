@@ -317,17 +317,32 @@ end
 -- too, so a sidecar that died mid-admission cannot keep units forever. One whose
 -- confirm or cancel is being recorded waits for it. Returns true when it expired the
 -- hold now; the caller records the expiry in the ledger.
+--
+-- A pending admission expired here (its resolution could not reach the ledger
+-- within the hold) may never have been made durable: its marker is 'unsure', listed
+-- in the unresolved set scored by its `overdueAt`, and no retry hears of it as a
+-- reservation (`already_reserved`) until it is resolved from the ledger: its row
+-- makes it sure (activate.lua, or a replay of the row), a claim of the key deletes
+-- the marker (undo.lua); nothing is given back twice.
 local function expire_if_due(now)
   if not ours() or settling() then
     return false
   end
-  local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt')
+  local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt', 'overdueAt')
   if (m[3] == 'active' or m[3] == 'pending') and tonumber(m[4]) <= now then
     redis.call('HSET', K.marker, 'state', 'expired')
     redis.call('ZREM', K.holds, KEY)
-    redis.call('ZREM', K.unresolved, KEY)
     give_back(m[1], tonumber(m[2]), marker_variant())
-    if m[3] == 'pending' and redis.call('HEXISTS', K.marker, 'line') == 1 then
+    local offer = redis.call('HEXISTS', K.marker, 'line') == 1
+    if m[3] == 'pending' and not offer then
+      -- (XX: the entry moves, and a set lost meanwhile is not made again without
+      -- the drop's expiry.)
+      redis.call('HSET', K.marker, 'unsure', '1')
+      redis.call('ZADD', K.unresolved, 'XX', tonumber(m[5]) or now, KEY)
+    else
+      redis.call('ZREM', K.unresolved, KEY)
+    end
+    if m[3] == 'pending' and offer then
       -- An offer never made durable: the entry waits at its place again.
       back_in_line(KEY)
     end

@@ -35,6 +35,11 @@ end
 -- does its count (below). Such a marker is never in line, however far it went.
 local ledger_quantity = tonumber(ARGV[4])
 local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9])
+if m[3] and not another and redis.call('HGET', K.marker, 'unsure') == '1' then
+  -- Expired while pending, and the ledger has it: it was made, no longer in doubt.
+  redis.call('HDEL', K.marker, 'unsure')
+  redis.call('ZREM', K.unresolved, KEY)
+end
 -- One exception: a hold Redis expired at a deadline the ledger has since moved on
 -- from (it extended the hold, and Redis lost the extension in a failover) was
 -- never due; the ledger's later deadline stands, and the hold takes its units

@@ -42,6 +42,15 @@ if ARGV[8] == '1' and ours() and redis.call('HGET', K.marker, 'state') == 'expir
   -- one, and the sweeper takes the entry out of line (service::waitlist).
   redis.call('DEL', K.marker)
 end
+if ours() and redis.call('HGET', K.marker, 'unsure') == '1' then
+  -- An admission of the key expired while pending, not known to have been made
+  -- durable (expire_if_due): resolved from the ledger first, past its bound (its
+  -- own sidecar may still finish it before), whoever the caller is.
+  if (tonumber(redis.call('HGET', K.marker, 'overdueAt')) or 0) <= now then
+    return answer('overdue')
+  end
+  return answer('pending')
+end
 if ours() then
   local owner = redis.call('HMGET', K.marker, 'user', 'quantity', 'variant')
   if owner[1] == user and tonumber(owner[2]) == quantity and (owner[3] or '') == variant then
@@ -56,7 +65,9 @@ if ours() then
       return answer('overdue')
     end
     expire_if_due(now)
-    if not granted() then
+    if not granted() or redis.call('HGET', K.marker, 'unsure') == '1' then
+      -- (Expired just now while pending, within its bound: its sidecar may still
+      -- finish it.)
       return answer('pending')
     end
     if settling() then

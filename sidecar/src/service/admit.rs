@@ -1029,6 +1029,10 @@ async fn resolve_key(
 ///   never be recorded (the ledger replaces only abandoned rows), and its units go
 ///   back.
 ///
+/// One already expired while pending (`unsure`: its units went back then, its
+/// resolution could not reach the ledger within the hold) gives nothing back: the
+/// claim deletes its marker; a row of it is replayed as for any other.
+///
 /// The sweeper and a retry of the key (which then is decided afresh) call it alike.
 pub(crate) async fn resolve_dead_admission(
     app: &App,
@@ -1052,6 +1056,7 @@ pub(crate) async fn resolve_dead_admission(
     let ledger_key = &sale
         .as_deref()
         .map_or_else(|| drop.ledger_key(), |sale| drop.ledger_key_of(sale));
+    // (abandon.lua deletes an unsure marker without giving anything back.)
     let take_back = async |conn: &mut dropgate_redis::Connection| {
         gate::abandon(conn, &drop.keys, ledger, key, attempt)
             .await
@@ -1076,6 +1081,8 @@ pub(crate) async fn resolve_dead_admission(
             if !row.state.holds_units() {
                 drop.throttle.release_unresolved(key, attempt);
             }
+            // (An unsure marker is brought forward too, and no longer unsure: an
+            // active row of its deadline leaves it expired.)
             match gate::replay(&mut conn, &drop.keys, ledger, &row, ledger_key).await {
                 Ok(Replay::Replayed | Replay::InLine) => Ok(()),
                 Ok(other) => Err(format!(
