@@ -56,6 +56,9 @@ pub enum Fault {
     /// through its own route meanwhile (long enough for that on a loaded
     /// 2-core CI machine).
     PauseBeforeGiveBack,
+    /// A fallback change whose COMMIT went unanswered waits 1.5 s before it asks
+    /// the ledger whether it landed, so that a test can land a duplicate meanwhile.
+    PauseBeforeAsking,
 }
 
 impl Fault {
@@ -78,10 +81,11 @@ impl Fault {
             Fault::PauseAfterCheck => "pause-after-check",
             Fault::PauseAfterReply => "pause-after-reply",
             Fault::PauseBeforeGiveBack => "pause-before-give-back",
+            Fault::PauseBeforeAsking => "pause-before-asking",
         }
     }
 
-    const ALL: [Fault; 16] = [
+    const ALL: [Fault; 17] = [
         Fault::AfterRedisAdmit,
         Fault::BeforeLedgerCommit,
         Fault::AfterLedgerCommit,
@@ -98,6 +102,7 @@ impl Fault {
         Fault::PauseAfterCheck,
         Fault::PauseAfterReply,
         Fault::PauseBeforeGiveBack,
+        Fault::PauseBeforeAsking,
     ];
 }
 

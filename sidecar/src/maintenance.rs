@@ -25,6 +25,10 @@ const SWEEP_BATCH: isize = 256;
 /// (a ledger that cannot be asked makes each resolution wait for its pool).
 const RESOLVE_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long a change whose resolution failed waits before the sweeper tries it
+/// again (a retry of its key resolves it at once).
+const RETRY_RESOLVING_MS: i64 = 1_000;
+
 /// Runs until `stop` turns true.
 pub async fn run(
     app: Arc<App>,
@@ -488,6 +492,9 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
         };
         if let Err(error) = resolved {
             tracing::debug!(drop = %drop.name, %error, "overdue change not resolved");
+            // Behind the others for a while: a key that keeps failing (its row
+            // locked, its ledger slow) must not take every sweep's budget.
+            let _ = gate::postpone(&mut conn, &drop.keys, &key, now + RETRY_RESOLVING_MS).await;
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The fallback gate's COMMIT goes unanswered (the connection to the ledger breaks
 //! as it commits): the answer is still true. A reserve, confirm, refund or cart
 //! whose commit landed is answered as made; one whose commit did not is a 503 that
-//! changed nothing, and its retry goes through. Fault points are process-wide, so this file holds one
+//! changed nothing (even when a duplicate of it landed meanwhile), and its retry
+//! goes through. Fault points are process-wide, so this file holds one
 //! test.
 
 mod common;
@@ -215,6 +216,40 @@ async fn an_unanswered_commit_on(sidecar: Sidecar) {
         .settle("sale", "a", "cancel")
         .await
         .assert_answer(200, "cancelled");
+    assert_eq!(left(&sidecar, "sale").await, 4);
+
+    // A refund whose commit was lost while a duplicate of it landed: only the
+    // duplicate says it refunded (the shop refunds once). The lost one is a 503
+    // that changed nothing of its own, and its retry hears the refund made.
+    sidecar
+        .reserve("sale", "r", "rita", 1)
+        .await
+        .assert_answer(201, "admitted");
+    sidecar
+        .settle("sale", "r", "confirm")
+        .await
+        .assert_answer(200, "confirmed");
+    faults::arm(Fault::LostCommitUnanswered, 1);
+    faults::arm(Fault::PauseBeforeAsking, 1);
+    let http = sidecar.http.clone();
+    let lost = tokio::spawn(async move {
+        http.post("/v1/drops/sale/reservations/r/cancel", "")
+            .await
+            .expect("answers")
+    });
+    common::eventually("the lost refund to ask whether it landed", async || {
+        faults::spent(Fault::PauseBeforeAsking)
+    })
+    .await;
+    sidecar
+        .settle("sale", "r", "cancel")
+        .await
+        .assert_answer(200, "cancelled");
+    lost.await.expect("joins").assert_answer(503, "unavailable");
+    sidecar
+        .settle("sale", "r", "cancel")
+        .await
+        .assert_answer(200, "already_cancelled");
     assert_eq!(left(&sidecar, "sale").await, 4);
 
     // So with extensions: one that landed is extended, one that did not is a 503

@@ -516,6 +516,62 @@ async fn a_replayed_row_replaces_another_buyers_marker_ahead_of_it() {
     assert_only_alice_holds(&sidecar, 4).await;
 }
 
+/// An admission of alice's for two units under `k`, left pending past its hold
+/// (expired there, unsure whether it was made), meets the ledger's row of `k`:
+/// alice's reservation of one unit. The marker is not that reservation, and
+/// never can be (past its hold its commit cannot land): the row replaces it, and
+/// a retry for two units is not told of a reservation of two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_row_replaces_an_unsure_marker_of_other_terms() {
+    let sidecar = Sidecar::start().await;
+    sidecar
+        .seed("sale", spec(5).per_user_limit(3).hold_seconds(3))
+        .await;
+    assert_eq!(
+        sidecar.reserve("sale", "warm", "carol", 1).await.status,
+        201
+    );
+    let mut conn = gate_connection(&sidecar).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    let ledger: String = redis::cmd("GET")
+        .arg(keys.ledger())
+        .query_async(&mut conn)
+        .await
+        .expect("the sale's ledger");
+    // Its bound far off: no sweep resolves it meanwhile.
+    dropgate_sidecar::gate::reserve(
+        &mut conn, &keys, &ledger, "k", "alice", 2, None, "dead", 600_000,
+    )
+    .await
+    .expect("the gate admits");
+    tokio::time::sleep(std::time::Duration::from_millis(3_100)).await;
+    dropgate_sidecar::gate::expire(&mut conn, &keys, &ledger, "k")
+        .await
+        .expect("the expiry");
+    let unsure = async |conn: &mut dropgate_redis::Connection| -> Option<String> {
+        redis::cmd("HGET")
+            .arg(keys.reservation("k"))
+            .arg("unsure")
+            .query_async(conn)
+            .await
+            .expect("HGET")
+    };
+    assert_eq!(unsure(&mut conn).await.as_deref(), Some("1"));
+
+    replay_alices_row(&sidecar, State::Expired).await;
+    assert_eq!(unsure(&mut conn).await, None);
+    let quantity: Option<i64> = redis::cmd("HGET")
+        .arg(keys.reservation("k"))
+        .arg("quantity")
+        .query_async(&mut conn)
+        .await
+        .expect("HGET");
+    assert_eq!(quantity, Some(1), "the ledger's reservation");
+    let retried = sidecar.reserve("sale", "k", "alice", 2).await;
+    assert_eq!(retried.status, 422, "{}", retried.text);
+    assert_eq!(retried.outcome(), "idempotency_key_reused");
+}
+
 /// Replays the ledger's row of key `k` as alice's reservation of one unit in
 /// `state`, as the sale's ledger (the sidecar's own) does.
 async fn replay_alices_row(sidecar: &Sidecar, state: State) {

@@ -591,6 +591,23 @@ pub async fn overdue(
     scored_until(conn, &keys.pending(), now_ms, limit).await
 }
 
+/// Lists `key`'s unresolved change again at `at_ms` (a sweep's resolution of it
+/// failed): the keys behind it come first meanwhile. Only a listed key moves.
+pub async fn postpone(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    key: &str,
+    at_ms: i64,
+) -> RedisResult<()> {
+    redis::cmd("ZADD")
+        .arg(keys.pending())
+        .arg("XX")
+        .arg(at_ms)
+        .arg(key)
+        .query_async(conn)
+        .await
+}
+
 /// Members of the sorted set `key` scored at or before `now_ms`, at most `limit`.
 async fn scored_until(
     conn: &mut Connection,

@@ -34,8 +34,12 @@ end
 -- buyer and variant never change; nor, while its marker is behind the ledger's row,
 -- does its count (below). Such a marker is never in line, however far it went.
 local ledger_quantity = tonumber(ARGV[4])
-local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9])
-if m[3] and not another and redis.call('HGET', K.marker, 'unsure') == '1' then
+-- An admission expired while pending ('unsure') of other terms than the row is
+-- another too: past its hold, its commit can no longer land.
+local unsure = m[3] and redis.call('HGET', K.marker, 'unsure') == '1'
+local another = m[3] and (m[1] ~= ARGV[3] or (m[4] or '') ~= ARGV[9]
+  or (unsure and tonumber(m[2]) ~= ledger_quantity))
+if unsure and not another then
   -- Expired while pending, and the ledger has it: it was made, no longer in doubt.
   redis.call('HDEL', K.marker, 'unsure')
   redis.call('ZREM', K.unresolved, KEY)

@@ -10,19 +10,19 @@
 -- rebuild (the gate reopened, or closed for a later epoch) would take back a live
 -- admission of the new epoch.
 local m = redis.call('HMGET', K.marker, 'attempt', 'state', 'user', 'quantity')
--- (Not a rebuild's undo: ARGV[4] empty.)
-if ours() and not foreign() and m[1] == ARGV[3] and m[2] == 'expired' and ARGV[4] == ''
-  and redis.call('HGET', K.marker, 'unsure') == '1' then
+local unsure = ours() and not foreign() and m[1] == ARGV[3] and m[2] == 'expired'
+  and redis.call('HGET', K.marker, 'unsure') == '1'
+if not unsure and (not ours() or m[1] ~= ARGV[3] or m[2] ~= 'pending') then
+  return answer('gone')
+end
+if ARGV[4] ~= '' and (EPOCH ~= '' or CLOSED_AT ~= tonumber(ARGV[4])) then
+  return answer('gone')
+end
+if unsure then
   -- Expired while pending (its units went back then), and never made durable: the
   -- marker goes, so that a retry of the key is decided afresh.
   redis.call('ZREM', K.unresolved, KEY)
   redis.call('DEL', K.marker)
-  return answer('gone')
-end
-if not ours() or m[1] ~= ARGV[3] or m[2] ~= 'pending' then
-  return answer('gone')
-end
-if ARGV[4] ~= '' and (EPOCH ~= '' or CLOSED_AT ~= tonumber(ARGV[4])) then
   return answer('gone')
 end
 take_back(m[3], tonumber(m[4]))

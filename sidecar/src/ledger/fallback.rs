@@ -170,12 +170,13 @@ fn rolled_back(code: Option<&str>) -> bool {
 /// landed before the caller is told that nobody can say.
 const ASK_WHETHER_LANDED_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// A fresh attempt id: the reservation rows a fallback transaction writes carry
-/// it, so that a COMMIT that was not answered can be asked about (and fenced off).
 /// How much of a hold must be left for an admission whose COMMIT was not answered
 /// to be answered 201 once the ledger says it landed.
 const HOLD_MARGIN_MS: i64 = 1_000;
 
+/// A fresh attempt id: the reservation rows (and a confirm's or cancel's event) a
+/// fallback transaction writes carry it, so that a COMMIT that was not answered can
+/// be asked about (and fenced off).
 fn new_attempt() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
@@ -263,10 +264,12 @@ async fn extend_on_fallback(
 }
 
 /// The event a fallback settle writes, by which its unanswered commit is looked
-/// for: its id, and the quantity the change left held.
+/// for: its id, the quantity the change left held, and its attempt (where it has
+/// one).
 struct Landing {
     event_id: String,
     quantity: i64,
+    attempt: Option<String>,
 }
 
 impl Landing {
@@ -274,15 +277,22 @@ impl Landing {
         Self {
             event_id: super::event_id(change, kind),
             quantity: change.quantity,
+            attempt: change.attempt.clone(),
         }
     }
 
-    /// Whether the outbox event `payload` (of this landing's id) is this change's.
-    fn is_in(&self, payload: &str) -> bool {
-        serde_json::from_str::<serde_json::Value>(payload)
+    /// Whether the outbox event `payload` (of this landing's id), written by
+    /// `attempt`, is this change's: a duplicate of another attempt that landed
+    /// instead is not.
+    fn is_in(&self, payload: &str, attempt: Option<&str>) -> bool {
+        let quantity = serde_json::from_str::<serde_json::Value>(payload)
             .ok()
-            .and_then(|event| event.get("quantity").and_then(serde_json::Value::as_i64))
-            == Some(self.quantity)
+            .and_then(|event| event.get("quantity").and_then(serde_json::Value::as_i64));
+        quantity == Some(self.quantity)
+            && self
+                .attempt
+                .as_deref()
+                .is_none_or(|mine| attempt == Some(mine))
     }
 }
 
@@ -554,6 +564,9 @@ impl Ledger {
         settle: Settle,
         now: i64,
     ) -> Result<Outcome, LedgerError> {
+        // Written with its event, so that an unanswered COMMIT is told from a
+        // duplicate's (`settled`).
+        let attempt = new_attempt();
         let decided = retry(|| async {
             let mut tx = self.pool.begin().await?;
             if let Err(authority) = require_ledger(&mut tx, self.backend, drop_key).await? {
@@ -595,7 +608,13 @@ impl Ledger {
             if let Some(target) = target {
                 let change = Change::new(drop_key, stock(config), key, &row.reservation(), target)
                     .keeping(kept);
-                landing = Some(Landing::of(&change, super::event(target)));
+                // The attempt goes on the event only: the row's `changed_by` names
+                // the gate's prepared changes.
+                let event = Change {
+                    attempt: Some(attempt.clone()),
+                    ..change.clone()
+                };
+                landing = Some(Landing::of(&event, super::event(target)));
                 if transition(&mut tx, &change, false, now, None)
                     .await?
                     .is_none()
@@ -608,7 +627,7 @@ impl Ledger {
                     adjust_holdings(&mut tx, &change, change.released).await?;
                 }
                 let mut ids = EventIds::for_events(1);
-                write_event(&mut tx, &mut ids, &change, "fallback", now).await?;
+                write_event(&mut tx, &mut ids, &event, "fallback", now).await?;
             }
             let view = view(&mut tx, drop_key, key).await?;
             let outcome = match (settle, row.state) {
@@ -814,9 +833,11 @@ impl Ledger {
     /// when the ledger cannot be asked. The event was written in the change's own
     /// transaction, and its id is the reservation's and the change's kind: it is
     /// there when this change, or another of the same kind, landed, whatever changed
-    /// the reservation since. Its quantity tells the two apart: a concurrent confirm
-    /// that kept another quantity landed instead of this one. On PostgreSQL the row
-    /// is locked first, which waits for the unanswered transaction to end.
+    /// the reservation since. The attempt it was written with tells the two apart
+    /// (a duplicate cancel or confirm that landed instead of this one), and for a
+    /// change without one, its quantity (a concurrent confirm that kept another
+    /// quantity). On PostgreSQL the row is locked first, which waits for the
+    /// unanswered transaction to end.
     async fn settled(
         &self,
         drop_key: &str,
@@ -835,14 +856,19 @@ impl Ledger {
                 .fetch_optional(&mut *tx)
                 .await?;
             }
-            let payload: Option<String> =
-                sqlx::query_scalar("SELECT payload FROM outbox WHERE event_id = $1")
+            let event: Option<(String, Option<String>)> =
+                sqlx::query_as("SELECT payload, attempt FROM outbox WHERE event_id = $1")
                     .bind(&landing.event_id)
                     .fetch_optional(&mut *tx)
                     .await?;
             tx.commit().await?;
-            Ok::<_, LedgerError>(payload.is_some_and(|payload| landing.is_in(&payload)))
+            Ok::<_, LedgerError>(
+                event.is_some_and(|(payload, attempt)| landing.is_in(&payload, attempt.as_deref())),
+            )
         };
+        if crate::faults::check(crate::faults::Fault::PauseBeforeAsking).is_err() {
+            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        }
         if ask_until_answered(read, ASK_WHETHER_LANDED_FOR, &error).await? {
             Ok(())
         } else {

@@ -1844,6 +1844,8 @@ struct EventRow {
     drop_key: String,
     payload: String,
     seq: Option<i64>,
+    /// The change's attempt, where it has one (see migration 0014).
+    attempt: Option<String>,
 }
 
 /// The id of `change`'s event of `kind`: one per reservation and kind, so a
@@ -1904,6 +1906,7 @@ fn event_row(change: &Change, path: &str, now: i64) -> Result<EventRow, sqlx::Er
         drop_key: change.drop_key.clone(),
         payload,
         seq: change.seq,
+        attempt: change.attempt.clone(),
     })
 }
 
@@ -1925,9 +1928,9 @@ async fn write_event_rows(
     // (sent_at_ms is left NULL: not sent yet.)
     for run in row_runs(numbered.len()) {
         let sql = format!(
-            "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, seq) \
+            "INSERT INTO outbox (id, event_id, drop_key, payload, created_at_ms, seq, attempt) \
              VALUES {} ON CONFLICT (event_id) DO NOTHING",
-            placeholders(run.len(), 6)
+            placeholders(run.len(), 7)
         );
         let mut insert = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (id, row) in &numbered[run] {
@@ -1937,7 +1940,8 @@ async fn write_event_rows(
                 .bind(row.drop_key.as_str())
                 .bind(row.payload.as_str())
                 .bind(now)
-                .bind(row.seq);
+                .bind(row.seq)
+                .bind(row.attempt.as_deref());
         }
         insert.execute(&mut **tx).await?;
     }
