@@ -494,7 +494,8 @@ async fn resolve_overdue(app: &App, drop: &crate::drops::Drop, now: i64) {
             tracing::debug!(drop = %drop.name, %error, "overdue change not resolved");
             // Behind the others for a while: a key that keeps failing (its row
             // locked, its ledger slow) must not take every sweep's budget.
-            let _ = gate::postpone(&mut conn, &drop.keys, &key, now + RETRY_RESOLVING_MS).await;
+            let again = now_ms() + RETRY_RESOLVING_MS;
+            let _ = gate::postpone(&mut conn, &drop.keys, &key, again).await;
         }
     }
 }

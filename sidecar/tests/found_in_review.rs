@@ -396,17 +396,14 @@ async fn a_hold_redis_expires_before_the_deadline_the_ledger_has_is_held_again()
     peer.shutdown().await;
 }
 
-/// A sale of five units with 3 s holds on one sidecar (its sweeper, which would resolve a
-/// dead admission first, does not come by): alice holds a unit, and bob's key `b`
-/// holds a dead attempt's admission (pending, overdue at once, never recorded)
-/// past its hold.
+/// A sale of five units with 3 s holds on one sidecar (its sweeper, which would
+/// resolve a dead admission first, does not come by): alice holds a unit, and
+/// bob's key `b` holds a dead attempt's admission (pending, overdue at once,
+/// never recorded) past its hold.
 struct DeadAdmission {
     redis: RedisServer,
     sidecar: Peer,
-    conn: dropgate_redis::Connection,
-    keys: DropKeys,
-    /// The sale's ledger, as Redis names it.
-    ledger_id: String,
+    gate: common::AsTheSalesLedger,
     ledger_url: String,
     _dir: tempfile::TempDir,
 }
@@ -426,23 +423,11 @@ impl DeadAdmission {
             .reserve("sale", "a", "alice", 1)
             .await
             .assert_answer(201, "admitted");
-        let keys = DropKeys::new(NS, "sale");
-        let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
-            .expect("url")
-            .get_connection_manager()
+        let mut gate = common::AsTheSalesLedger::of(&redis.url(), "sale").await;
+        let (conn, keys, ledger) = (&mut gate.conn, &gate.keys, &gate.ledger);
+        dropgate_sidecar::gate::reserve(conn, keys, ledger, "b", "bob", 1, None, "dead", 1)
             .await
-            .expect("connects")
-            .into();
-        let ledger_id: String = redis::cmd("GET")
-            .arg(keys.ledger())
-            .query_async(&mut conn)
-            .await
-            .expect("the sale's ledger");
-        dropgate_sidecar::gate::reserve(
-            &mut conn, &keys, &ledger_id, "b", "bob", 1, None, "dead", 1,
-        )
-        .await
-        .expect("the gate admits");
+            .expect("the gate admits");
         assert_eq!(
             marker_state(&redis, "sale", "b").as_deref(),
             Some("pending")
@@ -451,9 +436,7 @@ impl DeadAdmission {
         Self {
             redis,
             sidecar,
-            conn,
-            keys,
-            ledger_id,
+            gate,
             ledger_url,
             _dir: dir,
         }
@@ -462,7 +445,8 @@ impl DeadAdmission {
     /// The hold's end met by a sweep that could not reach the ledger to resolve the
     /// admission first (as the sweeper's expiry runs then): bob's unit goes back.
     async fn expired_by_a_sweep_without_the_ledger(mut self) -> Self {
-        dropgate_sidecar::gate::expire(&mut self.conn, &self.keys, &self.ledger_id, "b")
+        let gate = &mut self.gate;
+        dropgate_sidecar::gate::expire(&mut gate.conn, &gate.keys, &gate.ledger, "b")
             .await
             .expect("the expiry");
         assert_eq!(
@@ -478,8 +462,8 @@ impl DeadAdmission {
 /// outcome went unknown, before the ledger recorded it; no sweep has resolved it
 /// yet, as when the hold is barely longer than the pending bound): the retry of its
 /// key is decided afresh (201), never told of a reservation nobody made durable.
-/// (Before, the retry's own step expired the marker first and answered 200
-/// `already_reserved`, state `expired`.)
+/// Regression: the retry's own step expired the marker first and answered 200
+/// `already_reserved`, state `expired`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_of_an_admission_left_pending_past_its_hold_is_decided_afresh() {
     let sale = DeadAdmission::past_its_hold().await;

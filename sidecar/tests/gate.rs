@@ -531,13 +531,11 @@ async fn a_replayed_row_replaces_an_unsure_marker_of_other_terms() {
         sidecar.reserve("sale", "warm", "carol", 1).await.status,
         201
     );
-    let mut conn = gate_connection(&sidecar).await;
-    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
-    let ledger: String = redis::cmd("GET")
-        .arg(keys.ledger())
-        .query_async(&mut conn)
-        .await
-        .expect("the sale's ledger");
+    let common::AsTheSalesLedger {
+        mut conn,
+        keys,
+        ledger,
+    } = common::AsTheSalesLedger::of(&sidecar.redis.url(), "sale").await;
     // Its bound far off: no sweep resolves it meanwhile.
     dropgate_sidecar::gate::reserve(
         &mut conn, &keys, &ledger, "k", "alice", 2, None, "dead", 600_000,
@@ -575,13 +573,11 @@ async fn a_replayed_row_replaces_an_unsure_marker_of_other_terms() {
 /// Replays the ledger's row of key `k` as alice's reservation of one unit in
 /// `state`, as the sale's ledger (the sidecar's own) does.
 async fn replay_alices_row(sidecar: &Sidecar, state: State) {
-    let mut conn = gate_connection(sidecar).await;
-    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
-    let ledger: String = redis::cmd("GET")
-        .arg(keys.ledger())
-        .query_async(&mut conn)
-        .await
-        .expect("the sale's ledger");
+    let common::AsTheSalesLedger {
+        mut conn,
+        keys,
+        ledger,
+    } = common::AsTheSalesLedger::of(&sidecar.redis.url(), "sale").await;
     let row = dropgate_sidecar::ledger::Recorded {
         admitted_at_ms: None,
         key: "k".into(),

@@ -112,18 +112,11 @@ async fn answers_match_the_record() {
         Some("pending")
     );
     tokio::time::sleep(Duration::from_millis(3100)).await;
-    let keys = dropgate_api::DropKeys::new(common::NS, "made");
-    let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
-        .expect("url")
-        .get_connection_manager()
-        .await
-        .expect("connects")
-        .into();
-    let sale_ledger: String = redis::cmd("GET")
-        .arg(keys.ledger())
-        .query_async(&mut conn)
-        .await
-        .expect("the sale's ledger");
+    let common::AsTheSalesLedger {
+        mut conn,
+        keys,
+        ledger: sale_ledger,
+    } = common::AsTheSalesLedger::of(&redis.url(), "made").await;
     dropgate_sidecar::gate::expire(&mut conn, &keys, &sale_ledger, "d")
         .await
         .expect("the expiry");

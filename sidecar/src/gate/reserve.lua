@@ -42,16 +42,16 @@ if ARGV[8] == '1' and ours() and redis.call('HGET', K.marker, 'state') == 'expir
   -- one, and the sweeper takes the entry out of line (service::waitlist).
   redis.call('DEL', K.marker)
 end
-if ours() and redis.call('HGET', K.marker, 'unsure') == '1' then
-  -- An admission of the key expired while pending, not known to have been made
-  -- durable (expire_if_due): resolved from the ledger first, past its bound (its
-  -- own sidecar may still finish it before), whoever the caller is.
-  if (tonumber(redis.call('HGET', K.marker, 'overdueAt')) or 0) <= now then
-    return answer('overdue')
-  end
-  return answer('pending')
-end
 if ours() then
+  if redis.call('HGET', K.marker, 'unsure') == '1' then
+    -- An admission of the key expired while pending, not known to have been made
+    -- durable (expire_if_due): resolved from the ledger first, past its bound (its
+    -- own sidecar may still finish it before), whoever the caller is.
+    if (tonumber(redis.call('HGET', K.marker, 'overdueAt')) or 0) <= now then
+      return answer('overdue')
+    end
+    return answer('pending')
+  end
   local owner = redis.call('HMGET', K.marker, 'user', 'quantity', 'variant')
   if owner[1] == user and tonumber(owner[2]) == quantity and (owner[3] or '') == variant then
     if redis.call('HGET', K.marker, 'state') == 'pending'

@@ -332,6 +332,33 @@ pub fn has_waitlist_entry(redis: &RedisServer, drop: &str, key: &str) -> bool {
         .expect("EXISTS")
 }
 
+/// Drop `drop`'s gate as its sale's ledger calls it directly: a connection to the
+/// Redis at `redis_url` (as the gate's own calls use it), the drop's keys, and the
+/// ledger Redis names as the sale's.
+pub struct AsTheSalesLedger {
+    pub conn: dropgate_redis::Connection,
+    pub keys: DropKeys,
+    pub ledger: String,
+}
+
+impl AsTheSalesLedger {
+    pub async fn of(redis_url: &str, drop: &str) -> Self {
+        let mut conn: dropgate_redis::Connection = redis::Client::open(redis_url)
+            .expect("url")
+            .get_connection_manager()
+            .await
+            .expect("connects")
+            .into();
+        let keys = DropKeys::new(NS, drop);
+        let ledger: String = redis::cmd("GET")
+            .arg(keys.ledger())
+            .query_async(&mut conn)
+            .await
+            .expect("the sale's ledger");
+        Self { conn, keys, ledger }
+    }
+}
+
 /// The ledger key of drop `drop`'s current sale (`shop/drop/sale`), by the sale
 /// its config in `redis` names.
 pub fn ledger_key_in(redis: &RedisServer, drop: &str) -> String {
