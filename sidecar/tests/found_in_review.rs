@@ -442,6 +442,18 @@ impl DeadAdmission {
         }
     }
 
+    /// Bob's retry of `b` is admitted afresh: alice's and bob's units held, once.
+    async fn retry_is_decided_afresh(self) {
+        let retried = self.sidecar.reserve("sale", "b", "bob", 1).await;
+        retried.assert_answer(201, "admitted");
+        assert_eq!(
+            redis_counts(&self.redis, "sale").0,
+            3,
+            "alice's and bob's units"
+        );
+        self.sidecar.shutdown().await;
+    }
+
     /// The hold's end met by a sweep that could not reach the ledger to resolve the
     /// admission first (as the sweeper's expiry runs then): bob's unit goes back.
     async fn expired_by_a_sweep_without_the_ledger(mut self) -> Self {
@@ -467,14 +479,7 @@ impl DeadAdmission {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_of_an_admission_left_pending_past_its_hold_is_decided_afresh() {
     let sale = DeadAdmission::past_its_hold().await;
-    let retried = sale.sidecar.reserve("sale", "b", "bob", 1).await;
-    retried.assert_answer(201, "admitted");
-    assert_eq!(
-        redis_counts(&sale.redis, "sale").0,
-        3,
-        "alice's and bob's units"
-    );
-    sale.sidecar.shutdown().await;
+    sale.retry_is_decided_afresh().await;
 }
 
 /// The same admission expired at its hold's end before anything could ask the
@@ -487,14 +492,7 @@ async fn a_retry_of_an_admission_expired_while_pending_is_decided_afresh() {
         .await
         .expired_by_a_sweep_without_the_ledger()
         .await;
-    let retried = sale.sidecar.reserve("sale", "b", "bob", 1).await;
-    retried.assert_answer(201, "admitted");
-    assert_eq!(
-        redis_counts(&sale.redis, "sale").0,
-        3,
-        "alice's and bob's units"
-    );
-    sale.sidecar.shutdown().await;
+    sale.retry_is_decided_afresh().await;
 }
 
 /// An admission expired while pending and never retried: the sweeper resolves it
