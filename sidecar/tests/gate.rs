@@ -531,40 +531,25 @@ async fn a_replayed_row_replaces_an_unsure_marker_of_other_terms() {
         sidecar.reserve("sale", "warm", "carol", 1).await.status,
         201
     );
-    let common::AsTheSalesLedger {
-        mut conn,
-        keys,
-        ledger,
-    } = common::AsTheSalesLedger::of(&sidecar.redis.url(), "sale").await;
+    let mut gate = common::AsTheSalesLedger::of(&sidecar.redis.url(), "sale").await;
     // Its bound far off: no sweep resolves it meanwhile.
-    dropgate_sidecar::gate::reserve(
-        &mut conn, &keys, &ledger, "k", "alice", 2, None, "dead", 600_000,
-    )
-    .await
-    .expect("the gate admits");
+    let (conn, keys, ledger) = (&mut gate.conn, &gate.keys, &gate.ledger);
+    dropgate_sidecar::gate::reserve(conn, keys, ledger, "k", "alice", 2, None, "dead", 600_000)
+        .await
+        .expect("the gate admits");
     tokio::time::sleep(std::time::Duration::from_millis(3_100)).await;
-    dropgate_sidecar::gate::expire(&mut conn, &keys, &ledger, "k")
+    dropgate_sidecar::gate::expire(conn, keys, ledger, "k")
         .await
         .expect("the expiry");
-    let unsure = async |conn: &mut dropgate_redis::Connection| -> Option<String> {
-        redis::cmd("HGET")
-            .arg(keys.reservation("k"))
-            .arg("unsure")
-            .query_async(conn)
-            .await
-            .expect("HGET")
-    };
-    assert_eq!(unsure(&mut conn).await.as_deref(), Some("1"));
+    assert_eq!(gate.marker_field("k", "unsure").await.as_deref(), Some("1"));
 
     replay_alices_row(&sidecar, State::Expired).await;
-    assert_eq!(unsure(&mut conn).await, None);
-    let quantity: Option<i64> = redis::cmd("HGET")
-        .arg(keys.reservation("k"))
-        .arg("quantity")
-        .query_async(&mut conn)
-        .await
-        .expect("HGET");
-    assert_eq!(quantity, Some(1), "the ledger's reservation");
+    assert_eq!(gate.marker_field("k", "unsure").await, None);
+    assert_eq!(
+        gate.marker_field("k", "quantity").await.as_deref(),
+        Some("1"),
+        "the ledger's reservation"
+    );
     let retried = sidecar.reserve("sale", "k", "alice", 2).await;
     assert_eq!(retried.status, 422, "{}", retried.text);
     assert_eq!(retried.outcome(), "idempotency_key_reused");

@@ -112,12 +112,8 @@ async fn answers_match_the_record() {
         Some("pending")
     );
     tokio::time::sleep(Duration::from_millis(3100)).await;
-    let common::AsTheSalesLedger {
-        mut conn,
-        keys,
-        ledger: sale_ledger,
-    } = common::AsTheSalesLedger::of(&redis.url(), "made").await;
-    dropgate_sidecar::gate::expire(&mut conn, &keys, &sale_ledger, "d")
+    let mut gate = common::AsTheSalesLedger::of(&redis.url(), "made").await;
+    dropgate_sidecar::gate::expire(&mut gate.conn, &gate.keys, &gate.ledger, "d")
         .await
         .expect("the expiry");
     assert_eq!(
@@ -127,12 +123,10 @@ async fn answers_match_the_record() {
     let retried = quiet.reserve("made", "d", "dave", 1).await;
     retried.assert_answer(200, "already_reserved");
     assert_eq!(retried.body["state"], "expired", "{}", retried.text);
-    let unsure: Option<String> = redis::cmd("HGET")
-        .arg(keys.reservation("d"))
-        .arg("unsure")
-        .query_async(&mut conn)
-        .await
-        .expect("HGET");
-    assert_eq!(unsure, None, "no longer in doubt");
+    assert_eq!(
+        gate.marker_field("d", "unsure").await,
+        None,
+        "no longer in doubt"
+    );
     quiet.shutdown().await;
 }

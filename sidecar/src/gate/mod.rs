@@ -430,7 +430,8 @@ pub async fn abandon(
         .map(|_| ())
 }
 
-/// An admission still pending (or expired while pending and `unsure`): who, how
+/// An admission still pending (or expired while pending and `unsure`: its units
+/// are back, and the scripts that resolve it give nothing back again): who, how
 /// many of which variant, the attempt that admitted it and when it is overdue.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PendingAdmission {
@@ -438,10 +439,6 @@ pub struct PendingAdmission {
     pub quantity: i64,
     pub attempt: String,
     pub variant: Option<String>,
-    /// Expired while pending (its units are back), not known to have been made
-    /// durable: resolving it gives nothing back, and either forgets the marker (the
-    /// key claimed in the ledger) or keeps it as the reservation the ledger has.
-    pub unsure: bool,
     /// When it is overdue (its `overdueAt`), in Redis's ms.
     pub due_ms: i64,
     /// The sale it was admitted in (the marker's; `None` for a marker without one).
@@ -555,7 +552,6 @@ pub async fn unresolved(
                     quantity,
                     attempt: attempt.unwrap_or_default(),
                     variant: variant.filter(|v| !v.is_empty()),
-                    unsure,
                     due_ms: overdue_at.unwrap_or(0),
                     sale: sale.clone().filter(|s| !s.is_empty()),
                 }))

@@ -359,6 +359,18 @@ impl AsTheSalesLedger {
     }
 }
 
+impl AsTheSalesLedger {
+    /// Field `field` of `key`'s marker (`None` when it has none).
+    pub async fn marker_field(&mut self, key: &str, field: &str) -> Option<String> {
+        redis::cmd("HGET")
+            .arg(self.keys.reservation(key))
+            .arg(field)
+            .query_async(&mut self.conn)
+            .await
+            .expect("HGET")
+    }
+}
+
 /// The ledger key of drop `drop`'s current sale (`shop/drop/sale`), by the sale
 /// its config in `redis` names.
 pub fn ledger_key_in(redis: &RedisServer, drop: &str) -> String {
