@@ -11,17 +11,17 @@ if m[3] == false or m[3] ~= SALE then
 end
 if m[2] == 'pending' and m[1] == ARGV[3] then
   redis.call('HSET', K.marker, 'state', 'active')
-  redis.call('ZREM', K.unresolved, KEY)
+  zrem(K.unresolved, KEY)
   list_for_buyer(m[4], tonumber(m[5]) or now_ms())
   if m[6] then
     redis.call('HSET', wl_entry(KEY), 'state', 'offered')
   end
-  return shown('admitted', m[4], m[7], 'active', m[8], m[9], remaining(m[9]))
+  return shown('admitted', m[4], m[7], 'active', m[8], m[9], remaining_as_read(m[9]))
 end
 if m[2] == 'expired' and m[1] == ARGV[3] and redis.call('HGET', K.marker, 'unsure') == '1' then
   -- Expired while pending, and this attempt is in the ledger: a reservation that
   -- was made (and has ended), no longer in doubt. Its units went back at expiry.
   redis.call('HDEL', K.marker, 'unsure')
-  redis.call('ZREM', K.unresolved, KEY)
+  zrem(K.unresolved, KEY)
 end
-return shown('gone', m[4], m[7], m[2], m[8], m[9], remaining(m[9]))
+return shown('gone', m[4], m[7], m[2], m[8], m[9], remaining_as_read(m[9]))

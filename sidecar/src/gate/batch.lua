@@ -21,6 +21,11 @@
 -- still has pending stay as they are: the cart gives those back itself. Every line
 -- is decided even after one was refused, so that the answer can name each line
 -- that did not fit.
+--
+-- What the requests add to or take out of the drop's sorted sets is written once
+-- at the end, one command a set (DEFERRING in prelude.lua); should that fail, the
+-- requests it was for are answered its error, as a step of theirs that failed
+-- would be (their other changes stay).
 local n = #KEYS - 11
 local width = (#ARGV - 1) / n
 local replies = {}
@@ -40,12 +45,14 @@ local function outcome_of(text)
 end
 local holding = {admitted = true, already_reserved = true, pending = true, overdue = true,
   settling = true}
+DEFERRING = true
 local i = 0
 for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
   local admitted = {}
   local refused = false
   for _ = 1, tonumber(count) do
     i = i + 1
+    REQUEST = i
     -- A request whose step fails is answered with its error ('!' and the message),
     -- as a call of its own would be, and the others go on: one bad request never
     -- fails the batch (what it changed before it failed stays, as for a single call).
@@ -70,6 +77,7 @@ for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
   -- other groups' answers stand.
   if mode == 'a' and refused then
     for _, j in ipairs(admitted) do
+      REQUEST = j
       local ok, failed = pcall(function()
         local argv = argv_of(j)
         begin(keys_of(j), argv)
@@ -80,6 +88,13 @@ for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
         replies[j] = '!' .. tostring(type(failed) == 'table' and failed.err or failed)
       end
     end
+  end
+end
+local flushed, by = pcall(flush_deferred)
+if not flushed then
+  local failed = '!' .. tostring(type(by) == 'table' and by.err or by)
+  for j in pairs(DEFERRED_BY) do
+    replies[j] = failed
   end
 end
 if i ~= n then

@@ -31,6 +31,22 @@ local LIMIT, GENERATION, VARIANTS = '', '', ''
 local SHARED, NOW, EXPIRES_SHARED = nil, nil, nil
 -- The config's fields reserve reads (nothing a batch runs writes the config).
 local RESERVE_CONFIG = nil
+-- What a script that changes no count (activate) reads of remaining, once per run
+-- for the drop and for each variant (see `remaining_as_read`).
+local REMAINING_READ = {}
+-- In a batch (batch.lua sets DEFERRING), what its requests add to or take out of
+-- the drop's sorted sets (holds, unresolved, by buyer) is written once at the end
+-- of the run, one ZADD and one ZREM a set (`flush_deferred`): nothing a batch runs
+-- reads those sets meanwhile. Each member's last change in the run is the one
+-- written, as one write after the other would leave it. DEFERRED: set -> member ->
+-- score (false: taken out); DEFERRED_SETS in the order first written;
+-- DEFERRED_BY: the requests (by number, REQUEST) that deferred a write.
+local DEFERRING = false
+local DEFERRED, DEFERRED_SETS, DEFERRED_BY = {}, {}, {}
+local REQUEST = 0
+-- The time the run last set the shared keys to expire at (see `expire_shared`):
+-- a set that a deferred write makes is set to expire then too.
+local SHARED_EXPIRY = nil
 
 local function begin(keys, argv)
   K = {
@@ -77,6 +93,7 @@ end
 -- Sets the drop's shared keys to expire at `at` (once per run: every request of
 -- a batch computes the same time).
 local function expire_shared(at)
+  SHARED_EXPIRY = at
   if EXPIRES_SHARED ~= at then
     for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants, K.by_buyer}) do
       redis.call('PEXPIREAT', key, at)
@@ -111,6 +128,16 @@ local function remaining(variant)
     return math.min(drop, tonumber(redis.call('HGET', K.variants, 'r:' .. variant) or '0'))
   end
   return drop
+end
+
+-- `remaining(variant)` as the run first read it: for a script that changes no
+-- count, whose every request of a batch reads the same.
+local function remaining_as_read(variant)
+  local name = variant or ''
+  if not REMAINING_READ[name] then
+    REMAINING_READ[name] = remaining(variant)
+  end
+  return REMAINING_READ[name]
 end
 
 -- The variant KEY's marker holds ('' for a drop without variants).
@@ -194,6 +221,72 @@ local function give_back(user, quantity, variant)
   end
 end
 
+-- Writes to the drop's sorted sets, deferred in a batch (see DEFERRING): adds
+-- `member` to `set` with `score`, takes it out, or (ZADD XX) moves its score if it
+-- is in the set.
+local function deferred(set)
+  local members = DEFERRED[set]
+  if not members then
+    members = {}
+    DEFERRED[set] = members
+    DEFERRED_SETS[#DEFERRED_SETS + 1] = set
+  end
+  DEFERRED_BY[REQUEST] = true
+  return members
+end
+local function zadd(set, score, member)
+  if DEFERRING then
+    deferred(set)[member] = score
+  else
+    redis.call('ZADD', set, score, member)
+  end
+end
+local function zrem(set, member)
+  if DEFERRING then
+    deferred(set)[member] = false
+  else
+    redis.call('ZREM', set, member)
+  end
+end
+local function zmove(set, score, member)
+  local pending = DEFERRING and DEFERRED[set] and DEFERRED[set][member]
+  if pending == nil or not DEFERRING then
+    -- (No write of it waits: the set in Redis is as the run left it.)
+    redis.call('ZADD', set, 'XX', score, member)
+  elseif pending then
+    deferred(set)[member] = score
+  end
+end
+
+-- Writes what the run deferred, one ZADD and one ZREM a set. Returns the requests
+-- whose writes these were (in a table by number), to be answered the error if it
+-- fails.
+local function flush_deferred()
+  for _, set in ipairs(DEFERRED_SETS) do
+    local added, taken = {}, {}
+    for member, score in pairs(DEFERRED[set]) do
+      if score then
+        added[#added + 1] = score
+        added[#added + 1] = member
+      else
+        taken[#taken + 1] = member
+      end
+    end
+    if #taken > 0 then
+      redis.call('ZREM', set, unpack(taken))
+    end
+    if #added > 0 then
+      redis.call('ZADD', set, unpack(added))
+      if SHARED_EXPIRY then
+        -- Made now, after the run set the drop's shared keys to expire.
+        redis.call('PEXPIREAT', set, SHARED_EXPIRY)
+      end
+    end
+  end
+  DEFERRED, DEFERRED_SETS = {}, {}
+  return DEFERRED_BY
+end
+
 -- The waitlist's keys (see DropKeys::waitlist_line and the rest), named from the
 -- config key's prefix: an offer or a return touches entries no caller can name
 -- before the script runs. They carry the drop's hash tag, so they sit in its slot.
@@ -256,8 +349,8 @@ end
 -- offer to the waitlist's head goes back to its place in line.
 local function take_back(user, quantity)
   EXPIRES_SHARED = nil
-  redis.call('ZREM', K.holds, KEY)
-  redis.call('ZREM', K.unresolved, KEY)
+  zrem(K.holds, KEY)
+  zrem(K.unresolved, KEY)
   give_back(user, quantity, marker_variant())
   if redis.call('HEXISTS', K.marker, 'line') == 1 then
     back_in_line(KEY)
@@ -272,8 +365,9 @@ end
 -- Lists KEY's reservation under its buyer, admitted at `at` (ms): once it is one
 -- (activated, or replayed from the ledger).
 local function list_for_buyer(user, at)
-  redis.call('ZADD', K.by_buyer, 0, by_buyer_entry(user, at))
+  zadd(K.by_buyer, 0, by_buyer_entry(user, at))
 end
+
 -- Takes KEY's listing under `user` out (its marker names another reservation).
 local function unlist_for_buyer(user, at)
   redis.call('ZREM', K.by_buyer, by_buyer_entry(user, at))
@@ -331,16 +425,16 @@ local function expire_if_due(now)
   local m = redis.call('HMGET', K.marker, 'user', 'quantity', 'state', 'expiresAt', 'overdueAt')
   if (m[3] == 'active' or m[3] == 'pending') and tonumber(m[4]) <= now then
     redis.call('HSET', K.marker, 'state', 'expired')
-    redis.call('ZREM', K.holds, KEY)
+    zrem(K.holds, KEY)
     give_back(m[1], tonumber(m[2]), marker_variant())
     local offer = redis.call('HEXISTS', K.marker, 'line') == 1
     if m[3] == 'pending' and not offer then
       -- (XX: the entry moves, and a set lost meanwhile is not made again without
       -- the drop's expiry.)
       redis.call('HSET', K.marker, 'unsure', '1')
-      redis.call('ZADD', K.unresolved, 'XX', tonumber(m[5]) or now, KEY)
+      zmove(K.unresolved, tonumber(m[5]) or now, KEY)
     else
-      redis.call('ZREM', K.unresolved, KEY)
+      zrem(K.unresolved, KEY)
     end
     if m[3] == 'pending' and offer then
       -- An offer never made durable: the entry waits at its place again.

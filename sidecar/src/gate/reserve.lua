@@ -165,7 +165,7 @@ end
 
 local deadline = now + tonumber(cfg[5]) * 1000
 take(user, quantity, variant)
-redis.call('ZADD', K.holds, deadline, KEY)
+zadd(K.holds, deadline, KEY)
 -- Whatever an earlier sale left under this key, nothing of it carries over.
 redis.call('DEL', K.marker)
 -- The change's number first, so that the marker is written whole in one HSET.
@@ -187,7 +187,7 @@ if offer then
   redis.call('HSET', wl_entry(KEY), 'state', 'offering')
   redis.call('HSET', K.marker, 'line', '1')
 end
-redis.call('ZADD', K.unresolved, now + bound, KEY)
+zadd(K.unresolved, now + bound, KEY)
 -- The marker outlives the hold so that a late retry still reads already_reserved;
 -- the drop's other keys expire with the config when the sale has an end.
 if cfg[6] ~= '' then

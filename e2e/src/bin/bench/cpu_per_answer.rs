@@ -38,6 +38,9 @@ struct Row {
     /// Allocations and bytes allocated per answer, by the sidecars (a build with
     /// the `allocation-count` feature only).
     allocations: Option<(f64, f64)>,
+    /// Redis commands per answer, scripts' own calls included, most first (from
+    /// `INFO commandstats`; the sidecar rows only).
+    commands: Vec<(String, f64)>,
     note: String,
 }
 
@@ -250,6 +253,16 @@ pub async fn table(options: &Options) -> Result<(), String> {
         )
     };
     let (by_size_sidecar, by_size_redis) = per(&cart, &size);
+    println!("Redis commands per answer (scripts' own calls included; INFO commandstats):");
+    for row in [&admit, &size, &cart, &sold_out, &hot_admit, &hot_sold_out] {
+        let total: f64 = row.commands.iter().map(|(_, per)| per).sum();
+        let top: Vec<String> = row
+            .commands
+            .iter()
+            .map(|(name, per)| format!("{name} {per:.2}"))
+            .collect();
+        println!("  {:<38} {total:>6.1}  {}", row.name, top.join(", "));
+    }
     let (by_plain_sidecar, by_plain_redis) = per(&cart, &admit);
     println!(
         "a {CART_LINES}-line cart on one drop over one reserve of a size of it: sidecar CPU per answer {by_size_sidecar:.2}x, Redis CPU per answer {by_size_redis:.2}x (target <= 2.0 each); over one reserve of a drop without sizes: {by_plain_sidecar:.2}x, {by_plain_redis:.2}x"
@@ -318,6 +331,7 @@ async fn raw(
         sidecar: None,
         redis: (after - before) / calls as f64,
         allocations: None,
+        commands: Vec::new(),
         note: format!("{calls} calls"),
     })
 }
@@ -444,14 +458,25 @@ impl Fleet {
             .await?;
         let allocated_before = self.allocations().await?;
         let (sidecar_before, redis_before) = (self.cpu()?, redis_cpu(conn)?);
+        let commands_before = redis_commands(conn)?;
         let started = Instant::now();
         let load = self
             .load(ask, "run", options.clients, options.length, want)
             .await?;
         let elapsed = started.elapsed().as_secs_f64();
         let (sidecar_after, redis_after) = (self.cpu()?, redis_cpu(conn)?);
+        let commands_after = redis_commands(conn)?;
         let allocated_after = self.allocations().await?;
         let answers = load.times.len().max(1) as f64;
+        let mut commands: Vec<(String, f64)> = commands_after
+            .into_iter()
+            .map(|(name, calls)| {
+                let before = commands_before.get(&name).copied().unwrap_or(0);
+                (name, calls.saturating_sub(before) as f64 / answers)
+            })
+            .filter(|(_, per)| *per >= 0.005)
+            .collect();
+        commands.sort_by(|a, b| b.1.total_cmp(&a.1));
         let mut times = load.times;
         times.sort_unstable();
         Ok(Row {
@@ -468,6 +493,7 @@ impl Fleet {
                         (after.1 - before.1) / answers,
                     )
                 }),
+            commands,
             note: if load.other == 0 {
                 format!("every answer {want}")
             } else {
@@ -522,6 +548,26 @@ struct Load {
     times: Vec<Duration>,
     /// Answers other than the one the row is for.
     other: usize,
+}
+
+/// Redis's commands so far by name, with how often each was called (`INFO
+/// commandstats`: a script's own calls count too). The bench's own INFO calls
+/// are among them, a handful a row.
+fn redis_commands(
+    conn: &mut redis::Connection,
+) -> Result<std::collections::HashMap<String, u64>, String> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(conn)
+        .map_err(|e| e.to_string())?;
+    Ok(info
+        .lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = stats.strip_prefix("calls=")?.split(',').next()?;
+            Some((name.to_string(), calls.parse().ok()?))
+        })
+        .collect())
 }
 
 /// Redis's CPU seconds so far (user + system, from `INFO cpu`).
