@@ -223,7 +223,9 @@ end
 
 -- Writes to the drop's sorted sets, deferred in a batch (see DEFERRING): adds
 -- `member` to `set` with `score`, takes it out, or (ZADD XX) moves its score if it
--- is in the set.
+-- is in the set. Every write of the gate scripts' shared code to those sets goes
+-- through these, so that no write made at once in a batch is overwritten by a
+-- deferred one (the scripts never batched, such as replay.lua, write at once).
 local function deferred(set)
   local members = DEFERRED[set]
   if not members then
@@ -258,10 +260,14 @@ local function zmove(set, score, member)
   end
 end
 
--- Writes what the run deferred, one ZADD and one ZREM a set. Returns the requests
--- whose writes these were (in a table by number), to be answered the error if it
--- fails.
+-- Writes what the run deferred, one ZADD and one ZREM a set, the unresolved set
+-- first (should a later write fail, the sweeper still finds every pending admission
+-- there). Returns the requests whose writes these were (in a table by number), to
+-- be answered the error if it fails.
 local function flush_deferred()
+  table.sort(DEFERRED_SETS, function(a, b)
+    return a == K.unresolved and b ~= K.unresolved
+  end)
   for _, set in ipairs(DEFERRED_SETS) do
     local added, taken = {}, {}
     for member, score in pairs(DEFERRED[set]) do
@@ -370,7 +376,7 @@ end
 
 -- Takes KEY's listing under `user` out (its marker names another reservation).
 local function unlist_for_buyer(user, at)
-  redis.call('ZREM', K.by_buyer, by_buyer_entry(user, at))
+  zrem(K.by_buyer, by_buyer_entry(user, at))
 end
 
 -- Ends a prepared confirm or cancel's bookkeeping (finished, aborted or replayed).
@@ -378,7 +384,7 @@ local function clear_settling()
   EXPIRES_SHARED = nil
   redis.call('HDEL', K.marker, 'settling', 'settleAttempt', 'settleBy', 'settleSeq',
     'settleQuantity', 'settleExpiresAt')
-  redis.call('ZREM', K.unresolved, KEY)
+  zrem(K.unresolved, KEY)
 end
 
 -- What a call on an existing reservation (look-up, confirm, cancel, extension) is
@@ -455,5 +461,5 @@ local function prepare(target, attempt, by)
   SEQ = redis.call('INCR', K.seq)
   redis.call('HSET', K.marker, 'settling', target, 'settleAttempt', attempt, 'settleBy', by,
     'settleSeq', SEQ)
-  redis.call('ZADD', K.unresolved, by, KEY)
+  zadd(K.unresolved, by, KEY)
 end

@@ -142,17 +142,25 @@ pub async fn dispatch(
     .fetch_all(pool)
     .await?;
     let claimed = rows.len();
-    // Each drop's events in order (the rows are in id order), published a run at a
-    // time (see [`publish_run`]).
-    let mut runs: Vec<(String, Vec<(i64, String, String)>)> = Vec::new();
+    // Each stream's events in order (the rows are in id order; the sales of one
+    // drop share its stream), published a run at a time (see [`publish_run`]).
+    let mut runs: Vec<(String, Vec<Event>)> = Vec::new();
     for row in rows {
-        let id: i64 = row.try_get(0)?;
-        let event_id: String = row.try_get(1)?;
-        let drop_key: String = row.try_get(2)?;
-        let payload: String = row.try_get(3)?;
-        match runs.iter_mut().find(|(key, _)| *key == drop_key) {
-            Some((_, events)) => events.push((id, event_id, payload)),
-            None => runs.push((drop_key, vec![(id, event_id, payload)])),
+        let event = Event {
+            id: row.try_get(0)?,
+            event_id: row.try_get(1)?,
+            drop_key: row.try_get(2)?,
+            payload: row.try_get(3)?,
+        };
+        let Some((namespace, name)) =
+            dropgate_api::keys::ledger_drop(&event.drop_key).split_once('/')
+        else {
+            continue;
+        };
+        let stream = dropgate_api::DropKeys::new(namespace, name).events();
+        match runs.iter_mut().find(|(key, _)| *key == stream) {
+            Some((_, events)) => events.push(event),
+            None => runs.push((stream, vec![event])),
         }
     }
     // Published ids, marked sent together afterwards: one commit per round rather
@@ -160,26 +168,18 @@ pub async fn dispatch(
     let mut published = Vec::with_capacity(claimed);
     let mut held_back = std::collections::HashSet::new();
     let mut failure = None;
-    for (drop_key, events) in runs {
+    for (stream, events) in runs {
         // A round slower than half its claim ends here: past the claim another
         // dispatcher may take these events, and they must not go out twice.
         if now_ms() > claim_until - CLAIM_MS / 2 {
             break;
         }
-        let Some((namespace, name)) = dropgate_api::keys::ledger_drop(&drop_key).split_once('/')
-        else {
-            continue;
-        };
-        let stream = dropgate_api::DropKeys::new(namespace, name).events();
         let (sent, error) = publish_run(redis, &stream, &events).await;
-        published.extend(events[..sent].iter().map(|(id, ..)| *id));
-        if let Some(e) = error {
-            let event_id = events
-                .get(sent)
-                .map_or("", |(_, event_id, _)| event_id.as_str());
-            tracing::warn!(drop = %drop_key, %event_id, error = %e, "event not published; its drop's later events wait");
+        published.extend(events[..sent].iter().map(|event| event.id));
+        if let (Some(e), Some(stopped)) = (error, events.get(sent)) {
+            tracing::warn!(drop = %stopped.drop_key, event_id = %stopped.event_id, error = %e, "event not published; its drop's later events wait");
             failure = Some(e);
-            held_back.insert(drop_key);
+            held_back.insert(stopped.drop_key.clone());
         }
     }
     if claimed > 0 {
@@ -235,6 +235,14 @@ pub async fn dispatch(
     }
 }
 
+/// An outbox row on its way to its drop's stream.
+struct Event {
+    id: i64,
+    event_id: String,
+    drop_key: String,
+    payload: String,
+}
+
 /// Appends `events` to the drop's `stream` in order, stopping at the first that
 /// cannot be (publish.lua: one call for the run, where an XADD a round trip each
 /// cost Redis a reply and the sidecar a wake-up per event). Returns how many were
@@ -242,11 +250,11 @@ pub async fn dispatch(
 async fn publish_run(
     redis: &mut Connection,
     stream: &str,
-    events: &[(i64, String, String)],
+    events: &[Event],
 ) -> (usize, Option<DispatchError>) {
     let mut invocation = PUBLISH.key(stream);
-    for (_, event_id, payload) in events {
-        invocation.arg(event_id).arg(payload);
+    for event in events {
+        invocation.arg(&event.event_id).arg(&event.payload);
     }
     let answered: redis::RedisResult<(usize, String)> = invocation.invoke_async(redis).await;
     let (sent, error) = match answered {
@@ -256,12 +264,12 @@ async fn publish_run(
         ),
         Err(e) => (0, Some(DispatchError::Publish(e.to_string()))),
     };
-    // (The fault point stands for a crash between publishing and marking sent:
-    // what was published goes out again; consumers deduplicate.)
-    if sent > 0
-        && let Err(e) = faults::check(Fault::AfterPublishBeforeAck)
-    {
-        return (0, Some(DispatchError::Publish(e.to_string())));
+    // The fault point, once per event published: a crash between publishing an
+    // event and marking it sent (it goes out again; consumers deduplicate).
+    for n in 0..sent {
+        if let Err(e) = faults::check(Fault::AfterPublishBeforeAck) {
+            return (n, Some(DispatchError::Publish(e.to_string())));
+        }
     }
     (sent, error)
 }
