@@ -792,3 +792,52 @@ async fn a_retry_past_a_dead_admissions_bound_obeys_the_sale_as_it_is_now() {
         "the dead admission left no reservation"
     );
 }
+
+/// A rebuild takes back every pending admission the ledger never recorded, however
+/// many there are: it reads their list a page at a time (it read one page of 512,
+/// and the rest held their units until their bound).
+#[tokio::test]
+async fn a_rebuild_takes_back_every_unrecorded_admission_past_one_page() {
+    use dropgate_sidecar::gate;
+    let sidecar = Sidecar::start().await;
+    sidecar.seed("sale", spec(1000)).await;
+    sidecar
+        .reserve("sale", "k0", "bob", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let ledger = common::ledger_of(&sidecar).await;
+    let mut conn = gate_connection(&sidecar).await;
+    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    // Another sidecar of the same ledger admitted 600 buyers and died before
+    // recording any: pending, their bound far off.
+    for i in 0..600 {
+        gate::reserve(
+            &mut conn,
+            &keys,
+            ledger.id(),
+            &format!("p{i}"),
+            &format!("u{i}"),
+            1,
+            None,
+            &format!("attempt-{i}"),
+            600_000,
+        )
+        .await
+        .expect("runs");
+    }
+    assert_eq!(sidecar.remaining("sale"), 399);
+
+    // Redis loses the drop's gate (a failover to a replica that never had it):
+    // the sidecar's next call finds it and rebuilds the drop from the ledger.
+    redis::cmd("DEL")
+        .arg(keys.gate())
+        .query_async::<()>(&mut conn)
+        .await
+        .expect("DEL");
+    common::eventually("the rebuild to take every one back", async || {
+        let _ = sidecar.reserve("sale", "k0", "bob", 1).await;
+        sidecar.remaining("sale") == 999
+    })
+    .await;
+    assert_eq!(sidecar.held("sale"), 1);
+}

@@ -587,6 +587,22 @@ pub async fn overdue(
     scored_until(conn, &keys.pending(), now_ms, limit).await
 }
 
+/// The drop's unresolved keys from the `offset`th in score order, at most `count`
+/// (a rebuild reads them all, a page at a time).
+pub async fn unresolved_keys(
+    conn: &mut Connection,
+    keys: &DropKeys,
+    offset: usize,
+    count: usize,
+) -> RedisResult<Vec<String>> {
+    redis::cmd("ZRANGE")
+        .arg(keys.pending())
+        .arg(offset)
+        .arg(offset + count.max(1) - 1)
+        .query_async(conn)
+        .await
+}
+
 /// Lists `key`'s unresolved change again at `at_ms` (a sweep's resolution of it
 /// failed): the keys behind it come first meanwhile. Only a listed key moves.
 pub async fn postpone(

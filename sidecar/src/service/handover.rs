@@ -525,7 +525,20 @@ async fn take_back_unrecorded(
     epoch: i64,
 ) -> Result<(), HandoverError> {
     let mut conn = app.redis.clone();
-    for pending in gate::overdue(&mut conn, &drop.keys, i64::MAX, REBUILD_BATCH as isize).await? {
+    // Every listed key first, a page at a time, then each looked at: taking keys
+    // back moves the rest up the set. (The gate is closed for this epoch: nothing
+    // new is listed meanwhile.)
+    let page = REBUILD_BATCH as usize;
+    let mut listed = Vec::new();
+    loop {
+        let keys = gate::unresolved_keys(&mut conn, &drop.keys, listed.len(), page).await?;
+        let last = keys.len() < page;
+        listed.extend(keys);
+        if last {
+            break;
+        }
+    }
+    for pending in listed {
         if let Some(gate::Unresolved::Admission(gate::PendingAdmission { attempt, .. })) =
             gate::unresolved(&mut conn, &drop.keys, &pending).await?
             && app.ledger.reservation(key, &pending).await?.is_none()
