@@ -454,8 +454,13 @@ async fn crossing_carts_and_refunds_on_a_shared_fallback_neither_deadlock_nor_ov
     }))
     .await;
     let counts = tally(carts.iter());
-    assert_eq!(counts.get("reserved"), Some(&20), "{counts:?}");
-    assert_eq!(counts.get("short"), Some(&60), "{counts:?}");
+    let odd: Vec<&str> = carts
+        .iter()
+        .filter(|c| c.outcome() != "reserved" && c.outcome() != "short")
+        .map(|c| c.text.as_str())
+        .collect();
+    assert_eq!(counts.get("reserved"), Some(&20), "{counts:?} {odd:?}");
+    assert_eq!(counts.get("short"), Some(&60), "{counts:?} {odd:?}");
 
     // The held carts given back while 40 more buyers cross the drops: expiries of
     // nothing, refunds and admissions on the same rows at once.

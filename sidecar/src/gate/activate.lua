@@ -7,7 +7,7 @@
 local m = redis.call('HMGET', K.marker, 'attempt', 'state', 'sale', 'user', 'admittedAt', 'line',
   'quantity', 'expiresAt', 'variant')
 if m[3] == false or m[3] ~= SALE then
-  return reply('gone', '', '', '', '', tostring(remaining()))
+  return reply('gone', '', '', '', '', tostring(remaining_read_once()))
 end
 if m[2] == 'pending' and m[1] == ARGV[3] then
   redis.call('HSET', K.marker, 'state', 'active')
@@ -16,7 +16,7 @@ if m[2] == 'pending' and m[1] == ARGV[3] then
   if m[6] then
     redis.call('HSET', wl_entry(KEY), 'state', 'offered')
   end
-  return shown('admitted', m[4], m[7], 'active', m[8], m[9], remaining_as_read(m[9]))
+  return shown('admitted', m[4], m[7], 'active', m[8], m[9], remaining_read_once(m[9]))
 end
 if m[2] == 'expired' and m[1] == ARGV[3] and redis.call('HGET', K.marker, 'unsure') == '1' then
   -- Expired while pending, and this attempt is in the ledger: a reservation that
@@ -24,4 +24,4 @@ if m[2] == 'expired' and m[1] == ARGV[3] and redis.call('HGET', K.marker, 'unsur
   redis.call('HDEL', K.marker, 'unsure')
   zrem(K.unresolved, KEY)
 end
-return shown('gone', m[4], m[7], m[2], m[8], m[9], remaining_as_read(m[9]))
+return shown('gone', m[4], m[7], m[2], m[8], m[9], remaining_read_once(m[9]))

@@ -22,10 +22,12 @@
 -- is decided even after one was refused, so that the answer can name each line
 -- that did not fit.
 --
--- What the requests add to or take out of the drop's sorted sets is written once
--- at the end, one command a set (DEFERRING in prelude.lua); should that fail, the
--- requests it was for are answered its error, as a step of theirs that failed
--- would be (their other changes stay).
+-- What the requests add to or take out of the drop's holds, unresolved and
+-- by-buyer sets is written once at the end, one command a set (DEFERRING in
+-- prelude.lua). Should one of those writes fail, every request that deferred a
+-- write is answered that error (even one whose own sets were written), as a failed
+-- step of its own would be: its other changes stay, and a pending admission among
+-- them is settled within its bound (the unresolved set is written first).
 local n = #KEYS - 11
 local width = (#ARGV - 1) / n
 local replies = {}
@@ -90,9 +92,9 @@ for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
     end
   end
 end
-local flushed, by = pcall(flush_deferred)
+local flushed, why = pcall(flush_deferred)
 if not flushed then
-  local failed = '!' .. tostring(type(by) == 'table' and by.err or by)
+  local failed = '!' .. tostring(type(why) == 'table' and why.err or why)
   for j in pairs(DEFERRED_BY) do
     replies[j] = failed
   end

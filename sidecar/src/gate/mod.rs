@@ -587,20 +587,32 @@ pub async fn overdue(
     scored_until(conn, &keys.pending(), now_ms, limit).await
 }
 
-/// The drop's unresolved keys from the `offset`th in score order, at most `count`
-/// (a rebuild reads them all, a page at a time).
-pub async fn unresolved_keys(
-    conn: &mut Connection,
-    keys: &DropKeys,
-    offset: usize,
-    count: usize,
-) -> RedisResult<Vec<String>> {
-    redis::cmd("ZRANGE")
-        .arg(keys.pending())
-        .arg(offset)
-        .arg(offset + count.max(1) - 1)
-        .query_async(conn)
-        .await
+/// Every key in the drop's unresolved set (`DropKeys::pending`, `K.unresolved` in
+/// the scripts), read with ZSCAN a few hundred at a time: a key listed for the whole
+/// scan is in the answer, whatever else is added, moved or taken out meanwhile (a
+/// read by rank would skip one behind a key taken out). Each key once.
+pub async fn all_unresolved(conn: &mut Connection, keys: &DropKeys) -> RedisResult<Vec<String>> {
+    let mut cursor: u64 = 0;
+    let mut seen = std::collections::HashSet::new();
+    let mut all = Vec::new();
+    loop {
+        let (next, page): (u64, Vec<(String, f64)>) = redis::cmd("ZSCAN")
+            .arg(keys.pending())
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(512)
+            .query_async(conn)
+            .await?;
+        for (key, _) in page {
+            if seen.insert(key.clone()) {
+                all.push(key);
+            }
+        }
+        if next == 0 {
+            return Ok(all);
+        }
+        cursor = next;
+    }
 }
 
 /// Lists `key`'s unresolved change again at `at_ms` (a sweep's resolution of it

@@ -32,15 +32,16 @@ local SHARED, NOW, EXPIRES_SHARED = nil, nil, nil
 -- The config's fields reserve reads (nothing a batch runs writes the config).
 local RESERVE_CONFIG = nil
 -- What a script that changes no count (activate) reads of remaining, once per run
--- for the drop and for each variant (see `remaining_as_read`).
+-- for the drop and for each variant (see `remaining_read_once`).
 local REMAINING_READ = {}
 -- In a batch (batch.lua sets DEFERRING), what its requests add to or take out of
--- the drop's sorted sets (holds, unresolved, by buyer) is written once at the end
--- of the run, one ZADD and one ZREM a set (`flush_deferred`): nothing a batch runs
--- reads those sets meanwhile. Each member's last change in the run is the one
--- written, as one write after the other would leave it. DEFERRED: set -> member ->
--- score (false: taken out); DEFERRED_SETS in the order first written;
--- DEFERRED_BY: the requests (by number, REQUEST) that deferred a write.
+-- the drop's holds, unresolved and by-buyer sets is written once at the end of the
+-- run, one ZREM and one ZADD a set (`flush_deferred`): nothing a batch runs reads
+-- those sets meanwhile. Each member's last change in the run is the one written,
+-- as one write after the other would leave it. DEFERRED: set -> member -> score
+-- (false: taken out); DEFERRED_SETS: the sets with a deferred write; DEFERRED_BY:
+-- the requests (by number, REQUEST) that deferred one. (One run, one batch: none
+-- of these is reset.)
 local DEFERRING = false
 local DEFERRED, DEFERRED_SETS, DEFERRED_BY = {}, {}, {}
 local REQUEST = 0
@@ -132,7 +133,7 @@ end
 
 -- `remaining(variant)` as the run first read it: for a script that changes no
 -- count, whose every request of a batch reads the same.
-local function remaining_as_read(variant)
+local function remaining_read_once(variant)
   local name = variant or ''
   if not REMAINING_READ[name] then
     REMAINING_READ[name] = remaining(variant)
@@ -223,9 +224,10 @@ end
 
 -- Writes to the drop's sorted sets, deferred in a batch (see DEFERRING): adds
 -- `member` to `set` with `score`, takes it out, or (ZADD XX) moves its score if it
--- is in the set. Every write of the gate scripts' shared code to those sets goes
--- through these, so that no write made at once in a batch is overwritten by a
--- deferred one (the scripts never batched, such as replay.lua, write at once).
+-- is in the set. Every write of the gate scripts' shared code to the holds,
+-- unresolved and by-buyer sets goes through these, so that no write made at once
+-- in a batch is overwritten by a deferred one (the waitlist's lines are written at
+-- once, and so do the scripts never batched, such as replay.lua).
 local function deferred(set)
   local members = DEFERRED[set]
   if not members then
@@ -250,6 +252,7 @@ local function zrem(set, member)
     redis.call('ZREM', set, member)
   end
 end
+-- ZADD XX: a new score only for a member already listed (deferred or not).
 local function zmove(set, score, member)
   local pending = DEFERRING and DEFERRED[set] and DEFERRED[set][member]
   if pending == nil or not DEFERRING then
@@ -260,10 +263,10 @@ local function zmove(set, score, member)
   end
 end
 
--- Writes what the run deferred, one ZADD and one ZREM a set, the unresolved set
+-- Writes what the run deferred, one ZREM then one ZADD a set, the unresolved set
 -- first (should a later write fail, the sweeper still finds every pending admission
--- there). Returns the requests whose writes these were (in a table by number), to
--- be answered the error if it fails.
+-- there), the others in any order. A write that fails raises its error: batch.lua
+-- then answers every request in DEFERRED_BY with it.
 local function flush_deferred()
   table.sort(DEFERRED_SETS, function(a, b)
     return a == K.unresolved and b ~= K.unresolved
@@ -290,7 +293,6 @@ local function flush_deferred()
     end
   end
   DEFERRED, DEFERRED_SETS = {}, {}
-  return DEFERRED_BY
 end
 
 -- The waitlist's keys (see DropKeys::waitlist_line and the rest), named from the

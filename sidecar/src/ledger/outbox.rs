@@ -79,13 +79,15 @@ const RESTING: &str = "resting";
 /// takes at most this many of a round's places, never the whole round.
 const PER_DROP: i64 = 64;
 
-/// Publishes up to `batch` pending events, in id order per drop, each to its drop's
-/// stream, and marks sent exactly those whose publish succeeded.
+/// Publishes up to `batch` pending events, each stream's in id order with one
+/// script call ([`publish_run`]; a drop's sales share its stream), and marks sent
+/// exactly those whose publish Redis confirmed.
 ///
 /// `owner` (one per sidecar process) claims whole drops: the first [`PER_DROP`]
 /// unsent events of each drop no other dispatcher holds a claim on. So sidecars
-/// sharing a ledger publish each event once and each drop's events in order, and a
-/// drop whose events cannot be published holds back only its own later events. On
+/// sharing a ledger publish each event once and each drop's events in order. An
+/// event that cannot be published stops its stream's run for the round, and the
+/// events of its drop (its sale) rest for a while; other drops go on. On
 /// PostgreSQL the claims are taken one dispatcher at a time (an advisory lock for
 /// the claiming statement only; admissions writing events never wait for it).
 /// Unpublished events are retried next round (a crash before the marking
@@ -177,7 +179,7 @@ pub async fn dispatch(
         let (sent, error) = publish_run(redis, &stream, &events).await;
         published.extend(events[..sent].iter().map(|event| event.id));
         if let (Some(e), Some(stopped)) = (error, events.get(sent)) {
-            tracing::warn!(drop = %stopped.drop_key, event_id = %stopped.event_id, error = %e, "event not published; its drop's later events wait");
+            tracing::warn!(drop = %stopped.drop_key, event_id = %stopped.event_id, error = %e, "event not published (or its publish not confirmed); its drop's later events wait");
             failure = Some(e);
             held_back.insert(stopped.drop_key.clone());
         }
@@ -245,8 +247,9 @@ struct Event {
 
 /// Appends `events` to the drop's `stream` in order, stopping at the first that
 /// cannot be (publish.lua: one call for the run, where an XADD a round trip each
-/// cost Redis a reply and the sidecar a wake-up per event). Returns how many were
-/// published, and why the next was not.
+/// cost Redis a reply and the sidecar a wake-up per event). Returns how many Redis
+/// confirmed (none when its reply was lost: those go out again, and consumers
+/// deduplicate), and why the next was not.
 async fn publish_run(
     redis: &mut Connection,
     stream: &str,
@@ -259,13 +262,15 @@ async fn publish_run(
     let answered: redis::RedisResult<(usize, String)> = invocation.invoke_async(redis).await;
     let (sent, error) = match answered {
         Ok((sent, error)) => (
+            // (Never more than were sent, whatever the reply says.)
             sent.min(events.len()),
             (!error.is_empty()).then(|| DispatchError::Publish(error)),
         ),
         Err(e) => (0, Some(DispatchError::Publish(e.to_string()))),
     };
     // The fault point, once per event published: a crash between publishing an
-    // event and marking it sent (it goes out again; consumers deduplicate).
+    // event and marking it sent (it and the rest of the run, published too, go out
+    // again; consumers deduplicate).
     for n in 0..sent {
         if let Err(e) = faults::check(Fault::AfterPublishBeforeAck) {
             return (n, Some(DispatchError::Publish(e.to_string())));

@@ -86,6 +86,11 @@ const REBUILD_BATCH: i64 = 512;
 /// A replay that has not finished this long after it began was abandoned (its
 /// sidecar died): another sidecar may start over at a new epoch.
 const REPLAY_ABANDONED_MS: i64 = 10_000;
+/// How long a rebuild spends taking back unrecorded admissions, well within
+/// [`REPLAY_ABANDONED_MS`]: a huge pending set would otherwise hold the gate closed
+/// until another sidecar starts over. What is left then goes back through the
+/// sweepers at each admission's bound, as it would without the rebuild.
+const TAKE_BACK_BUDGET: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// Opens the gate of `drop` if it is closed or behind the ledger. With `suspect`
 /// (a sidecar saw Redis hand out a change number or a place in line twice, or lose
@@ -525,20 +530,14 @@ async fn take_back_unrecorded(
     epoch: i64,
 ) -> Result<(), HandoverError> {
     let mut conn = app.redis.clone();
-    // Every listed key first, a page at a time, then each looked at: taking keys
-    // back moves the rest up the set. (The gate is closed for this epoch: nothing
-    // new is listed meanwhile.)
-    let page = REBUILD_BATCH as usize;
-    let mut listed = Vec::new();
-    loop {
-        let keys = gate::unresolved_keys(&mut conn, &drop.keys, listed.len(), page).await?;
-        let last = keys.len() < page;
-        listed.extend(keys);
-        if last {
+    // Every listed key (however many), then each looked at. (A key listed after
+    // the scan began is not of this epoch's making: the gate is closed for it.)
+    let until = std::time::Instant::now() + TAKE_BACK_BUDGET;
+    for pending in gate::all_unresolved(&mut conn, &drop.keys).await? {
+        if std::time::Instant::now() > until {
+            tracing::info!(drop = %drop.name, "the rebuild's time to take back unrecorded admissions is spent: the sweepers take back the rest at their bound");
             break;
         }
-    }
-    for pending in listed {
         if let Some(gate::Unresolved::Admission(gate::PendingAdmission { attempt, .. })) =
             gate::unresolved(&mut conn, &drop.keys, &pending).await?
             && app.ledger.reservation(key, &pending).await?.is_none()
