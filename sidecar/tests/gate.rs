@@ -14,6 +14,32 @@ fn spec(limit: i64) -> DropSpec {
     DropSpec::new(limit).sku("SNKR-0412")
 }
 
+/// Drop `sale` (`limit` units) seeded and sold once through `sidecar` (bob's `k0`),
+/// so that the sale's ledger is the sidecar's: that ledger, a connection to the
+/// drop's Redis and its keys, for calling gate scripts as another sidecar of the
+/// same ledger would.
+async fn sold_once(
+    sidecar: &Sidecar,
+    limit: i64,
+) -> (
+    dropgate_sidecar::ledger::Ledger,
+    dropgate_redis::Connection,
+    dropgate_api::DropKeys,
+) {
+    sidecar.seed("sale", spec(limit)).await;
+    sidecar
+        .reserve("sale", "k0", "bob", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let ledger = common::ledger_of(sidecar).await;
+    let conn = gate_connection(sidecar).await;
+    (
+        ledger,
+        conn,
+        dropgate_api::DropKeys::new(common::NS, "sale"),
+    )
+}
+
 /// Drop `sale` (3 units) seeded and claimed by the ledger `the-sales-ledger`: a
 /// connection to its Redis, its keys and that ledger, for calling gate scripts
 /// directly as the sale's ledger does.
@@ -741,15 +767,7 @@ async fn a_retry_past_a_dead_admissions_bound_obeys_the_sale_as_it_is_now() {
     use dropgate_sidecar::gate;
     use dropgate_sidecar::reservation::Outcome;
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", spec(3)).await;
-    // The sale's ledger is this sidecar's once it has sold.
-    sidecar
-        .reserve("sale", "k0", "bob", 1)
-        .await
-        .assert_answer(201, "admitted");
-    let ledger = common::ledger_of(&sidecar).await;
-    let mut conn = gate_connection(&sidecar).await;
-    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    let (ledger, mut conn, keys) = sold_once(&sidecar, 3).await;
     // Another sidecar of the same ledger admitted k1 and died before recording it:
     // pending, and past its bound at once.
     let dead = gate::reserve(
@@ -794,20 +812,13 @@ async fn a_retry_past_a_dead_admissions_bound_obeys_the_sale_as_it_is_now() {
 }
 
 /// A rebuild takes back every pending admission the ledger never recorded, however
-/// many there are: it reads their list a page at a time (it read one page of 512,
-/// and the rest held their units until their bound).
+/// many there are: it reads their whole list (it read one page of 512, and the rest
+/// held their units until their bound).
 #[tokio::test]
 async fn a_rebuild_takes_back_every_unrecorded_admission_past_one_page() {
     use dropgate_sidecar::gate;
     let sidecar = Sidecar::start().await;
-    sidecar.seed("sale", spec(1000)).await;
-    sidecar
-        .reserve("sale", "k0", "bob", 1)
-        .await
-        .assert_answer(201, "admitted");
-    let ledger = common::ledger_of(&sidecar).await;
-    let mut conn = gate_connection(&sidecar).await;
-    let keys = dropgate_api::DropKeys::new(common::NS, "sale");
+    let (ledger, mut conn, keys) = sold_once(&sidecar, 1000).await;
     // Another sidecar of the same ledger admitted 600 buyers and died before
     // recording any: pending, their bound far off.
     for i in 0..600 {
