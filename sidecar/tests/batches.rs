@@ -4,7 +4,10 @@
 //! drops with the same terms are driven side by side, one a call per request (a
 //! cart's lines a call of their own), the other with each run of reserves and carts
 //! (and of activations) sent as one batch, and every answer and the drops' whole
-//! state in Redis must be the same.
+//! state in Redis must be the same. The scenarios also close and reopen the gate (a
+//! move of the authority and back), send reserves as a ledger that is not the
+//! sale's, give some admissions a pending bound of 0 (overdue at once, so that
+//! retries meet `overdue`), and sell with and without an end.
 
 mod common;
 
@@ -21,6 +24,8 @@ use rand::{Rng, SeedableRng};
 const LEDGER: &str = "the-sales-ledger";
 const ONE_BY_ONE: &str = "one-by-one";
 const BATCHED: &str = "batched";
+/// A ledger the sale is not claimed by: the gate refuses it.
+const FOREIGN: &str = "another-ledger";
 
 /// One step of a scenario.
 #[derive(Clone, Debug)]
@@ -38,6 +43,16 @@ enum Op {
         to: State,
         attempt: String,
     },
+    /// A reserve sent as [`FOREIGN`].
+    Foreign(ReserveRequest),
+    /// The gate closed for a move of the authority to `epoch`.
+    Close {
+        epoch: i64,
+    },
+    /// The gate opened again at `epoch`.
+    Open {
+        epoch: i64,
+    },
 }
 
 /// A random scenario: keys reused across buyers and terms (duplicates and retries),
@@ -45,6 +60,9 @@ enum Op {
 fn scenario(rng: &mut StdRng, variants: bool) -> Vec<Op> {
     let mut ops = Vec::new();
     let mut attempts: Vec<(String, String)> = Vec::new();
+    let mut reserves: Vec<ReserveRequest> = Vec::new();
+    // The gate's epoch (opened at 1), and whether it is closed now.
+    let (mut epoch, mut closed) = (1, false);
     for i in 0..rng.random_range(20..60) {
         let key = format!("k{}", rng.random_range(0..12));
         let mut request = |rng: &mut StdRng, key: String, user: &str, attempt: String| {
@@ -55,14 +73,40 @@ fn scenario(rng: &mut StdRng, variants: bool) -> Vec<Op> {
                 quantity: rng.random_range(1..=3),
                 variant: variants.then(|| ["s", "m", "x"][rng.random_range(0..3)].to_string()),
                 attempt,
-                pending_bound_ms: 600_000,
+                // One in four overdue as soon as it is admitted.
+                pending_bound_ms: if rng.random_ratio(1, 4) { 0 } else { 600_000 },
                 offer: false,
             }
         };
-        match rng.random_range(0..12) {
+        // A closed gate opens again within a few steps.
+        if closed && rng.random_ratio(1, 3) {
+            closed = false;
+            ops.push(Op::Open { epoch });
+            continue;
+        }
+        match rng.random_range(0..14) {
+            12 if !closed => {
+                epoch += 1;
+                closed = true;
+                ops.push(Op::Close { epoch });
+            }
+            13 => {
+                let user = format!("u{}", rng.random_range(0..4));
+                ops.push(Op::Foreign(request(rng, key, &user, format!("a{i}"))));
+            }
+            // A retry of an earlier reserve: the same terms, an attempt of its own.
+            0..2 if !reserves.is_empty() => {
+                let mut retry: ReserveRequest =
+                    reserves[rng.random_range(0..reserves.len())].clone();
+                retry.attempt = format!("a{i}");
+                attempts.push((retry.key.clone(), retry.attempt.clone()));
+                ops.push(Op::Reserve(retry));
+            }
             0..6 => {
                 let user = format!("u{}", rng.random_range(0..4));
-                ops.push(Op::Reserve(request(rng, key, &user, format!("a{i}"))));
+                let reserve = request(rng, key, &user, format!("a{i}"));
+                reserves.push(reserve.clone());
+                ops.push(Op::Reserve(reserve));
             }
             // A cart of 1-3 lines by one buyer, its keys `c<n>:<line>` (a retry of
             // an earlier cart when n repeats).
@@ -79,7 +123,7 @@ fn scenario(rng: &mut StdRng, variants: bool) -> Vec<Op> {
                 };
                 ops.push(Op::Cart(lines, mode));
             }
-            8..11 if !attempts.is_empty() => {
+            8..=10 if !attempts.is_empty() => {
                 let (key, attempt) = attempts[rng.random_range(0..attempts.len())].clone();
                 ops.push(Op::Activate { key, attempt });
             }
@@ -116,7 +160,7 @@ async fn drive(
             .take_while(|op| kind(op) == kind(&ops[i]))
             .count();
         let n = match rng.as_deref_mut() {
-            Some(rng) if !matches!(ops[i], Op::Settle { .. }) => rng.random_range(1..=run),
+            Some(rng) if kind(&ops[i]) != 2 => rng.random_range(1..=run),
             _ => 1,
         };
         let group = &ops[i..i + n];
@@ -169,6 +213,23 @@ async fn drive(
                     });
                 }
             }
+            (Op::Foreign(_), true) => {
+                let requests: Vec<ReserveRequest> = group
+                    .iter()
+                    .filter_map(|op| match op {
+                        Op::Foreign(request) => Some(request.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                let replies = gate::reserve_batch(conn, &keys, FOREIGN, &requests)
+                    .await
+                    .expect("a batch of another ledger's reserves runs");
+                answers.extend(
+                    replies.into_iter().map(|reply| {
+                        format!("{:?}", reply.expect("each reserve of the batch runs"))
+                    }),
+                );
+            }
             (Op::Activate { .. }, true) => {
                 let admissions: Vec<(String, String)> = group
                     .iter()
@@ -199,7 +260,8 @@ fn kind(op: &Op) -> u8 {
     match op {
         Op::Reserve(_) | Op::Cart(..) => 0,
         Op::Activate { .. } => 1,
-        Op::Settle { .. } => 2,
+        Op::Foreign(_) => 3,
+        Op::Settle { .. } | Op::Close { .. } | Op::Open { .. } => 2,
     }
 }
 
@@ -237,6 +299,34 @@ async fn one(conn: &mut dropgate_redis::Connection, keys: &DropKeys, op: &Op) ->
             )
             .await
             .expect("a reserve runs")
+        ),
+        Op::Foreign(r) => format!(
+            "{:?}",
+            gate::reserve(
+                conn,
+                keys,
+                FOREIGN,
+                &r.key,
+                &r.user,
+                r.quantity,
+                r.variant.as_deref(),
+                &r.attempt,
+                r.pending_bound_ms,
+            )
+            .await
+            .expect("another ledger's reserve runs")
+        ),
+        Op::Close { epoch } => format!(
+            "{:?}",
+            gate::close(conn, keys, LEDGER, *epoch)
+                .await
+                .expect("the gate closes")
+        ),
+        Op::Open { epoch } => format!(
+            "{:?}",
+            gate::open(conn, keys, LEDGER, *epoch, 0)
+                .await
+                .expect("the gate opens")
         ),
         Op::Activate { key, attempt } => format!(
             "{:?}",
@@ -278,12 +368,15 @@ fn state(redis: &RedisServer, drop: &str) -> BTreeMap<String, String> {
                     .arg(&key)
                     .arg(0)
                     .arg(-1)
-                    .query::<Vec<String>>(&mut conn)
+                    .arg("WITHSCORES")
+                    .query::<Vec<(String, String)>>(&mut conn)
                     // Scored by times, or naming them, which differ between the
-                    // runs: as a set, without the times.
+                    // runs: sorted by member, the times taken out.
                     .map(|members| {
-                        let mut members: Vec<String> =
-                            members.iter().map(|m| without(m, drop)).collect();
+                        let mut members: Vec<String> = members
+                            .iter()
+                            .map(|(m, score)| without(&format!("{m}={score}"), drop))
+                            .collect();
                         members.sort_unstable();
                         format!("{members:?}")
                     }),
@@ -347,8 +440,13 @@ async fn same_answers_and_state(variants: bool, seeds: std::ops::Range<u64>) {
         } else {
             DropSpec::new(9).per_user_limit(4)
         };
-        // A sale with an end: its keys expire after it.
-        let spec = spec.hold_seconds(3600).ends_at("2099-01-01T00:00:00Z");
+        // Every other seed a sale with an end (its keys expire after it).
+        let spec = spec.hold_seconds(3600);
+        let spec = if seed % 2 == 0 {
+            spec.ends_at("2099-01-01T00:00:00Z")
+        } else {
+            spec
+        };
         let mut conn = sale(&redis, spec).await;
         let mut rng = StdRng::seed_from_u64(seed);
         let ops = scenario(&mut rng, variants);

@@ -47,6 +47,19 @@ local function outcome_of(text)
 end
 local holding = {admitted = true, already_reserved = true, pending = true, overdue = true,
   settling = true}
+-- The groups must name every request once before any is decided: a malformed
+-- batch (only the sidecar's own code could send one) is refused with nothing done.
+local named = 0
+for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
+  if mode ~= 'o' and mode ~= 'a' and mode ~= 'v' then
+    return redis.error_reply('a batch with a group of unknown mode ' .. mode)
+  end
+  named = named + tonumber(count)
+end
+if n < 1 or named ~= n or (#ARGV - 1) % n ~= 0 then
+  return redis.error_reply('a batch whose groups name ' .. named .. ' of its ' .. n
+    .. ' requests, with ' .. (#ARGV - 1) .. ' arguments')
+end
 DEFERRING = true
 local i = 0
 for mode, count in string.gmatch(ARGV[#ARGV], '(%a)(%d+)') do
@@ -98,8 +111,5 @@ if not flushed then
   for j in pairs(DEFERRED_BY) do
     replies[j] = failed
   end
-end
-if i ~= n then
-  return redis.error_reply('a batch whose groups name ' .. i .. ' of its ' .. n .. ' requests')
 end
 return replies
