@@ -415,8 +415,40 @@ impl World {
                 let first = self.next_key;
                 self.next_key += n;
                 let replies = self.reserve_all((first..first + n).map(|i| (i, i))).await;
+                // New keys, asked once each: a 503 that says nothing landed refused
+                // the admission and undid it, and its commit, let through when the
+                // lock goes, is refused too.
+                let refused: Vec<(String, String)> = replies
+                    .iter()
+                    .filter_map(|(k, reply)| reply.as_ref().map(|reply| (k, reply)))
+                    .filter(|(_, reply)| {
+                        reply.status == 503
+                            && !reply.text.contains("without saying whether it landed")
+                    })
+                    .map(|(k, reply)| (k.clone(), reply.text.clone()))
+                    .collect();
                 self.note_reserves(replies);
                 let _ = holder.await;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                for (k, text) in refused {
+                    let state = self.marker_state(&k);
+                    assert!(
+                        !matches!(state.as_deref(), Some("pending" | "active" | "confirmed")),
+                        "{k}: answered 503 ({text}), yet Redis holds it {state:?}"
+                    );
+                    let row: Option<(String,)> = sqlx::query_as(
+                        "SELECT state FROM reservations WHERE drop_key LIKE $1 AND res_key = $2 AND state IN ('active', 'confirmed')",
+                    )
+                    .bind(format!("{NS}/{}/%", self.drop))
+                    .bind(&k)
+                    .fetch_optional(&self.lab.pool)
+                    .await
+                    .expect("the ledger answers");
+                    assert_eq!(
+                        row, None,
+                        "{k}: answered 503 ({text}), yet the ledger holds it"
+                    );
+                }
             }
             Step::LedgerDownUnderSettle(n) => {
                 let picked = self.pick_held(rng, n);

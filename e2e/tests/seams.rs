@@ -223,6 +223,7 @@ async fn a_refund_or_confirm_the_ledger_cannot_record_changes_nothing() {
     let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
     publish(dir.path(), &redis, DropSpec::new(2));
+    let seeded = redis.checkpoint();
     let shop = sidecar(&redis, &postgres.url(), &[]).await;
     reserve(&shop, "alice").await.assert_answer(201, "admitted");
     settle(&shop, "alice", "confirm")
@@ -271,6 +272,34 @@ async fn a_refund_or_confirm_the_ledger_cannot_record_changes_nothing() {
         .filter(|t| *t == "cancelled")
         .count();
     assert_eq!(cancelled, 1, "one refund, one event");
+
+    // Redis loses everything since the seed: rebuilt from the ledger, the refund
+    // made stays made and the confirm that failed stays unmade until its retry.
+    redis.roll_back_to(&seeded).expect("Redis rolls back");
+    let mut conn = redis.connection().expect("connect");
+    let _ = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .query::<i64>(&mut conn);
+    for (key, state) in [
+        ("alice", "cancelled"),
+        ("carol", "confirmed"),
+        ("bob", "active"),
+    ] {
+        let found = until_answered(async || {
+            shop.get(&format!("/v1/drops/sale/reservations/{key}"))
+                .await
+                .expect("the sidecar answers")
+        })
+        .await;
+        assert_eq!(
+            found.body["state"], state,
+            "{key} after the rebuild: {}",
+            found.text
+        );
+    }
+    assert_eq!(redis_int(&redis, keys().remaining()), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -297,7 +326,38 @@ async fn a_commit_slower_than_its_deadline_is_refused_undone_and_retried() {
     });
     let first = reserve(&shop, "k").await;
     assert_eq!(first.status, 503, "refused and undone: {}", first.text);
+    // The 503 changed nothing: Redis holds no unit for `k` once it is answered, and
+    // the attempt's commit, let through when the lock goes, is refused: no row holds
+    // `k` in the ledger and no event names it.
+    assert!(
+        !matches!(
+            marker_state(&redis, "k").as_deref(),
+            Some("pending" | "active" | "confirmed")
+        ),
+        "Redis holds k after its 503: {:?}",
+        marker_state(&redis, "k")
+    );
+    assert_eq!(
+        redis_int(&redis, keys().held()),
+        1,
+        "only warm's unit is held"
+    );
+    assert_eq!(redis_int(&redis, keys().remaining()), 2);
     holder.await.expect("the lock is released");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (k_in_ledger,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM reservations WHERE drop_key LIKE 'shop/sale/%' AND res_key = 'k' AND state IN ('active', 'confirmed')",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(k_in_ledger, 0, "the refused attempt's late commit landed");
+    assert!(
+        events_of(&redis, "k").is_empty(),
+        "events of the refused attempt: {:?}",
+        events_of(&redis, "k")
+    );
+    assert_eq!(redis_int(&redis, keys().held()), 1);
 
     let retry = until_answered(async || reserve(&shop, "k").await).await;
     retry.assert_answer(201, "admitted");
@@ -456,26 +516,58 @@ async fn per_pod_ledgers_on_several_pods_sell_through_one_and_survive_a_lossy_fa
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn mixed_ledgers_never_sell_what_another_sold() {
+/// Which kind of ledger opened a sale that pods of the other kind join later.
+#[derive(Clone, Copy, Debug)]
+enum FirstLedger {
+    Shared,
+    PerPod,
+}
+
+/// One sale served by pods with different ledgers: those of the kind that opened
+/// it, then (a rollout that adds or drops `dropgate.io/database-secret` mid-sale)
+/// pods of the other kind. The newcomers sell nothing, with Redis up or gone (then,
+/// with failurePolicy Open, only the sale's own ledger falls back), and never more
+/// than the limit is sold.
+async fn mixed_ledgers_sell_only_through_the_sales_own(first: FirstLedger) {
     let mut redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
     let sqlite = format!("sqlite://{}", dir.path().join("pod.db").display());
     publish(dir.path(), &redis, DropSpec::new(6).permits(100));
     let fast = ["--refresh-ms", "100"];
-    let shared_a = sidecar(&redis, &postgres.url(), &fast).await;
-    let shared_b = sidecar(&redis, &postgres.url(), &fast).await;
-    let per_pod = sidecar(&redis, &sqlite, &fast).await;
-    // The shared ledger opens the sale (a buyer told to retry while the first
-    // sidecar opens the gate does).
-    for (i, shop) in [&shared_a, &shared_b, &shared_a].into_iter().enumerate() {
-        until_answered(async || reserve(shop, &format!("shared-{i}")).await)
+    let shared = async || {
+        vec![
+            sidecar(&redis, &postgres.url(), &fast).await,
+            sidecar(&redis, &postgres.url(), &fast).await,
+        ]
+    };
+    let per_pod = async || vec![sidecar(&redis, &sqlite, &fast).await];
+    let owners = match first {
+        FirstLedger::Shared => shared().await,
+        FirstLedger::PerPod => per_pod().await,
+    };
+    // The sale's ledger opens the sale (a buyer told to retry while the first
+    // sidecar opens the gate does) and sells 3.
+    for i in 0..3 {
+        let shop = &owners[i % owners.len()];
+        until_answered(async || reserve(shop, &format!("owner-{i}")).await)
             .await
             .assert_answer(201, "admitted");
     }
-    let refused = rush(&[&*per_pod], "pod", 5).await;
-    assert_eq!(admitted(&refused), 0, "{:?}", answers(&refused));
+    let newcomers = match first {
+        FirstLedger::Shared => per_pod().await,
+        FirstLedger::PerPod => shared().await,
+    };
+    let every: Vec<&HttpClient> = owners.iter().chain(&newcomers).map(|s| &**s).collect();
+    let is_newcomer = |i: usize| i % every.len() >= owners.len();
+    let newcomer_http: Vec<&HttpClient> = newcomers.iter().map(|s| &**s).collect();
+    let refused = rush(&newcomer_http, "newcomer", 6).await;
+    assert_eq!(
+        admitted(&refused),
+        0,
+        "{first:?} first: a newcomer sold with Redis up: {:?}",
+        answers(&refused)
+    );
 
     // Redis gone for everyone, failurePolicy Open: only the sale's ledger falls back.
     redis.stop();
@@ -483,21 +575,40 @@ async fn mixed_ledgers_never_sell_what_another_sold() {
     // The same buyers ask again and again: a key sold counts once.
     let mut on_fallback = std::collections::HashSet::new();
     for _ in 0..10 {
-        let round = rush(&[&*shared_a, &*shared_b, &*per_pod], "outage", 12).await;
+        let round = rush(&every, "outage", 12).await;
         for (i, reply) in round.iter().enumerate() {
             if reply.status == 201 {
-                assert_ne!(i % 3, 2, "the per-pod ledger sold on the fallback");
+                assert!(
+                    !is_newcomer(i),
+                    "{first:?} first: a newcomer's ledger sold on the fallback: {}",
+                    reply.text
+                );
                 on_fallback.insert(i);
             }
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    assert!(!on_fallback.is_empty(), "the sale's ledger fell back");
+    assert!(
+        !on_fallback.is_empty(),
+        "{first:?} first: the sale's ledger fell back"
+    );
     assert!(
         3 + on_fallback.len() <= 6,
-        "{} sold of 6",
+        "{first:?} first: {} sold of 6",
         3 + on_fallback.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mixed_ledgers_never_sell_what_another_sold() {
+    mixed_ledgers_sell_only_through_the_sales_own(FirstLedger::Shared).await;
+}
+
+/// The order: a sale opened on a per-pod ledger, joined by pods with a
+/// PostgreSQL ledger (a rollout that adds `dropgate.io/database-secret`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mixed_ledgers_opened_per_pod_never_sell_through_the_shared_one() {
+    mixed_ledgers_sell_only_through_the_sales_own(FirstLedger::PerPod).await;
 }
 
 /// What the operator does for a sale in Kubernetes: publishes claims as `recorded`,
