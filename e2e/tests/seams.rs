@@ -137,48 +137,131 @@ async fn until_answered(mut ask: impl AsyncFnMut() -> Reply) -> Reply {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_limit_cut_on_the_fallback_is_obeyed_by_the_next_buyer() {
+/// Where a sale is recorded (README's failure table).
+#[derive(Clone, Copy, Debug)]
+enum Ledgers {
+    /// Two sidecars on one PostgreSQL ledger.
+    Shared,
+    /// Two pods, each with its own SQLite ledger: the first's is the sale's.
+    PerPodSeveral,
+    /// Two sidecars on PostgreSQL (the sale's), one pod on its own SQLite ledger.
+    Mixed,
+}
+
+/// A sale on a kill-switched drop (decided by the ledger's fallback) served as
+/// `ledgers` says by stale sidecars (their copy of the config re-read every
+/// minute). The sale's ledger's sidecars first, then the others: the first of them
+/// opens the sale by selling `early` units, each buyer asking until answered.
+struct StaleSale {
+    owners: Vec<Shop>,
+    others: Vec<Shop>,
+    _postgres: PostgresServer,
+}
+
+impl StaleSale {
+    async fn start(redis: &RedisServer, dir: &Path, ledgers: Ledgers, early: usize) -> Self {
+        let postgres = PostgresServer::start().expect("PostgreSQL");
+        let sqlite = |name: &str| format!("sqlite://{}", dir.join(name).display());
+        let mut owners = Vec::new();
+        let mut others = Vec::new();
+        match ledgers {
+            Ledgers::Shared | Ledgers::Mixed => {
+                owners.push(stale_sidecar(redis, &postgres.url()).await);
+                owners.push(stale_sidecar(redis, &postgres.url()).await);
+            }
+            Ledgers::PerPodSeveral => owners.push(stale_sidecar(redis, &sqlite("a.db")).await),
+        }
+        for i in 0..early {
+            let shop = &owners[i % owners.len()];
+            until_answered(async || reserve(shop, &format!("early-{i}")).await)
+                .await
+                .assert_answer(201, "admitted");
+        }
+        match ledgers {
+            Ledgers::Shared => {}
+            Ledgers::PerPodSeveral | Ledgers::Mixed => {
+                others.push(stale_sidecar(redis, &sqlite("b.db")).await);
+            }
+        }
+        Self {
+            owners,
+            others,
+            _postgres: postgres,
+        }
+    }
+
+    /// `n` buyers at once over every sidecar; what the others answered is checked to
+    /// be no sale, and the answers of the sale's ledger's sidecars are returned.
+    async fn rush(&self, prefix: &str, n: usize, ledgers: Ledgers) -> Vec<Reply> {
+        let every: Vec<&HttpClient> = self
+            .owners
+            .iter()
+            .chain(&self.others)
+            .map(|s| &**s)
+            .collect();
+        let replies = rush(&every, prefix, n).await;
+        let (mut owned, mut foreign) = (Vec::new(), Vec::new());
+        for (i, reply) in replies.into_iter().enumerate() {
+            if i % every.len() < self.owners.len() {
+                owned.push(reply);
+            } else {
+                foreign.push(reply);
+            }
+        }
+        assert_eq!(
+            admitted(&foreign),
+            0,
+            "{ledgers:?}: a ledger not the sale's sold: {:?}",
+            answers(&foreign)
+        );
+        owned
+    }
+}
+
+async fn a_limit_cut_on_the_fallback_is_obeyed(ledgers: Ledgers) {
     let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
     publish(
         dir.path(),
         &redis,
         DropSpec::new(20).kill_switch().permits(100),
     );
-    let a = stale_sidecar(&redis, &postgres.url()).await;
-    let b = stale_sidecar(&redis, &postgres.url()).await;
-    let early = rush(&[&*a, &*b], "early", 5).await;
-    assert_eq!(admitted(&early), 5, "{:?}", answers(&early));
+    let sale = StaleSale::start(&redis, dir.path(), ledgers, 5).await;
 
     publish(
         dir.path(),
         &redis,
         DropSpec::new(10).kill_switch().permits(100),
     );
-    let late = rush(&[&*a, &*b], "late", 20).await;
+    let late = sale.rush("late", 30, ledgers).await;
     assert_eq!(
         5 + admitted(&late),
         10,
-        "the limit in force is 10: {:?}",
+        "{ledgers:?}: the limit in force is 10: {:?}",
         answers(&late)
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_end_moved_into_the_past_on_the_fallback_ends_the_sale_for_the_next_buyer() {
+async fn a_limit_cut_on_the_fallback_is_obeyed_by_the_next_buyer() {
+    a_limit_cut_on_the_fallback_is_obeyed(Ledgers::Shared).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_limit_cut_on_the_fallback_of_per_pod_or_mixed_ledgers_is_obeyed() {
+    a_limit_cut_on_the_fallback_is_obeyed(Ledgers::PerPodSeveral).await;
+    a_limit_cut_on_the_fallback_is_obeyed(Ledgers::Mixed).await;
+}
+
+async fn an_end_moved_into_the_past_on_the_fallback_is_obeyed(ledgers: Ledgers) {
     let redis = RedisServer::start().expect("redis-server");
-    let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
     publish(
         dir.path(),
         &redis,
         DropSpec::new(20).kill_switch().permits(100),
     );
-    let a = stale_sidecar(&redis, &postgres.url()).await;
-    let b = stale_sidecar(&redis, &postgres.url()).await;
-    assert_eq!(admitted(&rush(&[&*a, &*b], "early", 3).await), 3);
+    let sale = StaleSale::start(&redis, dir.path(), ledgers, 3).await;
 
     publish(
         dir.path(),
@@ -188,13 +271,24 @@ async fn an_end_moved_into_the_past_on_the_fallback_ends_the_sale_for_the_next_b
             .permits(100)
             .ends_at("2001-01-01T00:00:00Z"),
     );
-    let late = rush(&[&*a, &*b], "late", 10).await;
+    let late = sale.rush("late", 12, ledgers).await;
     assert!(
         late.iter()
             .all(|r| r.status == 403 && r.outcome() == "ended"),
-        "the sale has ended: {:?}",
+        "{ledgers:?}: the sale has ended: {:?}",
         answers(&late)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_end_moved_into_the_past_on_the_fallback_ends_the_sale_for_the_next_buyer() {
+    an_end_moved_into_the_past_on_the_fallback_is_obeyed(Ledgers::Shared).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_end_moved_on_the_fallback_of_per_pod_or_mixed_ledgers_ends_the_sale() {
+    an_end_moved_into_the_past_on_the_fallback_is_obeyed(Ledgers::PerPodSeveral).await;
+    an_end_moved_into_the_past_on_the_fallback_is_obeyed(Ledgers::Mixed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -516,23 +610,27 @@ async fn per_pod_ledgers_on_several_pods_sell_through_one_and_survive_a_lossy_fa
     );
 }
 
-/// Which kind of ledger opened a sale that pods of the other kind join later.
+/// Which ledgers serve a sale: those that opened it, then the newcomers.
 #[derive(Clone, Copy, Debug)]
 enum FirstLedger {
+    /// A shared ledger's two sidecars, joined by a pod with a per-pod ledger.
     Shared,
+    /// A pod with a per-pod ledger, joined by a shared ledger's two sidecars.
     PerPod,
+    /// A pod with a per-pod ledger, joined by another such pod.
+    PerPodSeveral,
 }
 
-/// One sale served by pods with different ledgers: those of the kind that opened
-/// it, then (a rollout that adds or drops `dropgate.io/database-secret` mid-sale)
-/// pods of the other kind. The newcomers sell nothing, with Redis up or gone (then,
+/// One sale served by pods with different ledgers: those that opened it, then
+/// (a rollout that adds or drops `dropgate.io/database-secret` mid-sale, or a
+/// second pod of a per-pod workload) the newcomers. The newcomers sell nothing, with Redis up or gone (then,
 /// with failurePolicy Open, only the sale's own ledger falls back), and never more
 /// than the limit is sold.
 async fn mixed_ledgers_sell_only_through_the_sales_own(first: FirstLedger) {
     let mut redis = RedisServer::start().expect("redis-server");
     let postgres = PostgresServer::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("dir");
-    let sqlite = format!("sqlite://{}", dir.path().join("pod.db").display());
+    let sqlite = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
     publish(dir.path(), &redis, DropSpec::new(6).permits(100));
     let fast = ["--refresh-ms", "100"];
     let shared = async || {
@@ -541,10 +639,10 @@ async fn mixed_ledgers_sell_only_through_the_sales_own(first: FirstLedger) {
             sidecar(&redis, &postgres.url(), &fast).await,
         ]
     };
-    let per_pod = async || vec![sidecar(&redis, &sqlite, &fast).await];
+    let per_pod = async |name: &str| vec![sidecar(&redis, &sqlite(name), &fast).await];
     let owners = match first {
         FirstLedger::Shared => shared().await,
-        FirstLedger::PerPod => per_pod().await,
+        FirstLedger::PerPod | FirstLedger::PerPodSeveral => per_pod("first.db").await,
     };
     // The sale's ledger opens the sale (a buyer told to retry while the first
     // sidecar opens the gate does) and sells 3.
@@ -555,7 +653,7 @@ async fn mixed_ledgers_sell_only_through_the_sales_own(first: FirstLedger) {
             .assert_answer(201, "admitted");
     }
     let newcomers = match first {
-        FirstLedger::Shared => per_pod().await,
+        FirstLedger::Shared | FirstLedger::PerPodSeveral => per_pod("newcomer.db").await,
         FirstLedger::PerPod => shared().await,
     };
     let every: Vec<&HttpClient> = owners.iter().chain(&newcomers).map(|s| &**s).collect();
@@ -609,6 +707,81 @@ async fn mixed_ledgers_never_sell_what_another_sold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mixed_ledgers_opened_per_pod_never_sell_through_the_shared_one() {
     mixed_ledgers_sell_only_through_the_sales_own(FirstLedger::PerPod).await;
+}
+
+/// Per-pod ledgers on two pods: the sale's pod falls back when Redis is gone, the
+/// other sells nothing, with Redis up or gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_pod_ledgers_on_two_pods_fall_back_only_on_the_sales_pod() {
+    mixed_ledgers_sell_only_through_the_sales_own(FirstLedger::PerPodSeveral).await;
+}
+
+/// Two sidecar processes share a lock; Redis restarts without its data (the fence
+/// counter with it); the next fence, from the other process, is still above every
+/// fence handed out before: with per-pod ledgers (neither saw the other's fences)
+/// and with one shared PostgreSQL ledger.
+async fn fences_grow_across_processes_over_a_redis_loss(shared: bool) {
+    let mut redis = RedisServer::start().expect("redis-server");
+    let postgres = PostgresServer::start().expect("PostgreSQL");
+    let dir = tempfile::tempdir().expect("dir");
+    let ledger = |name: &str| {
+        if shared {
+            postgres.url()
+        } else {
+            format!("sqlite://{}", dir.path().join(name).display())
+        }
+    };
+    let first = sidecar(&redis, &ledger("first.db"), &[]).await;
+    let mut fences = Vec::new();
+    for _ in 0..5 {
+        let held = until_answered(async || {
+            first
+                .post(
+                    "/v1/locks/shared",
+                    r#"{"owner":"me","ttlMs":10000,"waitMs":0}"#,
+                )
+                .await
+                .expect("the sidecar answers")
+        })
+        .await;
+        held.assert_answer(200, "acquired");
+        fences.push(held.body["fence"].as_i64().expect("a fence"));
+        let token = held.body["token"].as_str().expect("a token").to_string();
+        let released = first
+            .delete("/v1/locks/shared", &format!(r#"{{"token":"{token}"}}"#))
+            .await
+            .expect("the sidecar answers");
+        assert_eq!(released.outcome(), "released", "{}", released.text);
+    }
+    assert!(fences.windows(2).all(|w| w[0] < w[1]), "{fences:?}");
+    redis.restart().expect("Redis restarts without its data");
+    let second = sidecar(&redis, &ledger("second.db"), &[]).await;
+    let theirs = until_answered(async || {
+        second
+            .post(
+                "/v1/locks/shared",
+                r#"{"owner":"them","ttlMs":100,"waitMs":0}"#,
+            )
+            .await
+            .expect("the sidecar answers")
+    })
+    .await;
+    theirs.assert_answer(200, "acquired");
+    let fence = theirs.body["fence"].as_i64().expect("a fence");
+    assert!(
+        fence > fences[4],
+        "shared {shared}: fence {fence} after {fences:?}: a storage guarded by it would take a stale holder's write"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fences_of_per_pod_ledgers_keep_growing_over_a_redis_loss() {
+    fences_grow_across_processes_over_a_redis_loss(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fences_of_a_shared_ledger_keep_growing_over_a_redis_loss() {
+    fences_grow_across_processes_over_a_redis_loss(true).await;
 }
 
 /// What the operator does for a sale in Kubernetes: publishes claims as `recorded`,

@@ -159,4 +159,12 @@ impl HttpClient {
     ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
         self.request(Method::POST, path, Some(body)).await
     }
+
+    pub async fn delete(
+        &self,
+        path: &str,
+        body: &str,
+    ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        self.request(Method::DELETE, path, Some(body)).await
+    }
 }
