@@ -620,7 +620,7 @@ async fn heal_from_redis(
             Outcome::Closed => return,
             Outcome::NotFound => app
                 .ledger
-                .expire_one(&key_of, config, &key, due)
+                .expire_one(&key_of, config, &key, due, Holder::Gate)
                 .await
                 .map(|_| ())
                 .map_err(|e| e.to_string()),

@@ -7,7 +7,8 @@
 //! state in Redis must be the same. The scenarios also close and reopen the gate (a
 //! move of the authority and back), send reserves as a ledger that is not the
 //! sale's, give some admissions a pending bound of 0 (overdue at once, so that
-//! retries meet `overdue`), and sell with and without an end.
+//! retries meet `overdue`), sell with and without an end, and with holds that end
+//! the moment they are made (expiries in batches).
 
 mod common;
 
@@ -160,7 +161,7 @@ async fn drive(
             .take_while(|op| kind(op) == kind(&ops[i]))
             .count();
         let n = match rng.as_deref_mut() {
-            Some(rng) if kind(&ops[i]) != 2 => rng.random_range(1..=run),
+            Some(rng) if kind(&ops[i]) != Kind::Alone => rng.random_range(1..=run),
             _ => 1,
         };
         let group = &ops[i..i + n];
@@ -255,13 +256,24 @@ async fn drive(
     answers
 }
 
-/// Which steps go in one batch: reserves and carts, or activations.
-fn kind(op: &Op) -> u8 {
+/// Which steps may share a batch: neighbouring steps of one kind do, but `Alone`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Reserves and carts' lines.
+    Reserves,
+    Activations,
+    /// Reserves sent as another ledger (a batch of their own: one ledger a batch).
+    Foreign,
+    /// A call of its own each.
+    Alone,
+}
+
+fn kind(op: &Op) -> Kind {
     match op {
-        Op::Reserve(_) | Op::Cart(..) => 0,
-        Op::Activate { .. } => 1,
-        Op::Foreign(_) => 3,
-        Op::Settle { .. } | Op::Close { .. } | Op::Open { .. } => 2,
+        Op::Reserve(_) | Op::Cart(..) => Kind::Reserves,
+        Op::Activate { .. } => Kind::Activations,
+        Op::Foreign(_) => Kind::Foreign,
+        Op::Settle { .. } | Op::Close { .. } | Op::Open { .. } => Kind::Alone,
     }
 }
 
@@ -370,8 +382,9 @@ fn state(redis: &RedisServer, drop: &str) -> BTreeMap<String, String> {
                     .arg(-1)
                     .arg("WITHSCORES")
                     .query::<Vec<(String, String)>>(&mut conn)
-                    // Scored by times, or naming them, which differ between the
-                    // runs: sorted by member, the times taken out.
+                    // Members with their scores, sorted by member; a score or a
+                    // member that is a time (they differ between the two runs) is
+                    // read as `T` (see `without`).
                     .map(|members| {
                         let mut members: Vec<String> = members
                             .iter()
@@ -409,8 +422,16 @@ fn without(text: &str, drop: &str) -> String {
     out
 }
 
-/// Both drops seeded with `spec`, claimed by [`LEDGER`] and their gates open.
-async fn sale(redis: &RedisServer, spec: DropSpec) -> dropgate_redis::Connection {
+/// Both drops seeded with `spec`, claimed by [`LEDGER`] and their gates open. With
+/// `due_at_once`, a hold ends the moment it is made (`holdSeconds` 0, below what a
+/// drop may declare: written into the config): every retry or settle of a
+/// reservation after its admission finds it due and expires it, so that expiries
+/// and the units they give back happen in batches, exactly as one by one.
+async fn sale(
+    redis: &RedisServer,
+    spec: DropSpec,
+    due_at_once: bool,
+) -> dropgate_redis::Connection {
     let mut conn: dropgate_redis::Connection = redis::Client::open(redis.url())
         .expect("url")
         .get_connection_manager()
@@ -426,11 +447,23 @@ async fn sale(redis: &RedisServer, spec: DropSpec) -> dropgate_redis::Connection
         gate::open(&mut conn, &keys, LEDGER, 1, 0)
             .await
             .expect("opens");
+        if due_at_once {
+            redis::cmd("HSET")
+                .arg(keys.config())
+                .arg("holdSeconds")
+                .arg(0)
+                .exec_async(&mut conn)
+                .await
+                .expect("HSET holdSeconds");
+        }
     }
     conn
 }
 
 async fn same_answers_and_state(variants: bool, seeds: std::ops::Range<u64>) {
+    // How often the scenarios met what they are made to meet: a reserve refused by
+    // a closed gate, one overdue, a hold expired on the way, another ledger refused.
+    let (mut closed, mut overdue, mut expired, mut foreign) = (0, 0, 0, 0);
     for seed in seeds {
         let redis = RedisServer::start().expect("redis-server starts");
         let spec = if variants {
@@ -447,11 +480,33 @@ async fn same_answers_and_state(variants: bool, seeds: std::ops::Range<u64>) {
         } else {
             spec
         };
-        let mut conn = sale(&redis, spec).await;
+        let mut conn = sale(&redis, spec, seed % 3 == 2).await;
         let mut rng = StdRng::seed_from_u64(seed);
         let ops = scenario(&mut rng, variants);
         let expected = drive(&mut conn, ONE_BY_ONE, &ops, None).await;
         let got = drive(&mut conn, BATCHED, &ops, Some(&mut rng)).await;
+        assert_eq!(
+            expected.len(),
+            got.len(),
+            "seed {seed}: as many answers batched as one by one"
+        );
+        for (op, answer) in ops.iter().zip(&expected) {
+            match op {
+                Op::Reserve(_) | Op::Cart(..) => {
+                    closed += usize::from(answer.contains("Closed"));
+                    overdue += usize::from(answer.contains("Overdue"));
+                    expired += usize::from(answer.contains("Expired"));
+                }
+                Op::Foreign(_) => {
+                    assert!(
+                        answer.contains("ForeignLedger") || answer.contains("Closed"),
+                        "seed {seed}: another ledger's reserve answered {answer}"
+                    );
+                    foreign += 1;
+                }
+                _ => {}
+            }
+        }
         for (n, (want, got)) in expected.iter().zip(&got).enumerate() {
             assert_eq!(
                 without(want, ONE_BY_ONE),
@@ -460,13 +515,16 @@ async fn same_answers_and_state(variants: bool, seeds: std::ops::Range<u64>) {
                 ops[n]
             );
         }
-        assert_eq!(expected.len(), got.len());
         assert_eq!(
             state(&redis, ONE_BY_ONE),
             state(&redis, BATCHED),
             "seed {seed}: the drops' state in Redis differs ({ops:#?})"
         );
     }
+    assert!(
+        closed > 0 && overdue > 0 && expired > 0 && foreign > 0,
+        "the scenarios meet a closed gate ({closed}), overdue admissions ({overdue}), expiries ({expired}) and another ledger ({foreign})"
+    );
 }
 
 #[tokio::test]

@@ -29,6 +29,7 @@
 -- step of its own would be: its other changes stay, and a pending admission among
 -- them is settled within its bound (the unresolved set is written first).
 local n = #KEYS - 11
+-- (Checked to be whole below, before any request is decided.)
 local width = (#ARGV - 1) / n
 local replies = {}
 local function keys_of(i)

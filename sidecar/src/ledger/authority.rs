@@ -184,11 +184,16 @@ impl Ledger {
             .fetch_one(&mut *tx)
             .await?
             .try_get(0)?;
-            if seen > 0
-                && let Some(current) = current
-            {
+            if seen > 0 {
+                // Another sidecar of this ledger reached Redis since: one sidecar's
+                // outage moves nobody off the gate, whether or not it was opened yet.
                 tx.commit().await?;
-                return Ok(current);
+                return current.ok_or_else(|| {
+                    LedgerError::NotAuthority(
+                        "other sidecars of this ledger reach Redis: one sidecar's outage hands nothing to the ledger"
+                            .into(),
+                    )
+                });
             }
         }
         ensure_stock(&mut tx, drop_key, stock).await?;

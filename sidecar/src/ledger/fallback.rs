@@ -14,7 +14,7 @@
 use dropgate_api::DropConfig;
 use sqlx::{Any, Row, Transaction};
 
-use super::authority::require_ledger;
+use super::authority::{Holder, read_in, require_ledger};
 use super::carts::{CartCommit, CartWrite, CartWritten};
 use super::{
     Backend, EventIds, Ledger, LedgerError, RecordError, adjust_holdings, ensure_stock,
@@ -888,7 +888,10 @@ impl Ledger {
     ) -> Result<Vec<String>, LedgerError> {
         let mut expired = Vec::new();
         for key in self.active_due(drop_key, due, batch).await? {
-            if self.expire_one(drop_key, config, &key, due).await? {
+            if self
+                .expire_one(drop_key, config, &key, due, Holder::Ledger)
+                .await?
+            {
                 expired.push(key);
             }
         }
@@ -917,17 +920,27 @@ impl Ledger {
     }
 
     /// Expires the hold of `key` if it is active with a deadline at or before
-    /// `due`, returning its units and writing its event; true when it did.
+    /// `due`, returning its units and writing its event; true when it did. Only
+    /// while `in_charge` decides the drop's admissions, read in the same
+    /// transaction: a sweeper that read the authority before a hand-over (the
+    /// fallback's, before a replay reopened the gate; the gate's repair, before a
+    /// hand-over to the fallback) changes nothing.
     pub async fn expire_one(
         &self,
         drop_key: &str,
         config: &DropConfig,
         key: &str,
         due: i64,
+        in_charge: Holder,
     ) -> Result<bool, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        // The drop's stock row before the reservation's, as every transaction
-        // moving both takes them.
+        // The authority row, then the drop's stock row, then the reservation's, as
+        // every transaction that moves them takes them.
+        let authority = read_in(&mut tx, self.backend, drop_key, true).await?;
+        if authority.map(|a| a.holder) != Some(in_charge) {
+            tx.rollback().await?;
+            return Ok(false);
+        }
         lock_stock(&mut tx, drop_key).await?;
         // What this call wrote, not what it found: a request may have expired the
         // hold a moment before.

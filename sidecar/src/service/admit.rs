@@ -528,9 +528,10 @@ async fn after_gate(
         // answered as it stands in the ledger once the ledger has it.
         Outcome::Unsettled(view) => {
             return Turn::Done(
+                // (The sale Redis named, not this sidecar's copy of the config's.)
                 match app
                     .ledger
-                    .reservation(&drop.ledger_key(), &request.key)
+                    .reservation(&change_key(drop, &reply.step), &request.key)
                     .await
                 {
                     Ok(Some(row)) if row.state != view.reservation.state => {

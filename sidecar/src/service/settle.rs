@@ -309,7 +309,11 @@ async fn lookup_on_gate(
         if reply.outcome != Outcome::Pending {
             break reply;
         }
-        if let Ok(Some(row)) = app.ledger.reservation(&drop.ledger_key(), key).await {
+        if let Ok(Some(row)) = app
+            .ledger
+            .reservation(&change_key(drop, &reply.step), key)
+            .await
+        {
             return Turn::Done(Ok(Outcome::Found(View {
                 reservation: row.reservation(),
                 remaining: 0,
@@ -345,12 +349,20 @@ async fn lookup_on_gate(
         return Turn::Recheck;
     }
     let outcome = match reply.outcome {
-        Outcome::NotFound => match from_ledger_or_not_found(app, drop, key, Settle::Lookup).await {
-            Ok(outcome) => outcome,
-            Err(failure) => return Turn::Done(Err(failure)),
-        },
+        Outcome::NotFound => {
+            match from_ledger_or_not_found(app, &change_key(drop, &reply.step), key, Settle::Lookup)
+                .await
+            {
+                Ok(outcome) => outcome,
+                Err(failure) => return Turn::Done(Err(failure)),
+            }
+        }
         // Its confirm or cancel is prepared: it happened once the ledger recorded it.
-        Outcome::Unsettled(view) => match app.ledger.reservation(&drop.ledger_key(), key).await {
+        Outcome::Unsettled(view) => match app
+            .ledger
+            .reservation(&change_key(drop, &reply.step), key)
+            .await
+        {
             // Recorded: a confirm or cancel moved it, an extension moved its deadline.
             Ok(Some(row))
                 if row.state != view.reservation.state
@@ -674,7 +686,7 @@ async fn answered(
         // record, moving no unit: replaying it here would take its units a second
         // time.
         return Turn::Done(
-            from_ledger_or_not_found(app, drop, key, settle)
+            from_ledger_or_not_found(app, &change_key(drop, &reply.step), key, settle)
                 .await
                 .inspect(|outcome| {
                     free_permit_if_settled(drop, key, outcome);
@@ -689,14 +701,15 @@ async fn answered(
     }
 }
 
-/// The ledger's answer for a key Redis has no marker of.
+/// The ledger's answer for a key Redis has no marker of, from the sale Redis named
+/// (`ledger_key`: see `change_key`), not this sidecar's copy of the config's.
 async fn from_ledger_or_not_found(
     app: &App,
-    drop: &Drop,
+    ledger_key: &str,
     key: &str,
     settle: Settle,
 ) -> Result<Outcome, Failure> {
-    match app.ledger.reservation(&drop.ledger_key(), key).await {
+    match app.ledger.reservation(ledger_key, key).await {
         Ok(Some(row)) => Ok(from_ledger(row, settle)),
         Ok(None) => Ok(Outcome::NotFound),
         Err(e) => Err(Failure::unavailable(format!(
