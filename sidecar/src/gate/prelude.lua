@@ -47,7 +47,7 @@ local DEFERRED, DEFERRED_SETS, DEFERRED_BY = {}, {}, {}
 local REQUEST = 0
 -- The same for the drop's counters (remaining, held, the change counter: field '';
 -- the buyers' and the variants' hash fields): read once, counted in the script, and
--- written once at the end of the run (`flush_counts`). COUNTS: key -> field ->
+-- written once at the end of the run (`flush_deferred`). COUNTS: key -> field ->
 -- value (false: no such field, or taken out); COUNTS_CHANGED: key -> field -> true
 -- for those the run changed; COUNTED_KEYS: those keys, in the order first changed.
 local COUNTS, COUNTS_CHANGED, COUNTED_KEYS = {}, {}, {}
@@ -330,35 +330,29 @@ local function zmove(set, score, member)
   end
 end
 
--- Writes what the run deferred, one ZREM then one ZADD a set, the unresolved set
--- first (should a later write fail, the sweeper still finds every pending admission
--- there), the others in any order. A write that fails raises its error: batch.lua
--- then answers every request in DEFERRED_BY with it.
-local function flush_deferred()
-  table.sort(DEFERRED_SETS, function(a, b)
-    return a == K.unresolved and b ~= K.unresolved
-  end)
-  for _, set in ipairs(DEFERRED_SETS) do
-    local added, taken = {}, {}
-    for member, score in pairs(DEFERRED[set]) do
-      if score then
-        added[#added + 1] = score
-        added[#added + 1] = member
-      else
-        taken[#taken + 1] = member
-      end
-    end
-    if #taken > 0 then
-      redis.call('ZREM', set, unpack(taken))
-    end
-    if #added > 0 then
-      redis.call('ZADD', set, unpack(added))
+-- Writes one deferred set: one ZREM, then one ZADD.
+local function flush_set(set)
+  local added, taken = {}, {}
+  for member, score in pairs(DEFERRED[set]) do
+    if score then
+      added[#added + 1] = score
+      added[#added + 1] = member
+    else
+      taken[#taken + 1] = member
     end
   end
-  DEFERRED, DEFERRED_SETS = {}, {}
-  -- The counters: a string key set to its count (keeping its time to live), a
-  -- hash's fields set, then those taken out (a hash that keeps any field is never
-  -- emptied and made again on the way).
+  if #taken > 0 then
+    redis.call('ZREM', set, unpack(taken))
+  end
+  if #added > 0 then
+    redis.call('ZADD', set, unpack(added))
+  end
+end
+
+-- Writes the deferred counters: a string key set to its count (keeping its time to
+-- live), a hash's fields set, then those taken out (a hash that keeps any field is
+-- never emptied and made again on the way).
+local function flush_counts()
   for _, key in ipairs(COUNTED_KEYS) do
     local set, gone = {}, {}
     for field in pairs(COUNTS_CHANGED[key]) do
@@ -380,6 +374,25 @@ local function flush_deferred()
     end
   end
   COUNTS_CHANGED, COUNTED_KEYS = {}, {}
+end
+
+-- Writes what the run deferred: the unresolved set first (should a later write fail,
+-- the sweeper still finds every pending admission there), then the counters, then
+-- the other sets, then the shared keys' expiry. A write that fails raises its
+-- error: batch.lua then answers every request in DEFERRED_BY with it. (Past the
+-- script's first write Redis refuses none for memory: what can fail here is a key
+-- of the wrong type, which only damage from outside dropgate makes.)
+local function flush_deferred()
+  if DEFERRED[K.unresolved] then
+    flush_set(K.unresolved)
+  end
+  flush_counts()
+  for _, set in ipairs(DEFERRED_SETS) do
+    if set ~= K.unresolved then
+      flush_set(set)
+    end
+  end
+  DEFERRED, DEFERRED_SETS = {}, {}
   if SHARED_EXPIRY then
     -- The drop's shared keys expire with the sale, those this run made included
     -- (expire_shared left it to here).
