@@ -23,13 +23,11 @@
 -- that did not fit.
 --
 -- What the requests add to or take out of the drop's holds, unresolved and
--- by-buyer sets, and what they count in its counters (remaining, held, the change
--- counter, the buyers' and the variants' counts), is written once at the end, one
--- command a key (DEFERRING in prelude.lua). Should one of those writes fail, every
--- request that deferred a write is answered that error (even one whose own writes
--- landed), as a failed step of its own would be: its other changes stay, and a
--- pending admission among them is settled within its bound (the unresolved set is
--- written first).
+-- by-buyer sets is written once at the end, one command a set (DEFERRING in
+-- prelude.lua). Should one of those writes fail, every request that deferred a
+-- write is answered that error (even one whose own sets were written), as a failed
+-- step of its own would be: its other changes stay, and a pending admission among
+-- them is settled within its bound (the unresolved set is written first).
 local n = #KEYS - 11
 -- (Checked to be whole below, before any request is decided.)
 local width = (#ARGV - 1) / n

@@ -45,12 +45,6 @@ local REMAINING_READ = {}
 local DEFERRING = false
 local DEFERRED, DEFERRED_SETS, DEFERRED_BY = {}, {}, {}
 local REQUEST = 0
--- The same for the drop's counters (remaining, held, the change counter: field '';
--- the buyers' and the variants' hash fields): read once, counted in the script, and
--- written once at the end of the run (`flush_deferred`). COUNTS: key -> field ->
--- value (false: no such field, or taken out); COUNTS_CHANGED: key -> field -> true
--- for those the run changed; COUNTED_KEYS: those keys, in the order first changed.
-local COUNTS, COUNTS_CHANGED, COUNTED_KEYS = {}, {}, {}
 -- The time the run last set the shared keys to expire at (see `expire_shared`):
 -- a set that a deferred write makes is set to expire then too.
 local SHARED_EXPIRY = nil
@@ -101,10 +95,6 @@ end
 -- a batch computes the same time).
 local function expire_shared(at)
   SHARED_EXPIRY = at
-  if DEFERRING then
-    -- Once, after the run's deferred writes made every key it will (flush_deferred).
-    return
-  end
   if EXPIRES_SHARED ~= at then
     for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants, K.by_buyer}) do
       redis.call('PEXPIREAT', key, at)
@@ -131,69 +121,12 @@ local function settling()
   return redis.call('HEXISTS', K.marker, 'settling') == 1
 end
 
--- A counter of the drop (`field` '' for a string key, else the hash's field) as the
--- run has it: nil where there is none. In a batch, read from Redis once and then
--- kept in the script (see COUNTS).
-local function count(key, field)
-  local known = COUNTS[key]
-  if known and known[field] ~= nil then
-    return known[field] or nil
-  end
-  local value
-  if field == '' then
-    value = tonumber(redis.call('GET', key))
-  else
-    value = tonumber(redis.call('HGET', key, field))
-  end
-  if DEFERRING then
-    if not known then
-      known = {}
-      COUNTS[key] = known
-    end
-    known[field] = value or false
-  end
-  return value
-end
-local function mark_counted(key, field)
-  local changed = COUNTS_CHANGED[key]
-  if not changed then
-    changed = {}
-    COUNTS_CHANGED[key] = changed
-    COUNTED_KEYS[#COUNTED_KEYS + 1] = key
-  end
-  changed[field] = true
-  DEFERRED_BY[REQUEST] = true
-end
--- INCRBY / HINCRBY: the counter after adding `by`.
-local function count_add(key, field, by)
-  if not DEFERRING then
-    if field == '' then
-      return redis.call('INCRBY', key, by)
-    end
-    return redis.call('HINCRBY', key, field, by)
-  end
-  local value = (count(key, field) or 0) + by
-  COUNTS[key][field] = value
-  mark_counted(key, field)
-  return value
-end
--- HDEL of one hash field.
-local function count_drop(key, field)
-  if not DEFERRING then
-    redis.call('HDEL', key, field)
-    return
-  end
-  count(key, field)
-  COUNTS[key][field] = false
-  mark_counted(key, field)
-end
-
 -- What the drop (or one of its variants) may still admit: a variant no more than
 -- the drop as a whole (a cut or a removed variant's holds are paid back first).
 local function remaining(variant)
-  local drop = count(K.remaining, '') or 0
+  local drop = tonumber(redis.call('GET', K.remaining) or '0')
   if variant and variant ~= '' then
-    return math.min(drop, count(K.variants, 'r:' .. variant) or 0)
+    return math.min(drop, tonumber(redis.call('HGET', K.variants, 'r:' .. variant) or '0'))
   end
   return drop
 end
@@ -262,12 +195,12 @@ end
 
 -- Takes units out of the drop's (and the variant's) stock into a hold.
 local function take(user, quantity, variant)
-  count_add(K.remaining, '', -quantity)
-  count_add(K.held, '', quantity)
-  count_add(K.buyers, user, quantity)
+  redis.call('DECRBY', K.remaining, quantity)
+  redis.call('INCRBY', K.held, quantity)
+  redis.call('HINCRBY', K.buyers, user, quantity)
   if variant ~= '' then
-    count_add(K.variants, 'r:' .. variant, -quantity)
-    count_add(K.variants, 'h:' .. variant, quantity)
+    redis.call('HINCRBY', K.variants, 'r:' .. variant, -quantity)
+    redis.call('HINCRBY', K.variants, 'h:' .. variant, quantity)
   end
 end
 
@@ -278,14 +211,14 @@ local function give_back(user, quantity, variant)
   -- The buyers' hash may be emptied, so deleted: a later admission of this run
   -- sets the expiry on its new one again.
   EXPIRES_SHARED = nil
-  count_add(K.remaining, '', quantity)
-  count_add(K.held, '', -quantity)
-  if count_add(K.buyers, user, -quantity) <= 0 then
-    count_drop(K.buyers, user)
+  redis.call('INCRBY', K.remaining, quantity)
+  redis.call('DECRBY', K.held, quantity)
+  if redis.call('HINCRBY', K.buyers, user, -quantity) <= 0 then
+    redis.call('HDEL', K.buyers, user)
   end
   if variant ~= '' then
-    count_add(K.variants, 'r:' .. variant, quantity)
-    count_add(K.variants, 'h:' .. variant, -quantity)
+    redis.call('HINCRBY', K.variants, 'r:' .. variant, quantity)
+    redis.call('HINCRBY', K.variants, 'h:' .. variant, -quantity)
   end
 end
 
@@ -330,76 +263,36 @@ local function zmove(set, score, member)
   end
 end
 
--- Writes one deferred set: one ZREM, then one ZADD.
-local function flush_set(set)
-  local added, taken = {}, {}
-  for member, score in pairs(DEFERRED[set]) do
-    if score then
-      added[#added + 1] = score
-      added[#added + 1] = member
-    else
-      taken[#taken + 1] = member
-    end
-  end
-  if #taken > 0 then
-    redis.call('ZREM', set, unpack(taken))
-  end
-  if #added > 0 then
-    redis.call('ZADD', set, unpack(added))
-  end
-end
-
--- Writes the deferred counters: a string key set to its count (keeping its time to
--- live), a hash's fields set, then those taken out (a hash that keeps any field is
--- never emptied and made again on the way).
-local function flush_counts()
-  for _, key in ipairs(COUNTED_KEYS) do
-    local set, gone = {}, {}
-    for field in pairs(COUNTS_CHANGED[key]) do
-      local value = COUNTS[key][field]
-      if field == '' then
-        redis.call('SET', key, string.format('%d', value), 'KEEPTTL')
-      elseif value then
-        set[#set + 1] = field
-        set[#set + 1] = string.format('%d', value)
+-- Writes what the run deferred, one ZREM then one ZADD a set, the unresolved set
+-- first (should a later write fail, the sweeper still finds every pending admission
+-- there), the others in any order. A write that fails raises its error: batch.lua
+-- then answers every request in DEFERRED_BY with it.
+local function flush_deferred()
+  table.sort(DEFERRED_SETS, function(a, b)
+    return a == K.unresolved and b ~= K.unresolved
+  end)
+  for _, set in ipairs(DEFERRED_SETS) do
+    local added, taken = {}, {}
+    for member, score in pairs(DEFERRED[set]) do
+      if score then
+        added[#added + 1] = score
+        added[#added + 1] = member
       else
-        gone[#gone + 1] = field
+        taken[#taken + 1] = member
       end
     end
-    if #set > 0 then
-      redis.call('HSET', key, unpack(set))
+    if #taken > 0 then
+      redis.call('ZREM', set, unpack(taken))
     end
-    if #gone > 0 then
-      redis.call('HDEL', key, unpack(gone))
-    end
-  end
-  COUNTS_CHANGED, COUNTED_KEYS = {}, {}
-end
-
--- Writes what the run deferred: the unresolved set first (should a later write fail,
--- the sweeper still finds every pending admission there), then the counters, then
--- the other sets, then the shared keys' expiry. A write that fails raises its
--- error: batch.lua then answers every request in DEFERRED_BY with it. (Past the
--- script's first write Redis refuses none for memory: what can fail here is a key
--- of the wrong type, which only damage from outside dropgate makes.)
-local function flush_deferred()
-  if DEFERRED[K.unresolved] then
-    flush_set(K.unresolved)
-  end
-  flush_counts()
-  for _, set in ipairs(DEFERRED_SETS) do
-    if set ~= K.unresolved then
-      flush_set(set)
+    if #added > 0 then
+      redis.call('ZADD', set, unpack(added))
+      if SHARED_EXPIRY then
+        -- Made now, after the run set the drop's shared keys to expire.
+        redis.call('PEXPIREAT', set, SHARED_EXPIRY)
+      end
     end
   end
   DEFERRED, DEFERRED_SETS = {}, {}
-  if SHARED_EXPIRY then
-    -- The drop's shared keys expire with the sale, those this run made included
-    -- (expire_shared left it to here).
-    for _, key in ipairs({K.held, K.buyers, K.holds, K.unresolved, K.seq, K.variants, K.by_buyer}) do
-      redis.call('PEXPIREAT', key, SHARED_EXPIRY)
-    end
-  end
 end
 
 -- The waitlist's keys (see DropKeys::waitlist_line and the rest), named from the
@@ -437,7 +330,7 @@ local function set_aside(variant, before)
       if head then
         local e = redis.call('HMGET', wl_entry(head), 'state', 'quantity', 'sale', 'position')
         if e[1] == 'waiting' and e[3] == SALE and (tonumber(e[4]) or 0) < before then
-          local own = count(K.variants, 'r:' .. name) or 0
+          local own = tonumber(redis.call('HGET', K.variants, 'r:' .. name) or '0')
           aside = aside + math.max(0, math.min(own, tonumber(e[2]) or 0))
         end
       end
@@ -555,7 +448,7 @@ local function expire_if_due(now)
       -- An offer never made durable: the entry waits at its place again.
       back_in_line(KEY)
     end
-    EXPIRED, EXPIRED_FROM = count_add(K.seq, '', 1), m[3]
+    EXPIRED, EXPIRED_FROM = redis.call('INCR', K.seq), m[3]
     redis.call('HSET', K.marker, 'seq', EXPIRED)
     return true
   end
@@ -567,7 +460,7 @@ end
 -- once it is overdue at `by`) nothing else changes the reservation, and an abort
 -- leaves it exactly as it was.
 local function prepare(target, attempt, by)
-  SEQ = count_add(K.seq, '', 1)
+  SEQ = redis.call('INCR', K.seq)
   redis.call('HSET', K.marker, 'settling', target, 'settleAttempt', attempt, 'settleBy', by,
     'settleSeq', SEQ)
   zadd(K.unresolved, by, KEY)

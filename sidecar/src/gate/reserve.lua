@@ -122,7 +122,7 @@ if cfg[10] == '1' then
   return reply('paused')
 end
 
-local bought = count(K.buyers, user) or 0
+local bought = tonumber(redis.call('HGET', K.buyers, user) or '0')
 if lined then
   -- Units the buyer waits for count too; an offer's own are about to be held.
   bought = bought + waiting_units(user)
@@ -152,7 +152,7 @@ end
 -- while the drop's count is the sum of its sizes': then every size's own count
 -- already covers it.)
 if lined and variant ~= '' then
-  local drop_left = count(K.remaining, '') or 0
+  local drop_left = tonumber(redis.call('GET', K.remaining) or '0')
   local before = math.huge
   if offer then
     before = tonumber(redis.call('HGET', wl_entry(KEY), 'position')) or math.huge
@@ -169,7 +169,7 @@ zadd(K.holds, deadline, KEY)
 -- Whatever an earlier sale left under this key, nothing of it carries over.
 redis.call('DEL', K.marker)
 -- The change's number first, so that the marker is written whole in one HSET.
-SEQ = count_add(K.seq, '', 1)
+SEQ = redis.call('INCR', K.seq)
 if variant ~= '' then
   redis.call('HSET', K.marker, 'user', user, 'quantity', quantity, 'state', 'pending',
     'expiresAt', deadline, 'attempt', attempt, 'sale', SALE, 'overdueAt', now + bound,
