@@ -530,3 +530,88 @@ async fn an_admission_expired_while_pending_is_forgotten_by_the_sweeper() {
     );
     sweeping.shutdown().await;
 }
+
+/// helper-113: a fallback sweeper that read who decides before the drop was handed
+/// back to the gate expires nothing. The expiry reads the authority in its own
+/// transaction; before, it expired a hold the gate had been given back (the ledger
+/// counted the unit free while Redis still held it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_sweep_after_the_gate_took_the_drop_back_expires_nothing() {
+    use dropgate_sidecar::ledger::{Holder, Ledger};
+    let redis = RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let database_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    // No sweeps of its own: the test sweeps as a stale fallback sweeper would.
+    let peer = Peer::start_custom(&redis.url(), &database_url, |settings| {
+        settings.sweep_ms = 3_600_000;
+    })
+    .await;
+    seed(
+        &redis.url(),
+        "brief",
+        DropSpec::new(5).hold_seconds(3).kill_switch(),
+    )
+    .await;
+    common::reserve(&peer.http, "brief", "x1", "xena", 1)
+        .await
+        .assert_answer(201, "admitted");
+    let ledger = Ledger::open(&database_url).await.expect("the ledger");
+    let drop_key: String =
+        sqlx::query_scalar("SELECT drop_key FROM reservations WHERE res_key = 'x1'")
+            .fetch_one(ledger.pool())
+            .await
+            .expect("x1's row");
+
+    // The kill switch off: the gate takes the drop back once Redis holds the
+    // fallback's sale (a buyer's request starts it).
+    seed(&redis.url(), "brief", DropSpec::new(5).hold_seconds(3)).await;
+    let mut i = 0;
+    eventually("the gate takes the drop back", async || {
+        i += 1;
+        common::reserve(
+            &peer.http,
+            "brief",
+            &format!("poke{i}"),
+            &format!("p{i}"),
+            1,
+        )
+        .await;
+        matches!(
+            ledger.authority(&drop_key).await,
+            Ok(Some(authority)) if authority.holder == Holder::Gate
+        )
+    })
+    .await;
+
+    // Past x1's hold, a sweep that still believes the ledger decides.
+    tokio::time::sleep(Duration::from_millis(3_300)).await;
+    let mut conn = redis.connection().expect("connect");
+    let fields: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(DropKeys::new(NS, "brief").config())
+        .query(&mut conn)
+        .expect("HGETALL");
+    let config = dropgate_api::DropConfig::from_fields(&fields)
+        .expect("a config")
+        .expect("seeded");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64;
+    let expired = ledger
+        .expire_due(&drop_key, &config, now, 10)
+        .await
+        .expect("the sweep runs");
+    assert!(
+        expired.is_empty(),
+        "the fallback's sweeper expired {expired:?} while the gate decides"
+    );
+    let state: String = sqlx::query_scalar("SELECT state FROM reservations WHERE res_key = 'x1'")
+        .fetch_one(ledger.pool())
+        .await
+        .expect("x1's row");
+    assert_eq!(
+        state, "active",
+        "the gate's sweeper expires it, and records it"
+    );
+    peer.shutdown().await;
+}
