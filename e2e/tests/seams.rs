@@ -731,6 +731,20 @@ async fn per_pod_ledgers_on_two_pods_fall_back_only_on_the_sales_pod() {
     only_the_sales_ledger_sells(Ledgers::PerPodSeveral).await;
 }
 
+/// Lock `shared` acquired by `owner` for `ttl_ms` through `http`, asking until the
+/// sidecar answers (it may still be starting).
+async fn acquire(http: &HttpClient, owner: &str, ttl_ms: u64) -> Reply {
+    let body = format!(r#"{{"owner":"{owner}","ttlMs":{ttl_ms},"waitMs":0}}"#);
+    let held = until_answered(async || {
+        http.post("/v1/locks/shared", &body)
+            .await
+            .expect("the sidecar answers")
+    })
+    .await;
+    held.assert_answer(200, "acquired");
+    held
+}
+
 /// Two sidecar processes share a lock; Redis restarts without its data (the fence
 /// counter with it); the next fence, from the other process, is still above every
 /// fence handed out before. With per-pod ledgers (neither saw the other's fences)
@@ -760,17 +774,7 @@ async fn fences_grow_across_processes_over_a_redis_loss(shared: bool) {
     let first = sidecar(&redis, &ledger("first.db"), &[]).await;
     let mut fences = Vec::new();
     for _ in 0..5 {
-        let held = until_answered(async || {
-            first
-                .post(
-                    "/v1/locks/shared",
-                    r#"{"owner":"me","ttlMs":10000,"waitMs":0}"#,
-                )
-                .await
-                .expect("the sidecar answers")
-        })
-        .await;
-        held.assert_answer(200, "acquired");
+        let held = acquire(&first, "me", 10_000).await;
         fences.push(held.body["fence"].as_i64().expect("a fence"));
         let token = held.body["token"].as_str().expect("a token").to_string();
         let released = first
@@ -782,18 +786,8 @@ async fn fences_grow_across_processes_over_a_redis_loss(shared: bool) {
     assert!(fences.windows(2).all(|w| w[0] < w[1]), "{fences:?}");
     redis.restart().expect("Redis restarts without its data");
     let second = sidecar(&redis, &ledger("second.db"), &[]).await;
-    let theirs = until_answered(async || {
-        second
-            .post(
-                "/v1/locks/shared",
-                // (Held for a moment only: the fence is what is checked.)
-                r#"{"owner":"them","ttlMs":100,"waitMs":0}"#,
-            )
-            .await
-            .expect("the sidecar answers")
-    })
-    .await;
-    theirs.assert_answer(200, "acquired");
+    // (Held for a moment only: the fence is what is checked.)
+    let theirs = acquire(&second, "them", 100).await;
     let fence = theirs.body["fence"].as_i64().expect("a fence");
     let last = *fences.last().expect("five fences");
     assert!(

@@ -169,21 +169,11 @@ async fn drive(
         match (&group[0], rng.is_some()) {
             // Reserves alone: the batch of reserves only.
             (Op::Reserve(_), true) if group.iter().all(|op| matches!(op, Op::Reserve(_))) => {
-                let requests: Vec<ReserveRequest> = group
-                    .iter()
-                    .filter_map(|op| match op {
-                        Op::Reserve(request) => Some(request.clone()),
-                        _ => None,
-                    })
-                    .collect();
-                let replies = gate::reserve_batch(conn, &keys, LEDGER, &requests)
-                    .await
-                    .expect("a batch of reserves runs");
-                answers.extend(
-                    replies.into_iter().map(|reply| {
-                        format!("{:?}", reply.expect("each reserve of the batch runs"))
-                    }),
-                );
+                let requests = group.iter().filter_map(|op| match op {
+                    Op::Reserve(request) => Some(request.clone()),
+                    _ => None,
+                });
+                answers.extend(reserves_batched(conn, &keys, LEDGER, requests).await);
             }
             (Op::Reserve(_) | Op::Cart(..), true) => {
                 let groups: Vec<(Together, Vec<ReserveRequest>)> = group
@@ -215,21 +205,11 @@ async fn drive(
                 }
             }
             (Op::Foreign(_), true) => {
-                let requests: Vec<ReserveRequest> = group
-                    .iter()
-                    .filter_map(|op| match op {
-                        Op::Foreign(request) => Some(request.clone()),
-                        _ => None,
-                    })
-                    .collect();
-                let replies = gate::reserve_batch(conn, &keys, FOREIGN, &requests)
-                    .await
-                    .expect("a batch of another ledger's reserves runs");
-                answers.extend(
-                    replies.into_iter().map(|reply| {
-                        format!("{:?}", reply.expect("each reserve of the batch runs"))
-                    }),
-                );
+                let requests = group.iter().filter_map(|op| match op {
+                    Op::Foreign(request) => Some(request.clone()),
+                    _ => None,
+                });
+                answers.extend(reserves_batched(conn, &keys, FOREIGN, requests).await);
             }
             (Op::Activate { .. }, true) => {
                 let admissions: Vec<(String, String)> = group
@@ -254,6 +234,22 @@ async fn drive(
         }
     }
     answers
+}
+
+/// `requests` as one batch of reserves sent as `ledger`: each answer, as text.
+async fn reserves_batched(
+    conn: &mut dropgate_redis::Connection,
+    keys: &DropKeys,
+    ledger: &str,
+    requests: impl Iterator<Item = ReserveRequest>,
+) -> Vec<String> {
+    let requests: Vec<ReserveRequest> = requests.collect();
+    gate::reserve_batch(conn, keys, ledger, &requests)
+        .await
+        .expect("a batch of reserves runs")
+        .into_iter()
+        .map(|reply| format!("{:?}", reply.expect("each reserve of the batch runs")))
+        .collect()
 }
 
 /// Which steps may share a batch: neighbouring steps of one kind do, but `Alone`.

@@ -203,37 +203,24 @@ async fn two_sidecars_sharing_postgresql_never_oversell_on_the_fallback() {
     let second = Peer::start(&first.redis.url(), &postgres.url()).await;
     first.seed("sale", one_per_buyer(25).kill_switch()).await;
 
-    let replies = join_all((0..200).map(|i| {
+    // Every buyer once, half through each sidecar (`swapped`: each through the other).
+    let round = |swapped: bool| {
         let (first, second) = (&first, &second);
-        async move {
+        join_all((0..200usize).map(move |i| async move {
             let (key, user) = (format!("k{i}"), format!("u{i}"));
             until_decided(async || {
-                if i % 2 == 0 {
+                if i.is_multiple_of(2) != swapped {
                     first.reserve("sale", &key, &user, 1).await
                 } else {
                     second.reserve("sale", &key, &user, 1).await
                 }
             })
             .await
-        }
-    }))
-    .await;
+        }))
+    };
+    let replies = round(false).await;
     // And the same keys again through the other sidecar: retries across pods.
-    let retries = join_all((0..200).map(|i| {
-        let (first, second) = (&first, &second);
-        async move {
-            let (key, user) = (format!("k{i}"), format!("u{i}"));
-            until_decided(async || {
-                if i % 2 == 0 {
-                    second.reserve("sale", &key, &user, 1).await
-                } else {
-                    first.reserve("sale", &key, &user, 1).await
-                }
-            })
-            .await
-        }
-    }))
-    .await;
+    let retries = round(true).await;
     let counts = tally(replies.iter());
     let odd: Vec<&str> = replies
         .iter()
