@@ -17,7 +17,7 @@
 //! acknowledged cancel ended is held, and every event written since the last loss
 //! of Redis data reached the drop's stream.
 //!
-//! `DROPGATE_SCHEDULES=n` (default 20) schedules of `DROPGATE_OPS=m` (default 2000)
+//! `DROPGATE_SCHEDULES=n` (default 14) schedules of `DROPGATE_OPS=m` (default 2000)
 //! operations each; `DROPGATE_SEED=s` replays the one schedule a failure names.
 
 use std::collections::{HashMap, HashSet};
@@ -1057,7 +1057,7 @@ async fn randomized_fault_schedules_never_oversell() {
         .and_then(|s| s.parse().ok())
     {
         Some(seed) => vec![seed],
-        None => (1..=env_number("DROPGATE_SCHEDULES", 20)).collect(),
+        None => (1..=env_number("DROPGATE_SCHEDULES", 14)).collect(),
     };
     let mut lab = Lab::start().await;
     for seed in seeds {
