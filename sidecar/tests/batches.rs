@@ -292,12 +292,17 @@ async fn one(conn: &mut dropgate_redis::Connection, keys: &DropKeys, op: &Op) ->
                 .collect::<Vec<_>>()
                 .join("\n")
         }
-        Op::Reserve(r) => format!(
+        // Sent as the sale's ledger, or as another one.
+        Op::Reserve(r) | Op::Foreign(r) => format!(
             "{:?}",
             gate::reserve(
                 conn,
                 keys,
-                LEDGER,
+                if matches!(op, Op::Foreign(_)) {
+                    FOREIGN
+                } else {
+                    LEDGER
+                },
                 &r.key,
                 &r.user,
                 r.quantity,
@@ -307,22 +312,6 @@ async fn one(conn: &mut dropgate_redis::Connection, keys: &DropKeys, op: &Op) ->
             )
             .await
             .expect("a reserve runs")
-        ),
-        Op::Foreign(r) => format!(
-            "{:?}",
-            gate::reserve(
-                conn,
-                keys,
-                FOREIGN,
-                &r.key,
-                &r.user,
-                r.quantity,
-                r.variant.as_deref(),
-                &r.attempt,
-                r.pending_bound_ms,
-            )
-            .await
-            .expect("another ledger's reserve runs")
         ),
         Op::Close { epoch } => format!(
             "{:?}",
